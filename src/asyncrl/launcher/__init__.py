@@ -1,0 +1,1 @@
+"""The `asyncrl` command line: subcommands, process supervision, torchrun and Slurm scripts."""

@@ -1,0 +1,48 @@
+"""`asyncrl <command> ...`: one entry point for every process role and tool.
+
+Run `asyncrl --help` for the list. Each command owns its own arguments; process roles take
+config files and dotted overrides (`asyncrl trainer @ cfg.toml --optim.lr 1e-4`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+
+# command -> ("module:function", one-line help). Modules are imported lazily so that
+# `asyncrl --help` and torch-free commands start fast.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "init-model": ("asyncrl.launcher.init_model:main", "write a randomly initialised HF-format model + tokenizer"),
+}
+
+
+def _usage() -> str:
+    width = max(len(c) for c in COMMANDS)
+    rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items())
+    return f"usage: asyncrl <command> [args...]\n\ncommands:\n{rows}\n\n`asyncrl <command> --help` for details."
+
+
+def _resolve(target: str) -> Callable[[list[str]], int | None]:
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"asyncrl: unknown command '{name}'{hint}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return int(_resolve(COMMANDS[name][0])(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""Hugging Face checkpoints: load a directory into a `Transformer`, save one that transformers loads.
+
+On disk, experts are per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, as on the Hub); in
+memory they are stacked. Loading also accepts transformers' fused in-memory layout
+(`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]) for convenience.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from asyncrl.model.args import ModelArgs, ModelConfigError
+from asyncrl.model.transformer import Transformer
+
+__all__ = ["from_pretrained", "load_args", "load_state_dict", "save_pretrained", "to_hf_state_dict"]
+
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_args(path: str | os.PathLike) -> ModelArgs:
+    """Parse `path/config.json` into ModelArgs, with errors that name the directory and the key."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelConfigError(f"model directory not found: {path}")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ModelConfigError(f"{path} has no config.json (expected a Hugging Face model directory)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{cfg_path}: invalid JSON: {e}") from None
+    try:
+        return ModelArgs.from_hf_config(cfg)
+    except (ModelConfigError, TypeError) as e:
+        raise ModelConfigError(f"{cfg_path}: {e}") from None
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        extra = " (PyTorch .bin checkpoints are not supported; convert to safetensors)" if list(
+            path.glob("*.bin")
+        ) else ""
+        raise ModelConfigError(f"{path} holds no *.safetensors weights{extra}")
+    return files
+
+
+def load_state_dict(path: str | os.PathLike, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Read every safetensors shard and convert to our (stacked-expert) parameter names."""
+    path = Path(path)
+    flat: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                flat[key] = f.get_tensor(key).to(dtype)
+    return _stack_experts(flat, args)
+
+
+def _stack_experts(flat: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for key, t in flat.items():
+        if m := _EXPERT_KEY.match(key):
+            per_expert.setdefault((m[1], m[3]), {})[int(m[2])] = t
+        elif m := _FUSED_KEY.match(key):
+            if m[2] == "gate_up_proj":
+                out[f"{m[1]}.gate_proj"], out[f"{m[1]}.up_proj"] = t.chunk(2, dim=1)
+            else:
+                out[f"{m[1]}.down_proj"] = t
+        else:
+            out[key] = t
+    for (prefix, proj), experts in per_expert.items():
+        missing = sorted(set(range(args.num_experts)) - set(experts))
+        if missing:
+            raise ModelConfigError(f"checkpoint is missing experts {missing} for {prefix}.*.{proj}.weight")
+        out[f"{prefix}.{proj}"] = torch.stack([experts[e] for e in range(args.num_experts)])
+    return out
+
+
+def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+    """Load a Qwen3 / Qwen3-MoE Hugging Face directory (config.json + safetensors)."""
+    args = load_args(path)
+    state = load_state_dict(path, args, dtype)
+    with torch.device("meta"):
+        model = Transformer(args).to(dtype)
+    model.to_empty(device=device)
+    load_into(model, state, where=str(path))
+    return model.to(dtype)
+
+
+def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+    """Copy `state` (our names) into `model`, checking names and shapes with clear errors."""
+    params = dict(model.named_parameters())
+    if model.args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing = sorted(set(params) - set(state))
+    unexpected = sorted(set(state) - set(params))
+    if missing:
+        raise ModelConfigError(f"{where}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        raise ModelConfigError(
+            f"{where}: unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            t = state[name]
+            if t.shape != p.shape:
+                raise ModelConfigError(f"{where}: tensor '{name}' has shape {list(t.shape)}, expected {list(p.shape)}")
+            p.copy_(t)
+
+
+def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Our parameters in Hugging Face's on-disk names (experts unstacked, tied head dropped)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight" and model.args.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers.") and ".mlp.experts." in name:
+            prefix, proj = name.rsplit(".", 1)
+            for e in range(p.shape[0]):
+                out[f"{prefix}.{e}.{proj}.weight"] = p[e]
+        else:
+            out[name] = p
+    return out
+
+
+def save_pretrained(
+    model: Transformer,
+    path: str | os.PathLike,
+    max_shard_bytes: int = 4 * 1024**3,
+) -> None:
+    """Write config.json and safetensors shards (with an index when more than one)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(model).items()}
+    dtype = next(iter(state.values())).dtype
+    dtype_name = next((n for n, d in _DTYPES.items() if d == dtype), "float32")
+    (path / "config.json").write_text(json.dumps(model.args.to_hf_config(dtype_name), indent=2) + "\n")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, name)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,158 @@
+"""Dense transformer layers: RMSNorm, rotary embeddings, GQA attention with q/k norm, SwiGLU MLP.
+
+Attention math (softmax over keys) is delegated to an `AttentionBackend`, so that the trainer's
+packed-sequence attention and the inference engine's paged KV cache share every other line.
+
+Shape legend: B batch, T tokens, D model dim, H query heads, G kv heads, Dh head dim, I mlp dim.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncrl.model.args import ModelArgs
+
+__all__ = [
+    "MLP",
+    "Attention",
+    "AttentionBackend",
+    "PackedCausalAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "segment_ids_from_positions",
+]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, scaled in the input dtype (as Qwen3 does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with the half-split (non-interleaved) layout; cos/sin built in fp32 from position ids.
+
+    The inverse frequencies are recomputed per call (Dh/2 values) rather than kept in a buffer, so a
+    model materialised from the meta device needs no re-initialisation.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=position_ids_BT.device)
+        inv_freq = 1.0 / (self.theta ** (exponents.float() / self.head_dim))
+        freqs_BTf = position_ids_BT[..., None].float() * inv_freq
+        emb_BTd = torch.cat((freqs_BTf, freqs_BTf), dim=-1)
+        return emb_BTd.cos().to(dtype), emb_BTd.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTd.unsqueeze(1), sin_BTd.unsqueeze(1)
+    return x_BHTd * cos + _rotate_half(x_BHTd) * sin
+
+
+class AttentionBackend(Protocol):
+    """Computes softmax attention for one layer. q is [B, H, T, Dh]; k, v are [B, G, T, Dh] (new tokens)."""
+
+    def __call__(
+        self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
+    ) -> torch.Tensor: ...
+
+
+def segment_ids_from_positions(position_ids_BT: torch.Tensor) -> torch.Tensor:
+    """A new segment starts wherever a position does not continue the previous one (+1)."""
+    starts_BT = torch.ones_like(position_ids_BT, dtype=torch.bool)
+    starts_BT[:, 1:] = position_ids_BT[:, 1:] != position_ids_BT[:, :-1] + 1
+    return starts_BT.cumsum(dim=1)
+
+
+class PackedCausalAttention:
+    """Causal attention within each packed sequence of a row, none across sequence boundaries.
+
+    Sequence boundaries are read from the position ids: each packed sequence restarts its positions.
+    Rows holding a single sequence take the plain causal path (no mask tensor).
+    """
+
+    def __init__(self, position_ids_BT: torch.Tensor) -> None:
+        segments_BT = segment_ids_from_positions(position_ids_BT)
+        self.mask_B1TT: torch.Tensor | None = None
+        if bool((segments_BT[:, -1] > 1).any()):
+            T = position_ids_BT.shape[1]
+            causal_TT = torch.ones(T, T, dtype=torch.bool, device=position_ids_BT.device).tril()
+            same_BTT = segments_BT[:, :, None] == segments_BT[:, None, :]
+            self.mask_B1TT = (same_BTT & causal_TT).unsqueeze(1)
+
+    def __call__(
+        self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
+    ) -> torch.Tensor:
+        gqa = q_BHTd.shape[1] != k_BGTd.shape[1]
+        if self.mask_B1TT is None:
+            return F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BGTd, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BGTd, attn_mask=self.mask_B1TT, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3), RoPE after the norm."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+        )
+        d, bias = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BHTd = self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        k_BGTd = self.k_norm(self.k_proj(x_BTD).view(B, T, -1, self.head_dim)).transpose(1, 2)
+        v_BGTd = self.v_proj(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q_BHTd, k_BGTd = apply_rope(q_BHTd, cos, sin), apply_rope(k_BGTd, cos, sin)
+        o_BHTd = backend(q_BHTd, k_BGTd, v_BGTd, self.layer_idx)
+        return self.o_proj(o_BHTd.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

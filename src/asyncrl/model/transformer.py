@@ -1,0 +1,160 @@
+"""The decoder-only transformer shared by the trainer and the embedded inference engine.
+
+    model = Transformer(args)
+    out = model(input_ids_BT, position_ids_BT, routed_experts=None, return_routing=True)
+    out.logits          # [B, T, V]
+    out.routed_experts  # int32 [B, T, L, K]; dense layers hold zeros
+
+Parameter names follow the Hugging Face layout except that each MoE layer's experts are stacked
+(`mlp.experts.gate_proj` is [E, I, D]); `asyncrl.model.hf` converts at load and save.
+
+Shape legend: B batch, T tokens, D model dim, V vocab, L layers, K top_k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from asyncrl.model.args import ModelArgs
+from asyncrl.model.layers import MLP, Attention, AttentionBackend, PackedCausalAttention, RMSNorm, RotaryEmbedding
+from asyncrl.model.moe import MoE
+
+__all__ = ["DecoderLayer", "ModelOutput", "Transformer"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelOutput:
+    logits: torch.Tensor | None  # [B, T, V]; None when compute_logits=False
+    hidden_states: torch.Tensor  # [B, T, D], after the final norm (input of the LM head)
+    routed_experts: torch.Tensor | None = None  # int32 [B, T, L, K]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_moe = args.is_moe_layer(layer_idx)
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp: MoE | MLP = MoE(args) if self.is_moe else MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        replay_ids_BTK: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return the layer output and, for MoE layers, the expert ids used [B, T, K]."""
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), rope, backend)
+        h_BTD = self.post_attention_layernorm(x_BTD)
+        if isinstance(self.mlp, MoE):
+            y_BTD, ids_BTK = self.mlp(h_BTD, replay_ids_BTK)
+            return x_BTD + y_BTD, ids_BTK
+        return x_BTD + self.mlp(h_BTD), None
+
+
+class _Backbone(nn.Module):
+    """Holds the `model.*` parameters, so state-dict keys match Hugging Face's."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = _Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random init for models trained from scratch: N(0, std) matrices, unit norms."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        routed_experts: torch.Tensor | None = None,
+        return_routing: bool = False,
+        *,
+        attention: AttentionBackend | None = None,
+        compute_logits: bool = True,
+    ) -> ModelOutput:
+        """Run the decoder.
+
+        input_ids: [B, T]. position_ids: [B, T], default 0..T-1 per row; packed rows restart
+        positions at each sequence. routed_experts: [B, T, L, K] expert ids to replay (R3).
+        attention: a custom attention backend (the inference engine's paged KV cache).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        elif position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"position_ids shape {tuple(position_ids.shape)} must equal input_ids shape {(B, T)}"
+            )
+        if routed_experts is not None:
+            self._check_routed_experts(routed_experts, B, T)
+        backend = attention if attention is not None else PackedCausalAttention(position_ids)
+
+        x_BTD = self.model.embed_tokens(input_ids)
+        rope = self.rotary(position_ids, x_BTD.dtype)
+        captured = []
+        for layer in self.model.layers:
+            replay = None if routed_experts is None or not layer.is_moe else routed_experts[:, :, layer.layer_idx]
+            x_BTD, ids_BTK = layer(x_BTD, rope, backend, replay)
+            if return_routing:
+                captured.append(ids_BTK)
+        h_BTD = self.model.norm(x_BTD)
+        logits = self.lm_head(h_BTD) if compute_logits else None
+        routing = self._stack_routing(captured, B, T, input_ids.device) if return_routing else None
+        return ModelOutput(logits=logits, hidden_states=h_BTD, routed_experts=routing)
+
+    def _stack_routing(self, captured: list[torch.Tensor | None], B: int, T: int, device) -> torch.Tensor:
+        K = self.args.routing_top_k
+        zeros = torch.zeros(B, T, K, dtype=torch.int32, device=device)
+        return torch.stack([zeros if ids is None else ids.to(torch.int32) for ids in captured], dim=2)
+
+    def _check_routed_experts(self, routed: torch.Tensor, B: int, T: int) -> None:
+        if not self.args.is_moe:
+            raise ValueError("routed_experts was given but this model has no MoE layers")
+        want = (B, T, self.args.num_hidden_layers, self.args.num_experts_per_tok)
+        if tuple(routed.shape) != want:
+            raise ValueError(
+                f"routed_experts must have shape [batch, tokens, layers, top_k] = {list(want)}, "
+                f"got {list(routed.shape)}"
+            )
+        if routed.dtype.is_floating_point or routed.dtype == torch.bool:
+            raise ValueError(f"routed_experts must be an integer tensor, got {routed.dtype}")
+        moe = routed[:, :, self.args.moe_layers].long()
+        if moe.numel() and (int(moe.min()) < 0 or int(moe.max()) >= self.args.num_experts):
+            raise ValueError(
+                f"routed_experts ids must lie in [0, {self.args.num_experts}), "
+                f"got range [{int(moe.min())}, {int(moe.max())}]"
+            )

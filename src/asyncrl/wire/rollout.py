@@ -1,0 +1,182 @@
+"""Rollout samples and batches: what the orchestrator hands the trainer (torch-free, numpy only).
+
+On disk a batch is one safetensors file (every sample's arrays, concatenated along tokens) plus the
+per-sample metadata in its header, so a batch is a single atomic file. See `encode_batch`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BatchFormatError", "RolloutBatch", "RolloutSample", "decode_batch", "encode_batch"]
+
+# name -> (dtype, trailing shape after the token axis is fixed); routed_experts is checked separately.
+_TOKEN_FIELDS: dict[str, np.dtype] = {
+    "token_ids": np.dtype(np.int32),
+    "loss_mask": np.dtype(np.bool_),
+    "inference_logprobs": np.dtype(np.float32),
+    "advantages": np.dtype(np.float32),
+    "temperatures": np.dtype(np.float32),
+    "policy_versions": np.dtype(np.int32),
+}
+
+
+class BatchFormatError(ValueError):
+    """A rollout batch (file or in memory) does not follow the contract; the message names the field."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSample:
+    """One training sequence, stitched from the exact tokens an episode saw.
+
+    Example (a 5-token prompt and a 3-token completion sampled at version 2)::
+
+        RolloutSample(
+            token_ids=np.array([1, 5, 6, 7, 8, 9, 10, 2], np.int32),
+            loss_mask=np.array([0, 0, 0, 0, 0, 1, 1, 1], bool),
+            inference_logprobs=np.array([0, 0, 0, 0, 0, -0.1, -0.4, -0.2], np.float32),
+            advantages=np.array([0, 0, 0, 0, 0, 0.5, 0.5, 0.5], np.float32),
+            temperatures=np.ones(8, np.float32),
+            policy_versions=np.array([0, 0, 0, 0, 0, 2, 2, 2], np.int32),
+            reward=1.0, env="reverse-text", episode_id="ep-17",
+        )
+    """
+
+    token_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # bool [T], true on model-sampled tokens
+    inference_logprobs: np.ndarray  # f32 [T], logprob under the sampling distribution (0 where masked)
+    advantages: np.ndarray  # f32 [T]
+    temperatures: np.ndarray  # f32 [T], sampling temperature of each token
+    policy_versions: np.ndarray  # int32 [T], version of the weights that produced each token
+    routed_experts: np.ndarray | None = None  # uint8|uint16 [T, layers, top_k]
+    reward: float = 0.0
+    env: str = ""
+    episode_id: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def validate(self, where: str = "sample") -> None:
+        """Raise BatchFormatError naming the field if any array breaks the contract."""
+        n = None
+        for name, dtype in _TOKEN_FIELDS.items():
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray):
+                raise BatchFormatError(f"{where}: field '{name}' must be a numpy array, got {type(arr).__name__}")
+            if arr.ndim != 1:
+                raise BatchFormatError(f"{where}: field '{name}' must be 1-D [T], got shape {arr.shape}")
+            if arr.dtype != dtype:
+                raise BatchFormatError(f"{where}: field '{name}' must be {dtype}, got {arr.dtype}")
+            n = arr.shape[0] if n is None else n
+            if arr.shape[0] != n:
+                raise BatchFormatError(
+                    f"{where}: field '{name}' has {arr.shape[0]} tokens but token_ids has {n}"
+                )
+        if n == 0:
+            raise BatchFormatError(f"{where}: field 'token_ids' is empty")
+        re = self.routed_experts
+        if re is not None:
+            if re.dtype not in (np.uint8, np.uint16):
+                raise BatchFormatError(f"{where}: field 'routed_experts' must be uint8 or uint16, got {re.dtype}")
+            if re.ndim != 3 or re.shape[0] != n:
+                raise BatchFormatError(
+                    f"{where}: field 'routed_experts' must be [T={n}, layers, top_k], got {re.shape}"
+                )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutBatch:
+    """All samples for one trainer step. `step` is the step that will consume it (batch n -> v_n)."""
+
+    step: int
+    samples: list[RolloutSample]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+
+def encode_batch(batch: RolloutBatch) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Flatten a batch into safetensors-ready arrays plus string metadata."""
+    if not batch.samples:
+        raise BatchFormatError(f"batch for step {batch.step} has no samples")
+    arrays = {name: np.concatenate([getattr(s, name) for s in batch.samples]) for name in _TOKEN_FIELDS}
+    arrays["loss_mask"] = arrays["loss_mask"].astype(np.uint8)  # safetensors has no numpy bool on all versions
+    arrays["lengths"] = np.array([s.num_tokens for s in batch.samples], dtype=np.int64)
+    with_routing = [s.routed_experts is not None for s in batch.samples]
+    if any(with_routing):
+        if not all(with_routing):
+            raise BatchFormatError("routed_experts must be present on every sample of a batch or on none")
+        shapes = {s.routed_experts.shape[1:] for s in batch.samples}  # type: ignore[union-attr]
+        dtypes = {s.routed_experts.dtype for s in batch.samples}  # type: ignore[union-attr]
+        if len(shapes) != 1 or len(dtypes) != 1:
+            raise BatchFormatError(f"routed_experts differ across samples: shapes {shapes}, dtypes {dtypes}")
+        arrays["routed_experts"] = np.concatenate([s.routed_experts for s in batch.samples])  # type: ignore[misc]
+    meta = {
+        "step": str(batch.step),
+        "samples": json.dumps(
+            [
+                {"reward": s.reward, "env": s.env, "episode_id": s.episode_id, "metrics": s.metrics}
+                for s in batch.samples
+            ]
+        ),
+        "metrics": json.dumps(batch.metrics),
+    }
+    return arrays, meta
+
+
+def _require(arrays: dict[str, np.ndarray], name: str, where: str) -> np.ndarray:
+    if name not in arrays:
+        raise BatchFormatError(f"{where}: missing field '{name}'")
+    return arrays[name]
+
+
+def decode_batch(arrays: dict[str, np.ndarray], meta: dict[str, str], where: str = "batch") -> RolloutBatch:
+    """Inverse of `encode_batch`; every problem is reported with `where` (usually the file path)."""
+    try:
+        step = int(meta["step"])
+        sample_meta: list[dict[str, Any]] = json.loads(meta["samples"])
+        batch_metrics = json.loads(meta.get("metrics", "{}"))
+    except (KeyError, ValueError) as e:
+        raise BatchFormatError(f"{where}: bad metadata ({e!r}); expected keys 'step' and 'samples'") from None
+    lengths = _require(arrays, "lengths", where)
+    if lengths.ndim != 1 or len(lengths) != len(sample_meta):
+        raise BatchFormatError(
+            f"{where}: field 'lengths' has shape {lengths.shape} but metadata lists {len(sample_meta)} samples"
+        )
+    total = int(lengths.sum())
+    cols = {}
+    for name in [*_TOKEN_FIELDS, "routed_experts"]:
+        if name == "routed_experts" and name not in arrays:
+            continue
+        arr = _require(arrays, name, where)
+        if arr.shape[0] != total:
+            raise BatchFormatError(f"{where}: field '{name}' has {arr.shape[0]} tokens, lengths sum to {total}")
+        cols[name] = np.split(arr, np.cumsum(lengths)[:-1])
+    samples = []
+    for i, m in enumerate(sample_meta):
+        fields = {name: parts[i] for name, parts in cols.items()}
+        fields["loss_mask"] = fields["loss_mask"].astype(np.bool_)
+        try:
+            samples.append(
+                RolloutSample(
+                    **fields,
+                    reward=float(m.get("reward", 0.0)),
+                    env=str(m.get("env", "")),
+                    episode_id=str(m.get("episode_id", "")),
+                    metrics=dict(m.get("metrics", {})),
+                )
+            )
+        except BatchFormatError as e:
+            raise BatchFormatError(f"{where}: sample {i}: {e}") from None
+    return RolloutBatch(step=step, samples=samples, metrics=batch_metrics)
