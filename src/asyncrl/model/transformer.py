@@ -19,7 +19,14 @@ import torch
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
-from asyncrl.model.layers import MLP, Attention, AttentionBackend, PackedCausalAttention, RMSNorm, RotaryEmbedding
+from asyncrl.model.layers import (
+    MLP,
+    Attention,
+    AttentionBackend,
+    PackedCausalAttention,
+    RMSNorm,
+    RotaryEmbedding,
+)
 from asyncrl.model.moe import MoE
 
 __all__ = ["DecoderLayer", "ModelOutput", "Transformer"]
@@ -74,9 +81,13 @@ class Transformer(nn.Module):
         self.args = args
         self.model = _Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the LM head with the embedding when configured (again after `to_empty`)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -127,7 +138,9 @@ class Transformer(nn.Module):
         rope = self.rotary(position_ids, x_BTD.dtype)
         captured = []
         for layer in self.model.layers:
-            replay = None if routed_experts is None or not layer.is_moe else routed_experts[:, :, layer.layer_idx]
+            replay = (
+                None if routed_experts is None or not layer.is_moe else routed_experts[:, :, layer.layer_idx]
+            )
             x_BTD, ids_BTK = layer(x_BTD, rope, backend, replay)
             if return_routing:
                 captured.append(ids_BTK)
