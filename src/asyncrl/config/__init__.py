@@ -8,5 +8,16 @@ from asyncrl.config.base import (
     merge_dicts,
     parse_cli_overrides,
 )
+from asyncrl.config.envs import EnvConfig, EnvsConfig, LatencyConfig
 
-__all__ = ["BaseConfig", "ConfigError", "load_config", "load_toml", "merge_dicts", "parse_cli_overrides"]
+__all__ = [
+    "BaseConfig",
+    "ConfigError",
+    "EnvConfig",
+    "EnvsConfig",
+    "LatencyConfig",
+    "load_config",
+    "load_toml",
+    "merge_dicts",
+    "parse_cli_overrides",
+]

@@ -1,0 +1,68 @@
+"""Config schema for choosing environments, weighting them, and bounding their episodes.
+
+Example (TOML)::
+
+    [envs]
+    seed = 0
+
+    [[envs.envs]]
+    name = "reverse-text"            # a registered name, or any importable "package.module:factory"
+    weight = 3.0
+    args = { min_len = 3, max_len = 8 }
+
+    [[envs.envs]]
+    name = "calculator"
+    max_turns = 4
+    latency = { median_s = 0.5, sigma = 1.5 }   # heavy-tailed (lognormal) delay on every env step
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from asyncrl.config.base import BaseConfig
+
+__all__ = ["EnvConfig", "EnvsConfig", "LatencyConfig"]
+
+
+class LatencyConfig(BaseConfig):
+    """Lognormal sleep before every environment step (tool calls or the env's reply).
+
+    delay = min(max_s, median_s * exp(sigma * N(0, 1))): the median is `median_s`, and a larger
+    `sigma` gives a heavier tail. `median_s = 0` turns the knob off.
+    """
+
+    median_s: float = Field(0.0, ge=0.0)
+    sigma: float = Field(1.0, ge=0.0, le=5.0)
+    max_s: float = Field(60.0, gt=0.0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.median_s > 0.0
+
+
+class EnvConfig(BaseConfig):
+    """One environment in the mix, with its constructor arguments and episode bounds."""
+
+    name: str = Field(min_length=1, description="registered name or 'package.module:factory'")
+    label: str | None = Field(None, description="name in metrics and samples; defaults to `name`")
+    weight: float = Field(1.0, gt=0.0, description="relative sampling weight in the mixture")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the env factory")
+    max_turns: int | None = Field(None, ge=1, description="model turns per episode; None = the env's default")
+    max_total_tokens: int = Field(4096, ge=2, description="prompt + completion tokens per episode")
+    max_tokens_per_turn: int | None = Field(None, ge=1, description="None = the sampling params' max_tokens")
+    deadline_s: float | None = Field(None, gt=0.0, description="wall-clock limit of one episode")
+    tool_timeout_s: float = Field(
+        30.0, gt=0.0, description="limit of one tool call; an error goes to the model"
+    )
+    max_tool_output_chars: int = Field(4000, ge=16)
+    latency: LatencyConfig = Field(default_factory=LatencyConfig)
+
+
+class EnvsConfig(BaseConfig):
+    """The environment mixture. Task generation is deterministic under `seed`."""
+
+    envs: list[EnvConfig] = Field(default_factory=lambda: [EnvConfig(name="reverse-text")], min_length=1)
+    seed: int = 0

@@ -1,0 +1,183 @@
+"""Policies the rollout loop can drive: token-exact (`TokenPolicy`) or text-only (`ChatPolicy`).
+
+`TokenPolicy` renders the conversation with the model's chat template, calls an `InferenceClient`
+(`/v1/generate`) and stitches exact token trajectories into `RolloutSample`s. `ChatPolicy` talks to
+any OpenAI-compatible `/v1/chat/completions` endpoint for evaluation: it yields rewards but no
+trainable samples, because it never sees token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from asyncrl.config.envs import EnvConfig
+from asyncrl.envs.chat import ChatTokenizer
+from asyncrl.envs.client import InferenceClient, InferenceError
+from asyncrl.envs.trajectory import TrajectoryBuilder
+from asyncrl.wire import RolloutSample, SamplingParams
+
+__all__ = ["ChatPolicy", "EpisodeBudgetExhausted", "Policy", "TokenPolicy", "Turn"]
+
+
+class EpisodeBudgetExhausted(Exception):
+    """The episode's token budget leaves no room for another completion (a stop condition, not an error)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Turn:
+    text: str  # what the model wrote, special tokens removed; tool calls are still in it
+    finish_reason: str  # "stop" | "length" | "abort"
+    num_prompt_tokens: int  # new prompt tokens this turn (env/tool tokens, or the whole first prompt)
+    num_completion_tokens: int
+
+
+class Policy(Protocol):
+    """One per episode: produces assistant turns and, at the end, the episode's training samples."""
+
+    async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Turn: ...
+
+    def build_samples(
+        self, *, reward: float, env: str, episode_id: str, metrics: dict[str, float]
+    ) -> list[RolloutSample]: ...
+
+    @property
+    def num_resets(self) -> int: ...
+
+
+class TokenPolicy:
+    """Token-exact turns over an `InferenceClient`; see `asyncrl.envs.trajectory` for the stitching rules."""
+
+    def __init__(
+        self,
+        client: InferenceClient,
+        tokenizer: ChatTokenizer,
+        sampling: SamplingParams,
+        *,
+        config: EnvConfig,
+        cache_salt: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> None:
+        self.client, self.tokenizer, self.sampling = client, tokenizer, sampling
+        self.max_total_tokens = config.max_total_tokens
+        self.max_tokens_per_turn = config.max_tokens_per_turn or sampling.max_tokens
+        self.cache_salt, self.return_routed_experts = cache_salt, return_routed_experts
+        self.trajectory = TrajectoryBuilder()
+
+    @property
+    def num_resets(self) -> int:
+        return self.trajectory.num_resets
+
+    async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Turn:
+        temperature = self.sampling.temperature
+        before = self.trajectory.num_tokens
+        prompt = self.trajectory.extend_prompt(
+            self.tokenizer.render(messages, tools), temperature=temperature
+        )
+        num_new_prompt = self.trajectory.num_tokens - before
+        room = self.max_total_tokens - len(prompt)
+        if room < 1:
+            raise EpisodeBudgetExhausted(
+                f"prompt has {len(prompt)} tokens, max_total_tokens={self.max_total_tokens}"
+            )
+        sampling = self.sampling.model_copy(update={"max_tokens": min(self.max_tokens_per_turn, room)})
+        response = await self.client.generate(
+            prompt,
+            sampling,
+            cache_salt=self.cache_salt,
+            return_routed_experts=self.return_routed_experts,
+            routed_experts_start=self.trajectory.routing_start if self.return_routed_experts else 0,
+        )
+        self.trajectory.add_completion(response, temperature=temperature)
+        return Turn(
+            text=self.tokenizer.decode(response.token_ids),
+            finish_reason=response.finish_reason,
+            num_prompt_tokens=num_new_prompt,
+            num_completion_tokens=len(response.token_ids),
+        )
+
+    def build_samples(
+        self, *, reward: float, env: str, episode_id: str, metrics: dict[str, float]
+    ) -> list[RolloutSample]:
+        return self.trajectory.build(reward=reward, env=env, episode_id=episode_id, metrics=metrics)
+
+
+class ChatPolicy:
+    """Text turns from an OpenAI-compatible `/v1/chat/completions` endpoint (evaluation of any served model).
+
+    Tool schemas are sent as `tools`; structured `tool_calls` in the answer are folded back into
+    the text format (`<tool_call>{...}</tool_call>`) so the rollout loop handles both alike. Tool
+    results are sent back as plain `{"role": "tool"}` messages without `tool_call_id`, which some
+    strict servers reject.
+    """
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        model: str,
+        sampling: SamplingParams,
+        *,
+        send_tools: bool = True,
+    ) -> None:
+        self.http, self.model, self.sampling, self.send_tools = http, model, sampling, send_tools
+
+    @property
+    def num_resets(self) -> int:
+        return 0
+
+    async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Turn:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "max_tokens": self.sampling.max_tokens,
+        }
+        if self.sampling.stop:
+            body["stop"] = self.sampling.stop
+        if tools and self.send_tools:
+            body["tools"] = tools
+        try:
+            response = await self.http.post("/v1/chat/completions", json=body)
+        except httpx.HTTPError as e:
+            raise InferenceError(f"POST /v1/chat/completions failed: {type(e).__name__}: {e}") from e
+        if response.status_code != 200:
+            raise InferenceError(
+                f"POST /v1/chat/completions -> {response.status_code}: {response.text[:500]}"
+            )
+        return _parse_chat_response(response.json())
+
+    def build_samples(
+        self, *, reward: float, env: str, episode_id: str, metrics: dict[str, float]
+    ) -> list[RolloutSample]:
+        return []
+
+
+def _parse_chat_response(payload: dict[str, Any]) -> Turn:
+    try:
+        choice = payload["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError) as e:
+        raise InferenceError(f"chat completion without choices[0].message: {e!r}") from None
+    text = message.get("content") or ""
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {})
+        args = fn.get("arguments", "{}")
+        try:
+            args_obj = json.loads(args) if isinstance(args, str) and args.strip() else (args or {})
+        except json.JSONDecodeError:
+            args_obj = args  # left as text: the tool-call parser reports it to the model
+        text += (
+            "<tool_call>" + json.dumps({"name": fn.get("name", ""), "arguments": args_obj}) + "</tool_call>"
+        )
+    usage = payload.get("usage") or {}
+    finish = choice.get("finish_reason") or "stop"
+    return Turn(
+        text=text,
+        finish_reason="length" if finish == "length" else "stop",
+        num_prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        num_completion_tokens=int(usage.get("completion_tokens", 0)),
+    )

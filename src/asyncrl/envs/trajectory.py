@@ -1,0 +1,180 @@
+"""Stitching an episode's turns into training samples of exact token ids.
+
+Turn k's prompt is turn k-1's prompt + completion + the new environment/tool tokens. The new tokens
+are the suffix of the re-rendered conversation, taken only after checking that the re-rendered
+prefix equals the ids we already hold. Nothing is re-tokenized. When the chat template cannot
+extend the previous ids exactly (a template that rewrites history, a completion whose text does
+not re-encode to the same ids), the current sample is closed and a new one starts from the full
+rendering; `num_resets` counts this. Sampled tokens are never dropped.
+
+Per token: the loss mask is true only on sampled tokens; logprobs and policy versions come from
+`/v1/generate` (0.0 and -1 on tokens the model did not sample); temperatures are the sampling
+temperature of the turn the token belongs to (prompt tokens take the temperature of the turn they
+prompt, so a trainer dividing logits by it never sees 0). Routed experts are gathered for every
+token of the sample, [T, layers, top_k].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asyncrl.envs.client import InferenceError
+from asyncrl.wire import GenerateResponse, RolloutSample
+
+__all__ = ["NOT_SAMPLED_VERSION", "TrajectoryBuilder"]
+
+NOT_SAMPLED_VERSION = -1  # policy_versions value of prompt/env/tool tokens
+
+
+@dataclass
+class _Segment:
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routing: list[np.ndarray | None] = field(default_factory=list)  # one [layers, top_k] row per token
+
+    def append(
+        self, ids: list[int], *, sampled: bool, logprobs: list[float], temperature: float, versions: list[int]
+    ) -> None:
+        self.token_ids += ids
+        self.loss_mask += [sampled] * len(ids)
+        self.logprobs += logprobs
+        self.temperatures += [temperature] * len(ids)
+        self.versions += versions
+        self.routing += [None] * len(ids)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+    def known_routing_prefix(self) -> int:
+        n = 0
+        while n < len(self.routing) and self.routing[n] is not None:
+            n += 1
+        return n
+
+
+class TrajectoryBuilder:
+    """Accumulates one episode's tokens; `build` turns them into `RolloutSample`s (one per reset).
+
+    Example (two turns; the env's reply is the suffix of the re-rendered chat)::
+
+        traj = TrajectoryBuilder()
+        prompt = traj.extend_prompt(tok.render(messages), temperature=1.0)
+        traj.add_completion(await client.generate(prompt, sampling), temperature=1.0)
+        messages += [assistant_msg, tool_msg]
+        prompt = traj.extend_prompt(tok.render(messages), temperature=1.0)   # exact extension
+    """
+
+    def __init__(self) -> None:
+        self._done: list[_Segment] = []
+        self._cur = _Segment()
+        self.num_resets = 0
+        self._routing_shape: tuple[tuple[int, int], np.dtype] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._cur.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in every sample of the episode so far."""
+        return sum(len(s.token_ids) for s in self._done) + len(self._cur.token_ids)
+
+    @property
+    def routing_start(self) -> int:
+        """Leading tokens of the current sample whose routing is already known (for `routed_experts_start`)."""
+        return self._cur.known_routing_prefix()
+
+    def extend_prompt(self, rendered: list[int], *, temperature: float) -> list[int]:
+        """Make `rendered` the current prompt, extending the current sample or starting a new one."""
+        have = self._cur.token_ids
+        if have and (len(rendered) < len(have) or rendered[: len(have)] != have):
+            self._done.append(self._cur)
+            self._cur = _Segment()
+            self.num_resets += 1
+            have = self._cur.token_ids
+        new = rendered[len(have) :]
+        self._cur.append(
+            new,
+            sampled=False,
+            logprobs=[0.0] * len(new),
+            temperature=temperature,
+            versions=[NOT_SAMPLED_VERSION] * len(new),
+        )
+        return list(self._cur.token_ids)
+
+    def add_completion(self, response: GenerateResponse, *, temperature: float) -> None:
+        """Append the sampled tokens and place the returned routing rows (prompt + completion positions)."""
+        ids = response.token_ids
+        if not (len(response.logprobs) == len(response.policy_versions) == len(ids)):
+            raise InferenceError(
+                "generate response: token_ids, logprobs and policy_versions differ in length"
+            )
+        self._cur.append(
+            list(ids),
+            sampled=True,
+            logprobs=list(response.logprobs),
+            temperature=temperature,
+            versions=list(response.policy_versions),
+        )
+        if response.routed_experts is not None:
+            self._place_routing(response.routed_experts.to_array(), response.routed_experts.start)
+
+    def _place_routing(self, rows_TLK: np.ndarray, start: int) -> None:
+        key = (rows_TLK.shape[1:], rows_TLK.dtype)
+        if self._routing_shape is not None and key != self._routing_shape:
+            raise InferenceError(
+                f"routed_experts changed shape/dtype within an episode: {key} vs {self._routing_shape}"
+            )
+        self._routing_shape = key
+        end = start + rows_TLK.shape[0]
+        if end > len(self._cur.routing):
+            raise InferenceError(
+                f"routed_experts rows [{start}, {end}) exceed the {len(self._cur.routing)} prompt + completion tokens"
+            )
+        for i, row in enumerate(rows_TLK):
+            self._cur.routing[start + i] = row
+
+    def build(
+        self, *, reward: float, env: str, episode_id: str, metrics: dict[str, float]
+    ) -> list[RolloutSample]:
+        """One sample per stitched segment that holds at least one sampled token."""
+        segments = [s for s in [*self._done, self._cur] if s.num_sampled > 0]
+        samples = []
+        for i, seg in enumerate(segments):
+            routed, routing_metrics = _stack_routing(seg.routing)
+            samples.append(
+                RolloutSample(
+                    token_ids=np.asarray(seg.token_ids, np.int32),
+                    loss_mask=np.asarray(seg.loss_mask, np.bool_),
+                    inference_logprobs=np.asarray(seg.logprobs, np.float32),
+                    advantages=np.zeros(len(seg.token_ids), np.float32),
+                    temperatures=np.asarray(seg.temperatures, np.float32),
+                    policy_versions=np.asarray(seg.versions, np.int32),
+                    routed_experts=routed,
+                    reward=reward,
+                    env=env,
+                    episode_id=episode_id if len(segments) == 1 else f"{episode_id}/{i}",
+                    metrics={**metrics, **routing_metrics, "sample_index": float(i)},
+                )
+            )
+        return samples
+
+
+def _stack_routing(rows: list[np.ndarray | None]) -> tuple[np.ndarray | None, dict[str, float]]:
+    """[T, layers, top_k] when every row is known. The last token may lack routing: no step fed it
+    to the model as input, and its routing only shapes logits past the sequence end (which no loss
+    reads), so it is filled with the previous row and counted. Any other gap drops routing."""
+    known = [r is not None for r in rows]
+    if not any(known):
+        return None, {}
+    if all(known):
+        return np.stack(rows), {}  # type: ignore[arg-type]
+    if all(known[:-1]) and len(rows) > 1:
+        return np.stack([*rows[:-1], rows[-2]]), {"routing_filled_tokens": 1.0}  # type: ignore[list-item]
+    return None, {"routing_missing_tokens": float(len(rows) - sum(known))}
