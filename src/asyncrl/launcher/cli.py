@@ -14,6 +14,8 @@ from collections.abc import Callable
 # `asyncrl --help` and torch-free commands start fast.
 COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("asyncrl.launcher.init_model:main", "write a randomly initialised HF-format model + tokenizer"),
+    "trainer": ("asyncrl.trainer.rl:main", "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)"),
+    "sft": ("asyncrl.trainer.sft:main", "supervised fine-tuning on chat / prompt-completion JSONL"),
 }
 
 
