@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "asyncrl.launcher.init_model:main",
         "write a randomly initialised HF-format model + tokenizer",
     ),
+    "trainer": ("asyncrl.trainer.rl:main", "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)"),
+    "sft": ("asyncrl.trainer.sft:main", "supervised fine-tuning on chat / prompt-completion JSONL"),
 }
 
 

@@ -1,0 +1,118 @@
+"""Full training-state checkpoints with torch.distributed.checkpoint (DCP).
+
+`RUN/checkpoints/step_n/` holds model, optimizer, scheduler, RNG and step. DCP stores tensors
+by fully-qualified name, not by rank, so a checkpoint loads at a different world size. The
+directory is written under a temporary name and renamed when complete; `latest_checkpoint_step`
+only sees complete ones. Works without a process group (single process).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from asyncrl.trainer.parallel import DistInfo, barrier
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "checkpoint_dir",
+    "checkpoint_steps",
+    "latest_checkpoint_step",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+
+class CheckpointNotFoundError(ValueError):
+    """--resume / --resume-step asked for a checkpoint that does not exist."""
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step}"
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = []
+    for child in root.iterdir():
+        if child.name.startswith("step_") and child.name[5:].isdigit() and (child / ".metadata").is_file():
+            steps.append(int(child.name[5:]))
+    return sorted(steps)
+
+
+def latest_checkpoint_step(run_dir: Path) -> int | None:
+    steps = checkpoint_steps(run_dir)
+    return steps[-1] if steps else None
+
+
+def _state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, scheduler_json: str
+) -> dict[str, Any]:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    trainer: dict[str, Any] = {"step": step, "scheduler": scheduler_json, "rng_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        trainer["rng_cuda"] = torch.cuda.get_rng_state()
+    return {"model": model_sd, "optim": optim_sd, "trainer": trainer}
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    info: DistInfo,
+    keep_last: int,
+) -> Path:
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(info)
+    state = _state(model, optimizer, step, json.dumps(scheduler.state_dict()))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(state, checkpoint_id=str(tmp))
+    barrier(info)
+    if info.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in checkpoint_steps(run_dir)[:-keep_last]:
+            shutil.rmtree(checkpoint_dir(run_dir, old), ignore_errors=True)
+    barrier(info)
+    return final
+
+
+def load_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> int:
+    """Restore everything saved at `step` in place; returns the step."""
+    path = checkpoint_dir(run_dir, step)
+    if not (path / ".metadata").is_file():
+        have = checkpoint_steps(run_dir)
+        raise CheckpointNotFoundError(f"no complete checkpoint at {path}; available steps: {have or 'none'}")
+    state = _state(model, optimizer, 0, "")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(json.loads(state["trainer"]["scheduler"]))
+    torch.set_rng_state(state["trainer"]["rng_cpu"])
+    if "rng_cuda" in state["trainer"]:
+        torch.cuda.set_rng_state(state["trainer"]["rng_cuda"])
+    return int(state["trainer"]["step"])

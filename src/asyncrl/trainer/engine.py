@@ -1,0 +1,155 @@
+"""One optimizer step over packed micro-batches, shared by RL and SFT.
+
+    engine = StepEngine(model, optimizer, scheduler, dist_info, max_grad_norm=1.0, chunk_size=1024)
+    result = engine.step(micro_batches, loss_fn, policy_step=n)
+
+The step: count loss tokens on every rank and all-reduce the count; for each micro-batch run the
+model (replaying routed experts when present), recompute sampled-token logprobs through the
+chunked LM head, compute the loss (already divided by the global count) and backpropagate;
+all-reduce gradients; clip; then either step the optimizer or, if the loss or the gradient norm
+is not finite, drop the gradients and leave the weights untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.model import Transformer
+from asyncrl.trainer.logprobs import chunked_logprobs
+from asyncrl.trainer.loss import LossInputs, LossResult
+from asyncrl.trainer.packing import MicroBatch
+from asyncrl.trainer.parallel import DistInfo, all_reduce_, all_reduce_grads_
+
+__all__ = ["LossFn", "StepEngine", "StepResult"]
+
+LossFn = Callable[[LossInputs, float], LossResult]
+
+# Order of the summed statistics all-reduced once per step.
+_SUMS = ("loss", "num_masked", "mismatch_kl", "entropy", "staleness", "num_tokens", "context")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """Global (all-rank) statistics of one step. Means are over loss tokens."""
+
+    skipped: bool  # True when the step was not applied (non-finite loss/grad, or no loss tokens)
+    loss: float
+    grad_norm: float
+    lr: float
+    num_tokens: int  # all tokens in the packed rows
+    num_loss_tokens: int
+    masked_fraction: float
+    mismatch_kl: float
+    entropy: float
+    staleness_mean: float
+    staleness_max: int
+    mean_context: float  # keys each token attends to, averaged over all tokens (for FLOP counts)
+    seconds: float
+
+
+class StepEngine:
+    def __init__(
+        self,
+        model: Transformer,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        info: DistInfo,
+        *,
+        max_grad_norm: float,
+        chunk_size: int,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler, self.info = model, optimizer, scheduler, info
+        self.max_grad_norm, self.chunk_size = max_grad_norm, chunk_size
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def forward_micro_batch(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs of the targets under the current weights [T] (with grad) and entropies [T]."""
+        out = self.model(
+            mb.input_ids, mb.position_ids, routed_experts=mb.routed_experts, compute_logits=False
+        )
+        h_TD = out.hidden_states[0]
+        return chunked_logprobs(
+            h_TD, self.model.lm_head.weight, mb.target_ids, mb.temperatures, self.chunk_size
+        )
+
+    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, policy_step: int) -> StepResult:
+        start = time.perf_counter()
+        device = self.info.device
+        micro_batches = [mb.to(device) for mb in micro_batches]
+        count = torch.tensor([float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))], device=device)
+        num_loss_tokens = float(all_reduce_(count, self.info)[0])
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
+        staleness_max = torch.zeros(1, dtype=torch.float64, device=device)
+        if num_loss_tokens > 0:
+            for mb in micro_batches:
+                self._accumulate(mb, loss_fn, num_loss_tokens, policy_step, sums, staleness_max)
+        all_reduce_(sums, self.info)
+        all_reduce_(staleness_max, self.info, op="max")
+        all_reduce_grads_(self.params, self.info)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True))
+        stats = dict(zip(_SUMS, sums.tolist()))
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped = num_loss_tokens == 0 or not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm))
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()  # the schedule follows step numbers, applied or not
+        denom = max(num_loss_tokens, 1.0)
+        return StepResult(
+            skipped=skipped,
+            loss=stats["loss"],
+            grad_norm=grad_norm,
+            lr=lr,
+            num_tokens=int(stats["num_tokens"]),
+            num_loss_tokens=int(num_loss_tokens),
+            masked_fraction=stats["num_masked"] / denom,
+            mismatch_kl=stats["mismatch_kl"] / denom,
+            entropy=stats["entropy"] / denom,
+            staleness_mean=stats["staleness"] / denom,
+            staleness_max=int(staleness_max[0]),
+            mean_context=stats["context"] / max(stats["num_tokens"], 1.0),
+            seconds=time.perf_counter() - start,
+        )
+
+    def _accumulate(
+        self,
+        mb: MicroBatch,
+        loss_fn: LossFn,
+        num_loss_tokens: float,
+        policy_step: int,
+        sums: torch.Tensor,
+        staleness_max: torch.Tensor,
+    ) -> None:
+        logprobs_T, entropy_T = self.forward_micro_batch(mb)
+        inputs = LossInputs(
+            logprobs=logprobs_T,
+            inference_logprobs=mb.inference_logprobs,
+            advantages=mb.advantages,
+            loss_mask=mb.loss_mask,
+            seq_ids=mb.seq_ids,
+        )
+        result = loss_fn(inputs, num_loss_tokens)
+        result.loss.backward()
+        with torch.no_grad():
+            mask_T = mb.loss_mask
+            staleness_T = (policy_step - mb.policy_versions).double()
+            sums += torch.stack(
+                [
+                    result.loss.detach().double(),
+                    result.num_masked.double(),
+                    result.mismatch_kl_sum.double(),
+                    entropy_T.double()[mask_T].sum(),
+                    staleness_T[mask_T].sum(),
+                    torch.tensor(float(mb.num_tokens), dtype=torch.float64, device=sums.device),
+                    (mb.position_ids + 1).double().sum(),
+                ]
+            )
+            if mask_T.any():
+                staleness_max.copy_(torch.maximum(staleness_max, staleness_T[mask_T].max().reshape(1)))

@@ -1,0 +1,89 @@
+"""Step metrics: FLOP accounting, a measured matmul peak for MFU, peak memory, and the log sink.
+
+Each step appends one JSON object to RUN/metrics.jsonl and prints one console line.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.model import ModelArgs
+
+__all__ = ["MetricsLogger", "flops_per_token", "measure_matmul_peak", "peak_memory_bytes"]
+
+
+def flops_per_token(args: ModelArgs, mean_context: float) -> float:
+    """Training FLOPs per token (forward + backward) for the active parameters and causal attention.
+
+    6 * active non-embedding parameters (the LM head counts, the embedding lookup does not), plus
+    attention scores and values: 2 matmuls * 2 FLOPs * 3 (fwd+bwd) * heads * head_dim * context,
+    where `mean_context` is the mean number of keys a token attends to (about T/2 when causal).
+    """
+    dense = args.num_params(active=True) - args.vocab_size * args.hidden_size
+    attn = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim * mean_context
+    return 6.0 * dense + attn
+
+
+def measure_matmul_peak(
+    device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5
+) -> float:
+    """Achieved FLOP/s of a square matmul on this device; the MFU denominator when none is configured."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    _sync(device)
+    iters, start = 0, time.perf_counter()
+    while True:
+        a @ b
+        iters += 1
+        if iters % 4 == 0:
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                return 2.0 * size**3 * iters / elapsed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory (CUDA) or the process's peak resident set size (CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class MetricsLogger:
+    """Appends one JSON line per step to `path` and prints a one-line summary (main rank only)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(self.format_line(record), flush=True)
+
+    @staticmethod
+    def format_line(record: dict[str, Any]) -> str:
+        parts = [f"step {record['step']}"]
+        for key, value in record.items():
+            if key == "step":
+                continue
+            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+        return " | ".join(parts)

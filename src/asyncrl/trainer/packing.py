@@ -1,0 +1,132 @@
+"""Turn rollout samples into packed micro-batches, and split a batch across data-parallel ranks.
+
+A micro-batch is one row of at most `seq_len` tokens holding several whole sequences. Position
+ids restart at 0 for each sequence, which is how the model keeps them from attending to each
+other. Per-token fields are shifted to the *target* convention: position t predicts token t+1,
+so row[t] carries token t+1's loss mask, inference logprob, advantage, temperature and version;
+the last position of every sequence predicts nothing (loss mask false).
+
+Shape legend: T tokens in the row, L layers, K top_k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncrl.wire import BatchFormatError, RolloutSample
+
+__all__ = ["MicroBatch", "build_micro_batch", "pack_samples", "plan_bins", "shard_samples"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatch:
+    """One packed row and its target-aligned per-token streams.
+
+    Example: samples of 3 and 2 tokens give position_ids [[0, 1, 2, 0, 1]], seq_ids [0, 0, 0, 1, 1],
+    and loss_mask[2] == loss_mask[4] == False (last token of each sequence has no target).
+    """
+
+    input_ids: torch.Tensor  # int64 [1, T]
+    position_ids: torch.Tensor  # int64 [1, T]
+    target_ids: torch.Tensor  # int64 [T], token t+1 (0 where there is none)
+    loss_mask: torch.Tensor  # bool [T]
+    inference_logprobs: torch.Tensor  # f32 [T]
+    advantages: torch.Tensor  # f32 [T]
+    temperatures: torch.Tensor  # f32 [T], never 0 (1.0 where there is no target)
+    policy_versions: torch.Tensor  # int64 [T]
+    seq_ids: torch.Tensor  # int64 [T], 0..num_sequences-1
+    routed_experts: torch.Tensor | None  # int64 [1, T, L, K], or None when not replaying
+    num_sequences: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        moved = {
+            name: (value.to(device) if isinstance(value, torch.Tensor) else value)
+            for name, value in self.__dict__.items()
+        }
+        return MicroBatch(**moved)
+
+
+def shard_samples(samples: list[RolloutSample], rank: int, world_size: int) -> list[RolloutSample]:
+    """This rank's share: longest-first greedy assignment to the least-loaded rank (deterministic)."""
+    order = sorted(range(len(samples)), key=lambda i: (-samples[i].num_tokens, i))
+    load = [0] * world_size
+    mine = []
+    for i in order:
+        r = min(range(world_size), key=lambda j: (load[j], j))
+        load[r] += samples[i].num_tokens
+        if r == rank:
+            mine.append(i)
+    return [samples[i] for i in sorted(mine)]
+
+
+def plan_bins(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """First-fit-decreasing bin packing of sequence lengths into rows of at most `seq_len` tokens."""
+    for i, n in enumerate(lengths):
+        if n > seq_len:
+            raise BatchFormatError(
+                f"sample {i} has {n} tokens, more than seq_len={seq_len}; raise seq_len "
+                "or cap the episode length in the orchestrator"
+            )
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(seq_len - lengths[i])
+    return bins
+
+
+def _shifted(values: np.ndarray, fill: float | int | bool) -> np.ndarray:
+    """Row t gets values[t + 1]; the last position gets `fill`."""
+    out = np.empty_like(values)
+    out[:-1] = values[1:]
+    out[-1] = fill
+    return out
+
+
+def build_micro_batch(samples: list[RolloutSample], replay: bool) -> MicroBatch:
+    """Concatenate whole samples into one row (see module docstring for the target convention)."""
+    cat = np.concatenate
+    with_routing = [s.routed_experts is not None for s in samples]
+    replay = replay and any(with_routing)
+    if replay and not all(with_routing):
+        raise BatchFormatError("routed_experts must be present on every sample of a batch or on none")
+    routed = None
+    if replay:
+        routed_TLK = torch.from_numpy(cat([s.routed_experts.astype(np.int64) for s in samples]))  # type: ignore[union-attr]
+        routed = routed_TLK.unsqueeze(0)
+    return MicroBatch(
+        input_ids=torch.from_numpy(cat([s.token_ids for s in samples]).astype(np.int64)).unsqueeze(0),
+        position_ids=torch.from_numpy(cat([np.arange(s.num_tokens) for s in samples])).unsqueeze(0),
+        target_ids=torch.from_numpy(cat([_shifted(s.token_ids, 0) for s in samples]).astype(np.int64)),
+        loss_mask=torch.from_numpy(cat([_shifted(s.loss_mask, False) for s in samples])),
+        inference_logprobs=torch.from_numpy(cat([_shifted(s.inference_logprobs, 0.0) for s in samples])),
+        advantages=torch.from_numpy(cat([_shifted(s.advantages, 0.0) for s in samples])),
+        temperatures=torch.from_numpy(cat([_shifted(s.temperatures, 1.0) for s in samples])),
+        policy_versions=torch.from_numpy(
+            cat([_shifted(s.policy_versions, 0) for s in samples]).astype(np.int64)
+        ),
+        seq_ids=torch.from_numpy(
+            cat([np.full(s.num_tokens, i) for i, s in enumerate(samples)]).astype(np.int64)
+        ),
+        routed_experts=routed,
+        num_sequences=len(samples),
+    )
+
+
+def pack_samples(samples: list[RolloutSample], seq_len: int, replay: bool) -> list[MicroBatch]:
+    """Pack `samples` into micro-batches of at most `seq_len` tokens each."""
+    bins = plan_bins([s.num_tokens for s in samples], seq_len)
+    return [build_micro_batch([samples[i] for i in sorted(b)], replay) for b in bins]

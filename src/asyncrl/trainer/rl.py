@@ -1,0 +1,89 @@
+"""`asyncrl trainer @ rl.toml [--dotted.key value]`: the RL trainer process.
+
+    asyncrl trainer @ rl.toml --run-dir outputs/demo --max-steps 100
+    torchrun --nproc-per-node 2 -m asyncrl.trainer.rl @ rl.toml      # data parallel
+
+Step n reads `RUN/rollouts/step_n/` (waiting up to batch_timeout_s), takes this rank's share of
+the samples, packs them into rows of at most seq_len tokens, runs one optimizer step with the
+configured off-policy loss (router replay on when samples carry routed experts), publishes
+`RUN/weights/step_n/` and appends a line to `RUN/metrics.jsonl`. `--resume` (or `--resume-step N`) continues
+from the latest checkpoint with the same step numbering.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from asyncrl.config import load_config
+from asyncrl.config.trainer import RLTrainerConfig
+from asyncrl.model import ModelArgs
+from asyncrl.trainer.loss import LossInputs, LossResult, rl_loss
+from asyncrl.trainer.packing import pack_samples, shard_samples
+from asyncrl.trainer.session import TrainSession
+from asyncrl.transport import batch_dir, read_batch
+from asyncrl.wire import BatchFormatError, RolloutBatch
+
+__all__ = ["check_batch_fits_model", "main", "run_rl"]
+
+
+def check_batch_fits_model(batch: RolloutBatch, args: ModelArgs, where: str) -> None:
+    """Catch token ids and routing shapes that do not belong to this model, naming the field."""
+    for i, s in enumerate(batch.samples):
+        top = int(s.token_ids.max())
+        if top >= args.vocab_size or int(s.token_ids.min()) < 0:
+            raise BatchFormatError(
+                f"{where}: sample {i}: field 'token_ids' holds id {top}, outside the model's vocab of {args.vocab_size}"
+            )
+        if s.routed_experts is not None and args.is_moe:
+            want = (args.num_hidden_layers, args.num_experts_per_tok)
+            if tuple(s.routed_experts.shape[1:]) != want:
+                raise BatchFormatError(
+                    f"{where}: sample {i}: field 'routed_experts' has [layers, top_k] = "
+                    f"{list(s.routed_experts.shape[1:])}, the model needs {list(want)}"
+                )
+            if int(s.routed_experts.max()) >= args.num_experts:
+                raise BatchFormatError(
+                    f"{where}: sample {i}: field 'routed_experts' holds expert {int(s.routed_experts.max())}, "
+                    f"the model has {args.num_experts}"
+                )
+
+
+def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
+    rewards = [s.reward for s in batch.samples]
+    return {
+        "num_samples": len(batch.samples),
+        "reward_mean": sum(rewards) / len(rewards),
+    }
+
+
+def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
+    """Train from session.start_step + 1 to cfg.max_steps; returns the metric records (main rank)."""
+    session = TrainSession.build(cfg)
+    records = []
+
+    def loss_fn(inputs: LossInputs, num_loss_tokens: float) -> LossResult:
+        return rl_loss(inputs, cfg.loss, num_loss_tokens)
+
+    replay = cfg.router_replay and session.model.args.is_moe
+    try:
+        for step in range(session.start_step + 1, cfg.max_steps + 1):
+            batch = read_batch(cfg.run_dir, step, timeout_s=cfg.batch_timeout_s)
+            check_batch_fits_model(batch, session.model.args, str(batch_dir(cfg.run_dir, step)))
+            mine = shard_samples(batch.samples, session.info.rank, session.info.world_size)
+            micro_batches = pack_samples(mine, cfg.seq_len, replay=replay)
+            result = session.engine.step(micro_batches, loss_fn, step)
+            records.append(session.end_step(step, result, batch_metrics(batch)))
+    finally:
+        session.close()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config(RLTrainerConfig, list(sys.argv[1:] if argv is None else argv))
+    run_rl(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

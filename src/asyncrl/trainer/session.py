@@ -1,0 +1,127 @@
+"""What an RL and an SFT run share: set-up, resume, and the end of every step.
+
+session = TrainSession.build(cfg)                 # dist, model, optimizer, schedule, resume
+for step in range(session.start_step + 1, cfg.max_steps + 1):
+    result = session.engine.step(micro_batches, loss_fn, step)
+    session.end_step(step, result, extra_metrics)  # publish, checkpoint, metrics
+session.close()
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.config.trainer import _CommonTrainConfig
+from asyncrl.model import Transformer, from_pretrained
+from asyncrl.trainer.checkpoint import (
+    CheckpointNotFoundError,
+    latest_checkpoint_step,
+    load_checkpoint,
+    save_checkpoint,
+)
+from asyncrl.trainer.engine import StepEngine, StepResult
+from asyncrl.trainer.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
+from asyncrl.trainer.optim import build_optimizer, build_scheduler
+from asyncrl.trainer.parallel import DistInfo, init_distributed
+from asyncrl.trainer.publish import FilesystemWeightPublisher, WeightPublisher
+
+__all__ = ["TrainSession", "resolve_resume_step"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_resume_step(cfg: _CommonTrainConfig) -> int | None:
+    """The checkpoint step to resume from, or None for a fresh run."""
+    if cfg.resume_step is not None:
+        return cfg.resume_step
+    if not cfg.resume:
+        return None
+    step = latest_checkpoint_step(cfg.run_dir)
+    if step is None:
+        raise CheckpointNotFoundError(
+            f"--resume is set but {cfg.run_dir / 'checkpoints'} holds no complete checkpoint"
+        )
+    return step
+
+
+@dataclass(kw_only=True)
+class TrainSession:
+    cfg: _CommonTrainConfig
+    info: DistInfo
+    model: Transformer
+    engine: StepEngine
+    publisher: WeightPublisher
+    logger: MetricsLogger
+    peak_flops: float  # per device
+    start_step: int  # the last completed step (0 for a fresh run)
+
+    @classmethod
+    def build(cls, cfg: _CommonTrainConfig, publisher: WeightPublisher | None = None) -> TrainSession:
+        info = init_distributed(cfg.model.device)
+        torch.manual_seed(cfg.seed)
+        dtype = _DTYPES[cfg.model.dtype]
+        model = from_pretrained(cfg.model.path, dtype=dtype, device=str(info.device))
+        model.train()
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
+        start_step = 0
+        resume = resolve_resume_step(cfg)
+        if resume is not None:
+            start_step = load_checkpoint(cfg.run_dir, resume, model, optimizer, scheduler)
+        engine = StepEngine(
+            model,
+            optimizer,
+            scheduler,
+            info,
+            max_grad_norm=cfg.optim.max_grad_norm,
+            chunk_size=cfg.logits_chunk_size,
+        )
+        peak = cfg.peak_flops or measure_matmul_peak(info.device, dtype)
+        return cls(
+            cfg=cfg,
+            info=info,
+            model=model,
+            engine=engine,
+            publisher=publisher
+            or FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish.keep_last, info),
+            logger=MetricsLogger(cfg.run_dir / "metrics.jsonl", enabled=info.is_main),
+            peak_flops=peak,
+            start_step=start_step,
+        )
+
+    def step_metrics(self, step: int, result: StepResult) -> dict[str, Any]:
+        tokens_per_s = result.num_tokens / max(result.seconds, 1e-9)
+        flops = flops_per_token(self.model.args, result.mean_context)
+        record: dict[str, Any] = {"step": step} | asdict(result)
+        record["tokens_per_s"] = tokens_per_s
+        record["mfu"] = flops * tokens_per_s / (self.peak_flops * self.info.world_size)
+        record["peak_memory_gb"] = peak_memory_bytes(self.info.device) / 1e9
+        return record
+
+    def end_step(self, step: int, result: StepResult, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Publish v_step, checkpoint on the interval (and at the last step), log the metrics."""
+        cfg = self.cfg
+        if step % cfg.publish.interval == 0 or step == cfg.max_steps:
+            self.publisher.publish(self.model, step)
+        interval = cfg.checkpoint.interval
+        if interval and (step % interval == 0 or step == cfg.max_steps):
+            save_checkpoint(
+                cfg.run_dir,
+                step,
+                self.model,
+                self.engine.optimizer,
+                self.engine.scheduler,
+                self.info,
+                cfg.checkpoint.keep_last,
+            )
+        record = self.step_metrics(step, result) | (extra or {})
+        self.logger.log(record)
+        return record
+
+    def close(self) -> None:
+        if self.info.is_distributed and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,41 @@
+"""Rollout and weight transports between processes. Filesystem first; torch-free.
+
+write_batch(run_dir, batch)                     # orchestrator: rollouts/step_n/ appears atomically
+batch = read_batch(run_dir, step, timeout_s=60)  # trainer: waits, then decodes
+with stage_weights(run_dir, step) as tmp: ...    # publisher writes into tmp; rename + STABLE on exit
+latest_stable_step(run_dir)                      # orchestrator: newest published version
+"""
+
+from asyncrl.transport.rollouts import (
+    BATCH_FILE,
+    RolloutTimeoutError,
+    batch_dir,
+    read_batch,
+    write_batch,
+)
+from asyncrl.transport.weights import (
+    STABLE_MARKER,
+    WeightsTimeoutError,
+    latest_stable_step,
+    prune_weights,
+    stable_steps,
+    stage_weights,
+    wait_for_weights,
+    weights_dir,
+)
+
+__all__ = [
+    "BATCH_FILE",
+    "STABLE_MARKER",
+    "RolloutTimeoutError",
+    "WeightsTimeoutError",
+    "batch_dir",
+    "latest_stable_step",
+    "prune_weights",
+    "read_batch",
+    "stable_steps",
+    "stage_weights",
+    "wait_for_weights",
+    "weights_dir",
+    "write_batch",
+]
