@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "write a randomly initialised HF-format model + tokenizer",
     ),
     "trainer": ("asyncrl.trainer.rl:main", "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)"),
+    "orchestrator": ("asyncrl.orchestrator.main:main", "rollouts over HTTP -> RUN/rollouts/step_n (asyncio)"),
     "sft": ("asyncrl.trainer.sft:main", "supervised fine-tuning on chat / prompt-completion JSONL"),
 }
 

@@ -12,6 +12,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from asyncrl.config.sampling import SamplingParams
+
 __all__ = [
     "GenerateRequest",
     "GenerateResponse",
@@ -25,20 +27,6 @@ __all__ = [
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class SamplingParams(_Message):
-    """Sampling controls, shared by /v1/generate and the OpenAI endpoints (vLLM's names)."""
-
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="-1 or 0 disables top-k")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
-    max_tokens: int = Field(16, ge=1, le=1_048_576)
-    stop: list[str] = Field(default_factory=list, max_length=16)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
 
 
 class GenerateRequest(SamplingParams):

@@ -1,0 +1,90 @@
+"""Config schema of the orchestrator: rollout groups, batching, staleness bounds, servers.
+
+Example (TOML)::
+
+    run_dir = "outputs/demo"
+    model = "outputs/demo/sft"          # tokenizer + chat template
+    servers = ["http://127.0.0.1:8000"]
+    max_steps = 20
+    batch_size = 64                      # samples per trainer step
+    group_size = 8                       # rollouts per task (group-relative advantages)
+    max_async_steps = 1                  # 0 = synchronous on-policy RL
+    max_off_policy_steps = 1
+
+    [sampling]
+    temperature = 1.0
+    max_tokens = 32
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.base import BaseConfig
+from asyncrl.config.envs import EnvsConfig
+from asyncrl.config.sampling import SamplingParams
+
+__all__ = ["AdvantageConfig", "OrchestratorConfig"]
+
+
+class AdvantageConfig(BaseConfig):
+    """Group-relative advantages: A = r - mean(group) [/ (std(group) + eps)]."""
+
+    normalize_std: bool = False
+    std_eps: float = Field(1e-6, gt=0.0)
+    filter_zero_advantage: bool = Field(True, description="drop groups whose rewards are all equal")
+    failed_episodes: Literal["zero", "exclude"] = Field(
+        "zero", description="'zero': keep failed episodes with reward 0; 'exclude': drop them"
+    )
+
+
+class OrchestratorConfig(BaseConfig):
+    run_dir: str = Field("outputs/run", description="run directory shared with the trainer")
+    model: str = Field(description="model directory whose tokenizer and chat template render prompts")
+    servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
+    api_key: str | None = None
+    envs: EnvsConfig = Field(default_factory=EnvsConfig)
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=64))
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    max_steps: int = Field(10, ge=1, description="last trainer step to produce a batch for")
+    start_step: int = Field(1, ge=1, description="first batch to write (resume: the trainer's next step)")
+    batch_size: int = Field(32, ge=1, description="samples per batch (one trainer step)")
+    group_size: int = Field(4, ge=1, description="rollouts per task")
+    max_concurrent_groups: int | None = Field(
+        None, ge=1, description="groups in flight at once; default: enough for (1 + max_async_steps) batches"
+    )
+    max_async_steps: int = Field(1, ge=0, description="batches the orchestrator may run ahead of the trainer")
+    max_off_policy_steps: int = Field(
+        1, ge=0, description="k: at step n, drop samples with a token older than version n-1-k"
+    )
+    return_routed_experts: bool = Field(True, description="ask inference for routing (router replay)")
+    max_episode_retries: int = Field(3, ge=0, description="re-runs of an episode whose server failed")
+    weights_poll_s: float = Field(0.2, gt=0.0)
+    health_poll_s: float = Field(1.0, gt=0.0)
+    request_timeout_s: float = Field(600.0, gt=0.0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> OrchestratorConfig:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size})"
+            )
+        if self.start_step > self.max_steps:
+            raise ValueError(f"start_step ({self.start_step}) is past max_steps ({self.max_steps})")
+        if self.group_size == 1 and self.advantage.filter_zero_advantage:
+            raise ValueError(
+                "group_size = 1 gives every group zero advantage; set advantage.filter_zero_advantage = false "
+                "or use group_size >= 2"
+            )
+        return self
+
+    @property
+    def groups_per_batch(self) -> int:
+        return self.batch_size // self.group_size
+
+    @property
+    def concurrent_groups(self) -> int:
+        return self.max_concurrent_groups or self.groups_per_batch * (1 + self.max_async_steps)

@@ -1,0 +1,217 @@
+"""Inference servers as one pool: session-sticky routing, least-loaded placement, health and failover.
+
+Every turn of an episode goes to the server that served its first turn, so the episode reuses its
+prefix cache. New sessions go to the healthy server with the fewest requests in flight. A server
+that fails at the transport level (connection refused, timeout, 5xx) leaves the rotation; the
+failing call raises `ServerUnavailable`, and the dispatcher re-runs that episode elsewhere. A
+background task probes `/health` and re-admits the server when it answers again.
+
+    pool = ServerPool(["http://127.0.0.1:8000", "http://127.0.0.1:8001"])
+    client = pool.session("episode-17")        # an asyncrl.envs InferenceClient
+    response = await client.generate(prompt_ids, sampling, cache_salt="3")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from pydantic import ValidationError
+
+from asyncrl.envs.client import InferenceError
+from asyncrl.wire import GenerateRequest, GenerateResponse, SamplingParams
+
+__all__ = ["NoHealthyServer", "ServerPool", "ServerUnavailable", "SessionClient"]
+
+log = logging.getLogger(__name__)
+
+
+class ServerUnavailable(InferenceError):
+    """The server failed at the transport level; the episode may be retried on another server."""
+
+
+class NoHealthyServer(ServerUnavailable):
+    """Every server is out of rotation."""
+
+
+@dataclass
+class Server:
+    url: str
+    http: httpx.AsyncClient
+    healthy: bool = True
+    in_flight: int = 0
+    num_failures: int = 0
+
+
+@dataclass
+class PoolStats:
+    """Token counters since the last `take()`, for per-step metrics."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    requests: int = 0
+    since: float = field(default_factory=time.monotonic)
+
+    def take(self) -> dict[str, float]:
+        elapsed = max(time.monotonic() - self.since, 1e-9)
+        out = {
+            "inference/prefix_cache_hit_rate": self.cached_tokens / max(self.prompt_tokens, 1),
+            "inference/tokens_per_s": self.generated_tokens / elapsed,
+            "inference/requests": float(self.requests),
+        }
+        self.__init__()
+        return out
+
+
+class ServerPool:
+    def __init__(self, urls: list[str], *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+        if not urls:
+            raise ValueError("ServerPool needs at least one server URL")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.servers = [
+            Server(url=u.rstrip("/"), http=httpx.AsyncClient(base_url=u, headers=headers, timeout=timeout_s))
+            for u in urls
+        ]
+        self._sessions: dict[str, Server] = {}
+        self.stats = PoolStats()
+
+    # -- routing -------------------------------------------------------------------------------
+    def session(self, session_id: str) -> SessionClient:
+        return SessionClient(self, session_id)
+
+    def end_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def _pick(self, session_id: str) -> Server:
+        server = self._sessions.get(session_id)
+        if server is not None and server.healthy:
+            return server
+        healthy = [s for s in self.servers if s.healthy]
+        if not healthy:
+            raise NoHealthyServer(f"no healthy inference server among {[s.url for s in self.servers]}")
+        server = min(healthy, key=lambda s: s.in_flight)
+        self._sessions[session_id] = server
+        return server
+
+    def mark_down(self, server: Server, reason: str) -> None:
+        if server.healthy:
+            log.warning("inference server %s out of rotation: %s", server.url, reason)
+        server.healthy = False
+        server.num_failures += 1
+        for sid in [sid for sid, s in self._sessions.items() if s is server]:
+            del self._sessions[sid]
+
+    @property
+    def healthy_servers(self) -> list[Server]:
+        return [s for s in self.servers if s.healthy]
+
+    # -- requests ------------------------------------------------------------------------------
+    async def generate(self, session_id: str, request: GenerateRequest) -> GenerateResponse:
+        server = self._pick(session_id)
+        server.in_flight += 1
+        try:
+            response = await server.http.post("/v1/generate", json=request.model_dump(exclude_none=True))
+        except httpx.HTTPError as e:
+            self.mark_down(server, f"{type(e).__name__}: {e}")
+            raise ServerUnavailable(f"{server.url}/v1/generate: {type(e).__name__}: {e}") from e
+        finally:
+            server.in_flight -= 1
+        if response.status_code >= 500:
+            self.mark_down(server, f"HTTP {response.status_code}")
+            raise ServerUnavailable(
+                f"{server.url}/v1/generate -> {response.status_code}: {response.text[:300]}"
+            )
+        if response.status_code != 200:
+            raise InferenceError(f"{server.url}/v1/generate -> {response.status_code}: {response.text[:300]}")
+        try:
+            out = GenerateResponse.model_validate_json(response.content)
+        except ValidationError as e:
+            raise InferenceError(f"{server.url}/v1/generate: response breaks the contract: {e}") from None
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
+        self.stats.cached_tokens += out.num_cached_tokens
+        self.stats.generated_tokens += len(out.token_ids)
+        return out
+
+    async def post_all(self, path: str, payload: dict | None = None) -> dict[str, httpx.Response | Exception]:
+        """POST to every healthy server at once (admin calls); failures are returned, not raised."""
+        servers = self.healthy_servers
+
+        async def one(s: Server) -> httpx.Response | Exception:
+            try:
+                r = await s.http.post(path, json=payload or {})
+                r.raise_for_status()
+                return r
+            except httpx.HTTPError as e:
+                return e
+
+        results = await asyncio.gather(*(one(s) for s in servers))
+        return {s.url: r for s, r in zip(servers, results, strict=True)}
+
+    async def health_loop(self, interval_s: float) -> None:
+        """Forever: probe servers out of rotation and re-admit those that answer /health."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for server in self.servers:
+                if server.healthy:
+                    continue
+                try:
+                    r = await server.http.get("/health", timeout=min(interval_s * 2, 5.0))
+                except httpx.HTTPError:
+                    continue
+                if r.status_code == 200:
+                    log.warning("inference server %s healthy again, back in rotation", server.url)
+                    server.healthy = True
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Block until every server answers /health, or raise naming the ones that don't."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.servers)
+        while pending:
+            still = []
+            for s in pending:
+                try:
+                    ok = (await s.http.get("/health", timeout=2.0)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if not ok:
+                    still.append(s)
+            pending = still
+            if pending and time.monotonic() > deadline:
+                raise ServerUnavailable(
+                    f"inference servers not healthy after {timeout_s:.0f}s: {[s.url for s in pending]}"
+                )
+            if pending:
+                await asyncio.sleep(0.5)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(s.http.aclose() for s in self.servers))
+
+
+class SessionClient:
+    """The `asyncrl.envs.client.InferenceClient` of one episode: all its turns go to one server."""
+
+    def __init__(self, pool: ServerPool, session_id: str) -> None:
+        self.pool, self.session_id = pool, session_id
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start: int = 0,
+    ) -> GenerateResponse:
+        request = GenerateRequest(
+            **sampling.model_dump(),
+            prompt_token_ids=prompt_token_ids,
+            cache_salt=cache_salt,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start=routed_experts_start,
+        )
+        return await self.pool.generate(self.session_id, request)

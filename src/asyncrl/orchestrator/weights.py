@@ -1,0 +1,74 @@
+"""Weight-update driver: watch `RUN/weights/step_n/STABLE` and move every server to the newest version.
+
+On a new version: pause every healthy server (mode keep: running requests hold their KV cache),
+`POST /update_weights {path, version}`, resume. The pause is timed and reported. A server that fails
+the update leaves the rotation: it would otherwise sample with stale weights under a new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from asyncrl.orchestrator.pool import ServerPool
+from asyncrl.transport.weights import latest_stable_step, weights_dir
+
+__all__ = ["WeightUpdater"]
+
+log = logging.getLogger(__name__)
+
+
+class WeightUpdater:
+    def __init__(
+        self,
+        pool: ServerPool,
+        run_dir: str | Path,
+        *,
+        poll_s: float = 0.2,
+        on_version: Callable[[int], None] | None = None,
+    ) -> None:
+        self.pool, self.run_dir, self.poll_s = pool, Path(run_dir), poll_s
+        self.version = 0
+        self.on_version = on_version
+        self.pause_seconds: list[float] = []
+
+    async def sync_once(self) -> bool:
+        """Load the newest STABLE weights if newer than what the servers hold; True if updated."""
+        latest = latest_stable_step(self.run_dir)
+        if latest is None or latest <= self.version:
+            return False
+        await self.update(latest)
+        return True
+
+    async def update(self, version: int) -> None:
+        path = str(weights_dir(self.run_dir, version).resolve())
+        t0 = time.monotonic()
+        self._fail(await self.pool.post_all("/pause", {"mode": "keep"}), "pause")
+        self._fail(await self.pool.post_all("/update_weights", {"path": path, "version": version}), "update")
+        self._fail(await self.pool.post_all("/resume"), "resume")
+        paused = time.monotonic() - t0
+        self.pause_seconds.append(paused)
+        self.version = version
+        log.info(
+            "weights v%d loaded on %d server(s); paused %.3fs",
+            version,
+            len(self.pool.healthy_servers),
+            paused,
+        )
+        if self.on_version is not None:
+            self.on_version(version)
+
+    def _fail(self, results: dict, what: str) -> None:
+        for server in self.pool.servers:
+            err = results.get(server.url)
+            if isinstance(err, Exception):
+                self.pool.mark_down(server, f"{what} failed: {type(err).__name__}: {err}")
+
+    async def run(self) -> None:
+        """Forever: poll for new versions."""
+        while True:
+            await self.sync_once()
+            await asyncio.sleep(self.poll_s)

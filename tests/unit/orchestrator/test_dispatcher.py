@@ -1,0 +1,95 @@
+"""The orchestrator against fake inference servers and a fake trainer: versions, staleness, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from asyncrl.config.envs import EnvConfig, EnvsConfig
+from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.orchestrator.main import run_orchestrator
+
+from .conftest import fake_trainer
+
+
+def _cfg(tmp_path, tokenizer_dir, servers, **kw) -> OrchestratorConfig:
+    base = dict(
+        run_dir=str(tmp_path / "run"),
+        model=str(tokenizer_dir),
+        servers=[s.url for s in servers],
+        envs=EnvsConfig(envs=[EnvConfig(name="reverse-text")]),
+        batch_size=8,
+        group_size=4,
+        max_steps=4,
+        weights_poll_s=0.02,
+        health_poll_s=0.1,
+    )
+    return OrchestratorConfig(**(base | kw))
+
+
+async def _run(cfg: OrchestratorConfig, step_time_s: float = 0.05):
+    seen: list = []
+    trainer = asyncio.create_task(fake_trainer(cfg.run_dir, cfg.max_steps, seen, step_time_s))
+    await asyncio.wait_for(run_orchestrator(cfg, ready_timeout_s=10), timeout=60)
+    await asyncio.wait_for(trainer, timeout=10)
+    records = [json.loads(line) for line in open(f"{cfg.run_dir}/metrics.jsonl")]
+    return seen, records
+
+
+def _trained_versions(batch) -> np.ndarray:
+    return np.concatenate([s.policy_versions[s.loss_mask] for s in batch.samples])
+
+
+def test_synchronous_mode_trains_only_on_policy_tokens(tmp_path, tokenizer_dir, servers):
+    (server,) = servers(1)
+    cfg = _cfg(tmp_path, tokenizer_dir, [server], max_async_steps=0, max_off_policy_steps=0)
+    batches, records = asyncio.run(_run(cfg))
+    assert [b.step for b in batches] == [1, 2, 3, 4]
+    for b in batches:
+        assert len(b.samples) >= cfg.batch_size
+        assert set(_trained_versions(b).tolist()) == {b.step - 1}  # staleness 0
+        for s in b.samples:  # group-relative advantages on sampled tokens only
+            assert np.all(s.advantages[~s.loss_mask] == 0)
+            assert s.routed_experts is not None and s.routed_experts.shape[0] == s.num_tokens
+    assert [r["staleness/max"] for r in records] == [0, 0, 0, 0]
+    assert server.version == 3  # v4 is published after the last batch; nobody needs it
+    for b in batches:  # one advantage per episode; whole groups, so they sum to zero per batch
+        per_sample = [np.unique(s.advantages[s.loss_mask]) for s in b.samples]
+        assert all(len(a) == 1 for a in per_sample)
+        assert sum(float(a[0]) for a in per_sample) == pytest.approx(0, abs=1e-5)
+
+
+def test_heavy_tailed_latency_respects_max_off_policy_steps(tmp_path, tokenizer_dir, servers):
+    (server,) = servers(1, delay_median_s=0.02, delay_sigma=2.0)
+    cfg = _cfg(
+        tmp_path, tokenizer_dir, [server], max_steps=6, max_async_steps=2, max_off_policy_steps=1,
+        max_concurrent_groups=8,
+    )  # fmt: skip
+    batches, records = asyncio.run(_run(cfg, step_time_s=0.15))
+    assert [b.step for b in batches] == list(range(1, 7))
+    for b in batches:
+        assert _trained_versions(b).min() >= b.step - 1 - cfg.max_off_policy_steps
+    assert max(r["staleness/max"] for r in records) <= cfg.max_off_policy_steps
+    last = records[-1]
+    dropped = last["dropped/groups_stale_queue"] + last["dropped/groups_stale_in_flight"]
+    assert dropped >= 1, "heavy-tailed latency with async lag 2 should leave some groups too stale"
+
+
+def test_killed_server_episodes_are_retried_elsewhere(tmp_path, tokenizer_dir, servers):
+    a, b = servers(2, delay_median_s=0.05, delay_sigma=0.5)
+    cfg = _cfg(tmp_path, tokenizer_dir, [a, b], max_steps=5, max_async_steps=1, max_off_policy_steps=2)
+
+    async def go():
+        task = asyncio.create_task(_run(cfg, step_time_s=0.1))
+        while a.num_requests < 5:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(a.stop)
+        return await task
+
+    batches, records = asyncio.run(go())
+    assert [x.step for x in batches] == [1, 2, 3, 4, 5]
+    assert records[-1]["episodes/retried_total"] >= 1
+    assert b.num_requests > 0
