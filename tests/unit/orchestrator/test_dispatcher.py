@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,7 +36,8 @@ async def _run(cfg: OrchestratorConfig, step_time_s: float = 0.05):
     trainer = asyncio.create_task(fake_trainer(cfg.run_dir, cfg.max_steps, seen, step_time_s))
     await asyncio.wait_for(run_orchestrator(cfg, ready_timeout_s=10), timeout=60)
     await asyncio.wait_for(trainer, timeout=10)
-    records = [json.loads(line) for line in open(f"{cfg.run_dir}/metrics.jsonl")]
+    lines = Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
     return seen, records
 
 
