@@ -1,0 +1,133 @@
+"""`asyncrl rl` config: one TOML composing inference, orchestrator and trainer, plus shared keys.
+
+    model = "outputs/demo/sft"     # shared: served, trained, and used for the tokenizer
+    run_dir = "outputs/demo/rl"
+    max_steps = 20
+    seq_len = 1024
+
+    [deployment]
+    num_inference_servers = 1
+
+    [inference]
+    max_num_seqs = 64
+
+    [orchestrator]
+    batch_size = 64
+    group_size = 8
+
+    [trainer]
+    optim = { lr = 3e-4 }
+
+Shared keys are set once, at the top. `resolve()` derives each process's config from them, in one
+visible place; a section that sets a shared key itself is an error (not silently overwritten).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.base import BaseConfig, ConfigError, load_config
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.config.trainer import RLTrainerConfig
+
+__all__ = ["DeploymentConfig", "RLConfig", "ResolvedRL"]
+
+# section -> keys that come from the top level
+_SHARED = {
+    "inference": ("model", "port", "seed"),
+    "orchestrator": ("model", "run_dir", "max_steps", "servers", "seed"),
+    "trainer": ("run_dir", "max_steps", "seq_len", "seed"),  # [trainer.model] may set dtype/device
+}
+
+
+class DeploymentConfig(BaseConfig):
+    """Where the processes run. On one machine: servers on consecutive ports from `base_port`."""
+
+    num_inference_servers: int = Field(1, ge=1)
+    host: str = "127.0.0.1"
+    base_port: int = Field(8000, ge=1, le=65535)
+    trainer_nproc: int = Field(1, ge=1, description="trainer processes; > 1 launches through torchrun")
+    inference_devices: list[str] = Field(
+        default_factory=list, description="CUDA_VISIBLE_DEVICES per server, e.g. ['0', '1']; empty = inherit"
+    )
+    trainer_devices: str | None = Field(None, description="CUDA_VISIBLE_DEVICES of the trainer, e.g. '2,3'")
+    ready_timeout_s: float = Field(600.0, gt=0, description="how long the orchestrator waits for servers")
+
+    @model_validator(mode="after")
+    def _check(self) -> DeploymentConfig:
+        if self.inference_devices and len(self.inference_devices) != self.num_inference_servers:
+            raise ValueError(
+                f"deployment.inference_devices lists {len(self.inference_devices)} entries but "
+                f"num_inference_servers is {self.num_inference_servers}"
+            )
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedRL:
+    inference: list[InferenceConfig]
+    orchestrator: OrchestratorConfig
+    trainer: RLTrainerConfig
+
+
+class RLConfig(BaseConfig):
+    model: str = Field(description="HF model directory: served by inference, trained by the trainer")
+    run_dir: str = "outputs/rl"
+    max_steps: int = Field(10, ge=1)
+    seq_len: int = Field(2048, gt=0)
+    seed: int = 0
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    inference: dict[str, Any] = Field(default_factory=dict, description="InferenceConfig keys")
+    orchestrator: dict[str, Any] = Field(default_factory=dict, description="OrchestratorConfig keys")
+    trainer: dict[str, Any] = Field(default_factory=dict, description="RLTrainerConfig keys")
+
+    @property
+    def server_urls(self) -> list[str]:
+        d = self.deployment
+        return [f"http://{d.host}:{d.base_port + i}" for i in range(d.num_inference_servers)]
+
+    def resolve(self) -> ResolvedRL:
+        """Each process's full config, with the shared keys filled in; errors name the section."""
+        for section, keys in _SHARED.items():
+            clash = sorted(set(getattr(self, section)) & set(keys))
+            if clash:
+                raise ConfigError(
+                    f"[{section}] sets {clash}: these come from the top level (or [deployment]); "
+                    "set them there instead"
+                )
+        d = self.deployment
+        inference = [
+            _section(InferenceConfig, "inference", self.inference | {"model": self.model, "host": d.host,
+                     "port": d.base_port + i, "seed": self.seed + i})  # fmt: skip
+            for i in range(d.num_inference_servers)
+        ]
+        orchestrator = _section(
+            OrchestratorConfig,
+            "orchestrator",
+            self.orchestrator | {"model": self.model, "run_dir": self.run_dir, "max_steps": self.max_steps,
+                                 "servers": self.server_urls, "seed": self.seed},  # fmt: skip
+        )
+        trainer_model = dict(self.trainer.get("model", {}))
+        if "path" in trainer_model:
+            raise ConfigError("[trainer.model] sets 'path': the model comes from the top-level 'model'")
+        trainer_model["path"] = self.model
+        trainer_cfg = {k: v for k, v in self.trainer.items() if k != "model"}
+        trainer = _section(
+            RLTrainerConfig,
+            "trainer",
+            trainer_cfg | {"model": trainer_model, "run_dir": self.run_dir, "max_steps": self.max_steps,
+                           "seq_len": self.seq_len, "seed": self.seed},  # fmt: skip
+        )
+        return ResolvedRL(inference=inference, orchestrator=orchestrator, trainer=trainer)
+
+
+def _section(cls, name: str, data: dict[str, Any]):
+    try:
+        return load_config(cls, data)
+    except ConfigError as e:
+        msg = str(e).replace("unknown key '", f"unknown key '{name}.").replace("\n  '", f"\n  '{name}.")
+        raise ConfigError(msg) from None
