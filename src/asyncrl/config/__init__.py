@@ -8,5 +8,14 @@ from asyncrl.config.base import (
     merge_dicts,
     parse_cli_overrides,
 )
+from asyncrl.config.inference import InferenceConfig
 
-__all__ = ["BaseConfig", "ConfigError", "load_config", "load_toml", "merge_dicts", "parse_cli_overrides"]
+__all__ = [
+    "BaseConfig",
+    "ConfigError",
+    "InferenceConfig",
+    "load_config",
+    "load_toml",
+    "merge_dicts",
+    "parse_cli_overrides",
+]

@@ -17,9 +17,9 @@ __all__ = ["FinishReason", "InvalidRequestError", "Request", "RequestOutput", "S
 class InvalidRequestError(ValueError):
     """A request the engine cannot serve; `field` names the offending input (for 4xx errors)."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
         super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
+        self.field, self.message, self.status = field, message, status
 
 
 class FinishReason(enum.StrEnum):

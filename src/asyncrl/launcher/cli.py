@@ -14,6 +14,7 @@ from collections.abc import Callable
 # `asyncrl --help` and torch-free commands start fast.
 COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("asyncrl.launcher.init_model:main", "write a randomly initialised HF-format model + tokenizer"),
+    "inference": ("asyncrl.inference.main:main", "serve a model: embedded engine, OpenAI-compatible HTTP API"),
 }
 
 
