@@ -1,7 +1,7 @@
 """fp32 exactness: engine logprobs equal a teacher-forced forward; greedy equals step-by-step greedy."""
 
 import torch
-from conftest import drain, greedy_reference, random_prompts, teacher_logprobs
+from inference_helpers import drain, greedy_reference, random_prompts, teacher_logprobs
 
 from asyncrl.inference import SamplingOptions
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 import torch
-from conftest import drain, random_prompts, teacher_logprobs
+from inference_helpers import drain, random_prompts, teacher_logprobs
 
 from asyncrl.inference import SamplingOptions
 

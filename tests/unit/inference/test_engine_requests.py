@@ -1,7 +1,7 @@
 """Request validation (errors name the field) and stop conditions."""
 
 import pytest
-from conftest import drain, random_prompts
+from inference_helpers import drain, random_prompts
 
 from asyncrl.inference import InvalidRequestError, SamplingOptions
 

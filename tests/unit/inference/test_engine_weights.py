@@ -3,7 +3,7 @@
 import copy
 
 import torch
-from conftest import Result, drain, random_prompts, teacher_logprobs
+from inference_helpers import Result, drain, random_prompts, teacher_logprobs
 
 from asyncrl.inference import SamplingOptions
 from asyncrl.model import save_pretrained
