@@ -9,6 +9,7 @@ from asyncrl.config.base import (
     parse_cli_overrides,
 )
 from asyncrl.config.envs import EnvConfig, EnvsConfig, LatencyConfig
+from asyncrl.config.inference import InferenceConfig
 
 __all__ = [
     "BaseConfig",
@@ -16,6 +17,7 @@ __all__ = [
     "EnvConfig",
     "EnvsConfig",
     "LatencyConfig",
+    "InferenceConfig",
     "load_config",
     "load_toml",
     "merge_dicts",

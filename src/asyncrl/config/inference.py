@@ -1,0 +1,40 @@
+"""Config of the embedded inference server (`asyncrl inference @ cfg.toml --model DIR --port 8000`).
+
+Example::
+
+    model = "outputs/tiny-moe"
+    port = 8000
+    dtype = "float32"          # exact on-policy mode: logprobs equal asyncrl.model's
+    max_num_seqs = 64
+    kv_cache_tokens = 32768    # paged KV pool size, in tokens (rounded up to whole blocks)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from asyncrl.config.base import BaseConfig
+
+__all__ = ["InferenceConfig"]
+
+
+class InferenceConfig(BaseConfig):
+    """Engine and HTTP server settings. Only `model` is required."""
+
+    model: str = Field(description="Hugging Face model directory (config.json, safetensors, tokenizer)")
+    served_model_name: str | None = Field(None, description="name clients pass as `model`; default: dir name")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, description="when set, requests need `Authorization: Bearer KEY`")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_num_seqs: int = Field(64, ge=1, description="most sequences in the running batch")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
+    kv_cache_tokens: int = Field(32768, ge=16, description="KV pool capacity in tokens")
+    max_model_len: int | None = Field(None, ge=2, description="context limit; default: the model's")
+    enable_prefix_caching: bool = True
+    seed: int = Field(0, description="seed of the engine's generator for requests without a seed")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -1,0 +1,170 @@
+"""Drives an `Engine` from a background thread so that an asyncio server can share it.
+
+The engine thread owns the engine: it drains a command queue (add, abort, pause, weight swap),
+then runs one `step()`, and hands each RequestOutput to the asyncio side through the event loop.
+Coroutines submit work with `call()` and read a request's outputs from its own asyncio.Queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import torch
+
+from asyncrl.inference.engine import Engine
+from asyncrl.inference.request import RequestOutput, SamplingOptions
+
+__all__ = ["AsyncEngine"]
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.paused = False
+        self.weights_path: str | None = None
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None]] = (
+            queue.SimpleQueue()
+        )
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="asyncrl-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- called from the event loop ---------------------------------------------------------------
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between steps; return its result or raise its error."""
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return await fut
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Fire-and-forget variant of `call` (safe from `finally` blocks of cancelled tasks)."""
+        self._commands.put((fn, None))
+        self._wake.set()
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, **kwargs: Any
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs until it finishes. Leaving early aborts it."""
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            await self.call(lambda: self.engine.add_request(request_id, prompt_token_ids, options, **kwargs))
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.submit(lambda: self.engine.abort(request_id))
+
+    async def pause(self, mode: str) -> int:
+        """Stop stepping. Mode 'abort' also finishes every request with 'abort'. Returns how many."""
+
+        def run() -> int:
+            self.paused = True
+            if mode != "abort":
+                return 0
+            outs = self.engine.abort_all()
+            self._deliver(outs)
+            return len(outs)
+
+        return await self.call(run)
+
+    async def resume(self) -> None:
+        def run() -> None:
+            self.paused = False
+
+        await self.call(run)
+
+    async def update_weights(self, path: str, version: int, mode: str) -> dict[str, float]:
+        """Read the checkpoint off the engine thread, then swap it in between two steps."""
+        t0 = time.perf_counter()
+        state = await asyncio.to_thread(self.engine.read_weights, path)
+        load_seconds = time.perf_counter() - t0
+
+        def swap() -> float:
+            t1 = time.perf_counter()
+            if mode == "abort":
+                self._deliver(self.engine.abort_all())
+            self.engine.load_weights(state, version)
+            if self.engine.device.type == "cuda":
+                torch.cuda.synchronize(self.engine.device)
+            self.weights_path = path
+            return time.perf_counter() - t1
+
+        paused_seconds = await self.call(swap)
+        return {"version": version, "load_seconds": load_seconds, "paused_seconds": paused_seconds}
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands()
+            if self.paused or not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception:  # the engine thread's top level: fail the batch, keep serving
+                log.exception("engine step failed; aborting all requests")
+                outs = self.engine.abort_all()
+            self._deliver(outs)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result, error = fn(), None
+            except Exception as e:  # handed back to the awaiting coroutine, which maps it to HTTP
+                result, error = None, e
+            if fut is not None:
+                self._loop.call_soon_threadsafe(_settle, fut, result, error)
+            elif error is not None:
+                log.error("engine command failed: %s", error)
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        if outs:
+            self._loop.call_soon_threadsafe(self._dispatch, outs)
+
+    def _dispatch(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

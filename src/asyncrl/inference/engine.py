@@ -1,0 +1,285 @@
+"""The embedded inference engine: continuous batching over a paged KV cache, on `asyncrl.model`.
+
+    engine = Engine.from_config(InferenceConfig(model="outputs/tiny-moe"))
+    engine.add_request("r1", [257, 104, 105], SamplingOptions(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step():      # RequestOutput deltas: new tokens, logprobs, versions
+            ...
+
+One `step()` = schedule, one forward of all scheduled tokens as a single row, sample, commit.
+The engine is token-in/token-out and single-threaded; `async_engine.AsyncEngine` drives it from a
+background thread for the HTTP server. Weight updates happen between steps (`load_weights`).
+
+Shape legend: N scheduled tokens, S sampled sequences, V vocab, D model dim, L layers, K top_k.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.inference.block_pool import BlockPool
+from asyncrl.inference.kv_cache import KVCache, PagedAttention, SeqSlice
+from asyncrl.inference.request import (
+    FinishReason,
+    InvalidRequestError,
+    Request,
+    RequestOutput,
+    SamplingOptions,
+)
+from asyncrl.inference.sampler import sample
+from asyncrl.inference.scheduler import ScheduledSeq, Scheduler
+from asyncrl.inference.stopping import check_stop
+from asyncrl.model import Transformer, from_pretrained
+from asyncrl.model.hf import load_into, load_state_dict
+
+__all__ = ["Engine", "resolve_device"]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device = 'cuda' but no CUDA device is available; use device = 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Transformer,
+        config: InferenceConfig,
+        *,
+        detokenize: Callable[[list[int]], str] | None = None,
+        version: int = 0,
+    ) -> None:
+        self.model, self.config, self.detokenize, self.version = model.eval(), config, detokenize, version
+        args = model.args
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        bs = config.block_size
+        num_blocks = -(-config.kv_cache_tokens // bs)
+        self.max_model_len = config.max_model_len or args.max_position_embeddings
+        if self.max_model_len > num_blocks * bs:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the KV pool ({num_blocks * bs} tokens): "
+                f"raise kv_cache_tokens or lower max_model_len"
+            )
+        eos = args.eos_token_id
+        self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.cache = KVCache(
+            num_layers=args.num_hidden_layers, num_blocks=num_blocks, block_size=bs,
+            num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
+            routing_top_k=args.routing_top_k, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+        self.scheduler = Scheduler(
+            self.pool, block_size=bs, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )  # fmt: skip
+        self.requests: dict[str, Request] = {}
+        self._routing_start: dict[str, int] = {}
+        self._rng = torch.Generator().manual_seed(config.seed)
+        self._arrivals = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_config(cls, config: InferenceConfig, **kwargs) -> Engine:
+        dtype = getattr(torch, config.dtype)
+        model = from_pretrained(config.model, dtype=dtype, device=str(resolve_device(config.device)))
+        return cls(model, config, **kwargs)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        options: SamplingOptions,
+        *,
+        cache_salt: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start: int = 0,
+    ) -> None:
+        """Queue a request; raises InvalidRequestError naming the field for input it cannot serve."""
+        self._validate(request_id, prompt_token_ids, options)
+        if options.seed is not None:
+            seed = options.seed
+        else:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        req = Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), options=options,
+            cache_salt=cache_salt, return_routed_experts=return_routed_experts,
+            arrival=next(self._arrivals), generator=generator,
+        )  # fmt: skip
+        self.requests[request_id] = req
+        self._routing_start[request_id] = min(routed_experts_start, len(prompt_token_ids))
+        self.num_prompt_tokens += len(prompt_token_ids)
+        self.scheduler.add(req)
+
+    def _validate(self, request_id: str, prompt: list[int], options: SamplingOptions) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        vocab = self.model.args.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                "prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        bad = [t for t in options.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError("stop_token_ids", f"token ids {bad[:5]} are outside [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {len(prompt)} tokens; the context limit is {self.max_model_len}"
+            )
+        if options.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be at least 1, got {options.max_tokens}")
+        if len(prompt) + options.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({len(prompt)} tokens) + max_tokens ({options.max_tokens}) exceeds the context "
+                f"limit {self.max_model_len}",
+            )
+        if options.stop and self.detokenize is None:
+            raise InvalidRequestError("stop", "stop strings need a tokenizer; this engine has none")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now with finish_reason 'abort' (None if it is unknown or already done)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        req.finish_reason, req.needs_final_routing = FinishReason.ABORT, False
+        return self._finish(req, [], [], [])
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [out for rid in list(self.requests) if (out := self.abort(rid)) is not None]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Swap in new weights between steps. Running requests keep their KV and continue."""
+        load_into(self.model, state, where="weight update")
+        self.version = version
+
+    def read_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """Read an HF safetensors directory into this model's names and dtype (no swap yet)."""
+        return load_state_dict(path, self.model.args, self.dtype)
+
+    # -- one step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, admit: bool = True) -> list[RequestOutput]:
+        batch = self.scheduler.schedule(admit=admit)
+        if not batch:
+            return []
+        self.num_steps += 1
+        ids_N, pos_N, seqs, slots = [], [], [], []
+        for s in batch:
+            req, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            ids_N += req.all_token_ids[start:end]
+            pos_N += range(start, end)
+            key_slots = self.cache.slots(req.block_ids, 0, end)
+            seqs.append(
+                SeqSlice(q_start=len(ids_N) - s.num_new_tokens, q_len=s.num_new_tokens, key_slots=key_slots)
+            )
+            slots.append(key_slots[start:])
+        backend = PagedAttention(self.cache, seqs, torch.cat(slots))
+        out = self.model(
+            torch.tensor([ids_N], device=self.device),
+            torch.tensor([pos_N], device=self.device),
+            return_routing=True,
+            attention=backend,
+            compute_logits=False,
+        )
+        backend.write_routing(out.routed_experts[0])
+        last_rows = [seq.q_start + seq.q_len - 1 for seq in seqs]
+        return self._sample_and_commit(batch, out.hidden_states[0], last_rows)
+
+    def _sample_and_commit(
+        self, batch: list[ScheduledSeq], hidden_ND: torch.Tensor, last_rows: list[int]
+    ) -> list[RequestOutput]:
+        to_sample = [
+            i for i, s in enumerate(batch)
+            if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
+            and not s.request.needs_final_routing
+        ]  # fmt: skip
+        tokens, logprobs = [], []
+        if to_sample:
+            logits_SV = self.model.lm_head(hidden_ND[[last_rows[i] for i in to_sample]])
+            reqs = [batch[i].request for i in to_sample]
+            tokens, logprobs = sample(logits_SV, [r.options for r in reqs], [r.generator for r in reqs])
+        sampled = dict(zip(to_sample, zip(tokens, logprobs)))
+        outputs = []
+        for i, s in enumerate(batch):
+            req = s.request
+            self.scheduler.commit(req, s.num_new_tokens)
+            if req.needs_final_routing and req.num_computed_tokens == req.num_tokens:
+                req.needs_final_routing = False
+                outputs.append(self._finish(req, [], [], []))
+            elif i in sampled:
+                outputs.append(self._append_token(req, *sampled[i]))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprob: float) -> RequestOutput:
+        req.output_token_ids.append(token)
+        req.output_logprobs.append(logprob)
+        req.output_versions.append(self.version)
+        self.num_generated_tokens += 1
+        new = ([token], [logprob], [self.version])
+        req.finish_reason = check_stop(req, self.eos_token_ids, self.max_model_len, self.detokenize)
+        if req.finish_reason is None:
+            return RequestOutput(request_id=req.request_id, new_token_ids=[token], new_logprobs=[logprob],
+                                 new_versions=[self.version])  # fmt: skip
+        if req.return_routed_experts:
+            req.needs_final_routing = True  # one more forward gives the last token's routing
+            return RequestOutput(request_id=req.request_id, new_token_ids=[token], new_logprobs=[logprob],
+                                 new_versions=[self.version])  # fmt: skip
+        return self._finish(req, *new)
+
+    def _finish(
+        self, req: Request, tokens: list[int], logprobs: list[float], versions: list[int]
+    ) -> RequestOutput:
+        routing = self._routing(req) if req.return_routed_experts else None
+        self.scheduler.remove(req)
+        del self.requests[req.request_id]
+        start = self._routing_start.pop(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions,
+            finish_reason=req.finish_reason, num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_prompt_tokens=len(req.prompt_token_ids),
+            routed_experts=None if routing is None else routing[start:],
+        )  # fmt: skip
+
+    def _routing(self, req: Request) -> np.ndarray:
+        """Expert ids of every computed token [T, L, K]; uint8, or uint16 past 256 experts."""
+        slots = self.cache.slots(req.block_ids, 0, req.num_computed_tokens)
+        routing = self.cache.routing_PLK[slots].cpu().numpy()
+        return routing.astype(np.uint8 if self.model.args.num_experts <= 256 else np.uint16)
+
+    # -- introspection ----------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_free": self.pool.num_free,
+            "kv_blocks_cached": self.pool.num_cached,
+            "prefix_cache_queries": self.pool.num_queries,
+            "prefix_cache_hits": self.pool.num_hits,
+            "generated_tokens": self.num_generated_tokens,
+            "prompt_tokens": self.num_prompt_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.num_steps,
+            "weight_version": self.version,
+        }

@@ -1,0 +1,38 @@
+"""Prometheus text exposition of the engine's counters and gauges (no client library needed)."""
+
+from __future__ import annotations
+
+__all__ = ["render_metrics"]
+
+# stats key -> (metric name, type, help)
+_METRICS = {
+    "num_running": ("asyncrl_requests_running", "gauge", "Requests in the running batch"),
+    "num_waiting": ("asyncrl_requests_waiting", "gauge", "Requests waiting for admission"),
+    "kv_blocks_used": ("asyncrl_kv_blocks_used", "gauge", "KV-cache blocks holding live sequences"),
+    "kv_blocks_free": ("asyncrl_kv_blocks_free", "gauge", "KV-cache blocks free or evictable"),
+    "kv_blocks_cached": ("asyncrl_kv_blocks_cached", "gauge", "KV-cache blocks findable by prefix hash"),
+    "prefix_cache_queries": ("asyncrl_prefix_cache_queries_total", "counter", "Prompt blocks looked up"),
+    "prefix_cache_hits": ("asyncrl_prefix_cache_hits_total", "counter", "Prompt blocks found in the cache"),
+    "generated_tokens": ("asyncrl_generated_tokens_total", "counter", "Tokens sampled"),
+    "prompt_tokens": ("asyncrl_prompt_tokens_total", "counter", "Prompt tokens received"),
+    "preemptions": ("asyncrl_preemptions_total", "counter", "Sequences preempted for recompute"),
+    "steps": ("asyncrl_engine_steps_total", "counter", "Engine forward steps"),
+    "weight_version": ("asyncrl_weight_version", "gauge", "Policy version of the loaded weights"),
+}
+
+
+def render_metrics(stats: dict[str, float], *, paused: bool) -> str:
+    lines = []
+    for key, (name, kind, help_) in _METRICS.items():
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {stats[key]}"]
+    queries = stats["prefix_cache_queries"]
+    hit_rate = stats["prefix_cache_hits"] / queries if queries else 0.0
+    lines += [
+        "# HELP asyncrl_prefix_cache_hit_rate Fraction of looked-up prompt blocks served from the cache",
+        "# TYPE asyncrl_prefix_cache_hit_rate gauge",
+        f"asyncrl_prefix_cache_hit_rate {hit_rate:.6f}",
+        "# HELP asyncrl_paused Whether generation is paused",
+        "# TYPE asyncrl_paused gauge",
+        f"asyncrl_paused {int(paused)}",
+    ]
+    return "\n".join(lines) + "\n"

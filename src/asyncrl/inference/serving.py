@@ -1,0 +1,80 @@
+"""What the HTTP handlers share: the server state, and running one request to completion.
+
+`collect` accumulates a request's RequestOutput deltas and aborts the request when the HTTP
+client disconnects before it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.inference.async_engine import AsyncEngine
+from asyncrl.inference.request import RequestOutput, SamplingOptions
+
+__all__ = ["ClientDisconnected", "Collected", "ServerState", "collect"]
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its request has been aborted."""
+
+
+@dataclass(kw_only=True)
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any  # a transformers tokenizer; only the OpenAI endpoints use it
+    config: InferenceConfig
+    model_name: str
+    num_requests: int = 0
+    num_request_errors: int = 0
+
+
+@dataclass(kw_only=True)
+class Collected:
+    """A finished request, accumulated from its RequestOutput deltas."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = "abort"
+    num_cached_tokens: int = 0
+    routed_experts: np.ndarray | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs
+        self.versions += out.new_versions
+        if out.finished:
+            self.finish_reason = out.finish_reason.value
+            self.num_cached_tokens = out.num_cached_tokens
+            self.routed_experts = out.routed_experts
+
+
+async def collect(
+    state: ServerState, http: Request, prompt: list[int], options: SamplingOptions, **kwargs: Any
+) -> Collected:
+    """Run one request to completion; abort it if the client disconnects meanwhile."""
+    result = Collected()
+
+    async def consume() -> None:
+        async for out in state.engine.generate(uuid.uuid4().hex, prompt, options, **kwargs):
+            result.add(out)
+
+    task = asyncio.ensure_future(consume())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            task.result()  # re-raises InvalidRequestError
+            return result
+        if await http.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientDisconnected

@@ -1,0 +1,61 @@
+"""Helpers of the engine tests: run to completion, teacher-forced logprobs, step-by-step greedy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncrl.inference import Engine, RequestOutput
+from asyncrl.model import Transformer
+
+
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    final: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.tokens += out.new_token_ids
+        self.logprobs += out.new_logprobs
+        self.versions += out.new_versions
+        if out.finished:
+            self.final = out
+
+
+def drain(
+    engine: Engine, results: dict[str, Result] | None = None, max_steps: int = 10_000
+) -> dict[str, Result]:
+    results = {} if results is None else results
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return results
+        for out in engine.step():
+            results.setdefault(out.request_id, Result()).add(out)
+    raise AssertionError("engine did not finish")
+
+
+def teacher_logprobs(
+    model: Transformer, prompt: list[int], tokens: list[int], temperature: float, **kw
+) -> torch.Tensor:
+    """Teacher-forced logprobs of `tokens` after `prompt` under softmax(logits / temperature)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens]), **kw).logits[0, len(prompt) - 1 : -1].float()
+    t = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits / t, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def greedy_reference(model: Transformer, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding with the plain model, recomputing the whole sequence at each step."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
