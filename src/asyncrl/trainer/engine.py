@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,9 +99,12 @@ class StepEngine:
         skipped = num_loss_tokens == 0 or not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm))
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()" is intended here
+                warnings.simplefilter("ignore", UserWarning)
+                self.scheduler.step()  # the schedule follows step numbers, applied or not
         else:
             self.optimizer.step()
-        self.scheduler.step()  # the schedule follows step numbers, applied or not
+            self.scheduler.step()
         denom = max(num_loss_tokens, 1.0)
         return StepResult(
             skipped=skipped,

@@ -64,6 +64,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+_CONSOLE_KEYS = (
+    "loss", "entropy", "mismatch_kl", "masked_fraction", "grad_norm", "lr", "tokens_per_s", "mfu",
+    "peak_memory_gb", "staleness_mean", "staleness_max", "reward_mean",
+)  # fmt: skip
+
+
 class MetricsLogger:
     """Appends one JSON line per step to `path` and prints a one-line summary (main rank only)."""
 
@@ -81,9 +87,12 @@ class MetricsLogger:
 
     @staticmethod
     def format_line(record: dict[str, Any]) -> str:
+        """The console summary: the headline metrics only (metrics.jsonl has everything)."""
         parts = [f"step {record['step']}"]
-        for key, value in record.items():
-            if key == "step":
-                continue
-            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+        if record.get("skipped"):
+            parts.append("SKIPPED (non-finite loss or grad, or no loss tokens; weights unchanged)")
+        for key in _CONSOLE_KEYS:
+            if key in record:
+                value = record[key]
+                parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
         return " | ".join(parts)

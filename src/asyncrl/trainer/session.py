@@ -102,7 +102,13 @@ class TrainSession:
         record["peak_memory_gb"] = peak_memory_bytes(self.info.device) / 1e9
         return record
 
-    def end_step(self, step: int, result: StepResult, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def end_step(
+        self,
+        step: int,
+        result: StepResult,
+        extra: dict[str, Any] | None = None,
+        drop_keys: tuple[str, ...] = (),
+    ) -> dict[str, Any]:
         """Publish v_step, checkpoint on the interval (and at the last step), log the metrics."""
         cfg = self.cfg
         if step % cfg.publish.interval == 0 or step == cfg.max_steps:
@@ -119,6 +125,8 @@ class TrainSession:
                 cfg.checkpoint.keep_last,
             )
         record = self.step_metrics(step, result) | (extra or {})
+        for key in drop_keys:
+            record.pop(key, None)
         self.logger.log(record)
         return record
 

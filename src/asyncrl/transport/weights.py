@@ -54,6 +54,7 @@ def stage_weights(run_dir: str | os.PathLike, step: int, keep_last: int | None =
     try:
         yield tmp
         if final.exists():
+            (final / STABLE_MARKER).unlink(missing_ok=True)
             shutil.rmtree(final)
         os.rename(tmp, final)
     except BaseException:

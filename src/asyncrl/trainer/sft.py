@@ -1,0 +1,67 @@
+"""`asyncrl sft @ sft.toml [--dotted.key value]`: supervised fine-tuning with the RL trainer's machinery.
+
+    asyncrl sft @ sft.toml --data.path data/chat.jsonl --max-steps 200 --run-dir outputs/sft
+
+Each step takes `data.batch_size` sequences (see asyncrl.trainer.sft_data for the JSONL forms),
+this rank's share of them, packs them into rows of at most seq_len tokens and minimises the
+cross-entropy of the loss tokens, normalised by the global loss-token count. The optimizer,
+schedule, checkpoints (`--resume`), weight publishing (`RUN/weights/step_n/`) and metrics are the
+ones the RL trainer uses, so the output directory serves as the base model of an RL run.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from asyncrl.config import load_config
+from asyncrl.config.trainer import SFTConfig
+from asyncrl.trainer.loss import LossInputs, LossResult, sft_loss
+from asyncrl.trainer.packing import pack_samples, shard_samples
+from asyncrl.trainer.session import TrainSession
+from asyncrl.trainer.sft_data import JsonlSFTSource, SFTSource
+
+__all__ = ["main", "run_sft"]
+
+# RL-only metrics that mean nothing for supervised data.
+_RL_ONLY = ("masked_fraction", "mismatch_kl", "staleness_mean", "staleness_max")
+
+
+def _loss(inputs: LossInputs, num_loss_tokens: float) -> LossResult:
+    return sft_loss(inputs, num_loss_tokens)
+
+
+def build_source(cfg: SFTConfig) -> SFTSource:
+    tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.path))
+    d = cfg.data
+    return JsonlSFTSource(
+        d.path, tokenizer, batch_size=d.batch_size, seq_len=cfg.seq_len, seed=cfg.seed, shuffle=d.shuffle
+    )
+
+
+def run_sft(cfg: SFTConfig, source: SFTSource | None = None) -> list[dict[str, Any]]:
+    """Train from session.start_step + 1 to cfg.max_steps; returns the metric records (main rank)."""
+    source = source or build_source(cfg)
+    session = TrainSession.build(cfg)
+    records = []
+    try:
+        for step in range(session.start_step + 1, cfg.max_steps + 1):
+            mine = shard_samples(source.batch(step), session.info.rank, session.info.world_size)
+            micro_batches = pack_samples(mine, cfg.seq_len, replay=False)
+            result = session.engine.step(micro_batches, _loss, step)
+            records.append(session.end_step(step, result, drop_keys=_RL_ONLY))
+    finally:
+        session.close()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config(SFTConfig, list(sys.argv[1:] if argv is None else argv))
+    run_sft(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""End-to-end RL trainer runs on a tiny HF-format model: publishing, metrics, crash and resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.config import load_config
+from asyncrl.config.trainer import RLTrainerConfig
+from asyncrl.launcher.init_model import init_model
+from asyncrl.model import from_pretrained
+from asyncrl.trainer.rl import run_rl
+from asyncrl.trainer.synthetic import synthetic_batch
+from asyncrl.transport import (
+    STABLE_MARKER,
+    RolloutTimeoutError,
+    batch_dir,
+    stable_steps,
+    weights_dir,
+    write_batch,
+)
+from asyncrl.wire import BatchFormatError, RolloutBatch
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny-moe"
+    init_model("tiny-moe", path, seed=0)
+    return path
+
+
+def _batches(model_dir, steps: int) -> list[RolloutBatch]:
+    model = from_pretrained(model_dir)
+    return [
+        synthetic_batch(model, step=s, num_samples=6, prompt_len=8, completion_len=16, seed=s)
+        for s in range(1, steps + 1)
+    ]
+
+
+def _cfg(model_dir, run_dir, **overrides) -> RLTrainerConfig:
+    base = {
+        "model": {"path": str(model_dir)},
+        "run_dir": str(run_dir),
+        "max_steps": 4,
+        "seq_len": 64,
+        "optim": {"lr": 2e-3},
+        "schedule": {"kind": "cosine", "warmup_steps": 1},
+        "checkpoint": {"interval": 2},
+        "publish": {"keep_last": 2},
+        "batch_timeout_s": 0.5,
+        "peak_flops": 1e11,
+    }
+    return load_config(RLTrainerConfig, base | overrides)
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_publishes_weights_transformers_can_load(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for b in _batches(model_dir, 3):
+        write_batch(tmp_path, b)
+    records = run_rl(_cfg(model_dir, tmp_path, max_steps=3))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    logged = _metrics(tmp_path)
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    for key in ("loss", "entropy", "mismatch_kl", "masked_fraction", "grad_norm", "lr", "tokens_per_s", "mfu",
+                "peak_memory_gb", "staleness_mean", "staleness_max"):  # fmt: skip
+        assert all(np.isfinite(r[key]) for r in logged), key
+    assert logged[0]["mismatch_kl"] < 1e-9 and logged[1]["mismatch_kl"] > 0  # batch 2 came from v0, not v1
+    assert stable_steps(tmp_path) == [2, 3]
+    final = weights_dir(tmp_path, 3)
+    assert (final / STABLE_MARKER).is_file() and (final / "tokenizer.json").is_file()
+
+    ours = from_pretrained(final)
+    theirs = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    ids = torch.tensor([list(b"published weights")])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, rtol=1e-4, atol=1e-4)
+    assert AutoTokenizer.from_pretrained(final).encode("hi", add_special_tokens=False) == [104, 105]
+    base = from_pretrained(model_dir)
+    assert not torch.equal(base.lm_head.weight, ours.lm_head.weight)
+
+
+def test_crash_and_resume_matches_the_uninterrupted_run(model_dir, tmp_path):
+    batches = _batches(model_dir, 4)
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    for b in batches:
+        write_batch(straight, b)
+    run_rl(_cfg(model_dir, straight))
+
+    for b in batches[:3]:
+        write_batch(crashed, b)
+    with pytest.raises(RolloutTimeoutError, match="step 4"):
+        run_rl(_cfg(model_dir, crashed))  # dies waiting for batch 4: step 3 done, last checkpoint at 2
+    assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_2"]
+    write_batch(crashed, batches[3])
+    resumed = run_rl(_cfg(model_dir, crashed, resume=True))
+    assert [r["step"] for r in resumed] == [3, 4]
+
+    want = {r["step"]: r for r in _metrics(straight)}
+    for r in resumed:
+        assert r["loss"] == want[r["step"]]["loss"], r["step"]
+        assert r["grad_norm"] == want[r["step"]]["grad_norm"]
+        assert r["lr"] == want[r["step"]]["lr"]
+    a, b = from_pretrained(weights_dir(straight, 4)), from_pretrained(weights_dir(crashed, 4))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_resume_step_selects_an_older_checkpoint(model_dir, tmp_path):
+    for b in _batches(model_dir, 4):
+        write_batch(tmp_path, b)
+    first = run_rl(_cfg(model_dir, tmp_path, checkpoint={"interval": 1, "keep_last": 4}))
+    again = run_rl(_cfg(model_dir, tmp_path, resume_step=2))
+    assert [r["step"] for r in again] == [3, 4]
+    assert again[0]["loss"] == first[2]["loss"]
+    with pytest.raises(ValueError, match=r"no complete checkpoint at .*step_9"):
+        run_rl(_cfg(model_dir, tmp_path, resume_step=9))
+
+
+def test_batch_with_wrong_routing_shape_names_the_file_and_field(model_dir, tmp_path):
+    batch = _batches(model_dir, 1)[0]
+    samples = [dataclasses.replace(s, routed_experts=s.routed_experts[:, :3]) for s in batch.samples]
+    write_batch(tmp_path, RolloutBatch(step=1, samples=samples))
+    with pytest.raises(
+        BatchFormatError, match=rf"{batch_dir(tmp_path, 1)}: sample 0: field 'routed_experts'"
+    ):
+        run_rl(_cfg(model_dir, tmp_path, max_steps=1))
+
+
+def test_cli_entry_point(model_dir, tmp_path):
+    from asyncrl.launcher.cli import main
+
+    write_batch(tmp_path, _batches(model_dir, 1)[0])
+    toml = tmp_path / "rl.toml"
+    toml.write_text(f'run_dir = "{tmp_path}"\nmax_steps = 1\n[model]\npath = "{model_dir}"\n')
+    assert main(["trainer", "@", str(toml), "--seq-len", "64", "--peak-flops", "1e11"]) == 0
+    assert stable_steps(tmp_path) == [1]
+    shutil.rmtree(tmp_path / "weights")

@@ -1,0 +1,44 @@
+"""`asyncrl sft` end to end on a tiny model: the loss falls and the output is a publishable model."""
+
+from __future__ import annotations
+
+import json
+
+from asyncrl.config import load_config
+from asyncrl.config.trainer import SFTConfig
+from asyncrl.launcher.init_model import init_model
+from asyncrl.trainer.sft import run_sft
+from asyncrl.transport import stable_steps, weights_dir
+
+
+def test_sft_learns_a_fixed_answer_and_publishes(tmp_path):
+    model_dir = tmp_path / "model"
+    init_model("tiny-dense", model_dir, seed=0)
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "ok!"}]}
+        for i in range(4)
+    ]
+    rows += [{"prompt": f"say {i}:", "completion": "ok!"} for i in range(4)]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = load_config(
+        SFTConfig,
+        {
+            "model": {"path": str(model_dir)},
+            "run_dir": str(tmp_path / "run"),
+            "max_steps": 12,
+            "seq_len": 96,
+            "optim": {"lr": 3e-3},
+            "data": {"path": str(data), "batch_size": 4},
+            "checkpoint": {"interval": 6},
+            "publish": {"keep_last": 1},
+            "peak_flops": 1e11,
+        },
+    )
+    records = run_sft(cfg)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert records[-1]["loss"] < 0.5 * records[0]["loss"], [r["loss"] for r in records]
+    assert "mismatch_kl" not in records[0] and "staleness_mean" not in records[0]
+    assert stable_steps(cfg.run_dir) == [12]
+    assert (weights_dir(cfg.run_dir, 12) / "chat_template.jinja").is_file()
+    assert sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir()) == ["step_12", "step_6"]

@@ -1,0 +1,148 @@
+"""Loss variants on hand-computed examples, masking boundaries, and the on-policy identities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncrl.config.trainer import LossConfig
+from asyncrl.trainer.loss import LossInputs, mismatch_kl, rl_loss, sft_loss
+
+PI = [0.5, 0.5, 0.2, 0.9]
+MU = [0.4, 0.8, 0.5, 0.6]
+ADV = [1.0, 1.0, -1.0, -1.0]
+RATIO = [p / m for p, m in zip(PI, MU)]  # 1.25, 0.625, 0.4, 1.5
+KL_COEF = 0.1
+
+
+def _inputs(pi=PI, mu=MU, adv=ADV, mask=None, seq_ids=None) -> LossInputs:
+    n = len(pi)
+    return LossInputs(
+        logprobs=torch.tensor(pi, dtype=torch.float64).log().requires_grad_(),
+        inference_logprobs=torch.tensor(mu, dtype=torch.float64).log(),
+        advantages=torch.tensor(adv, dtype=torch.float64),
+        loss_mask=torch.ones(n, dtype=torch.bool) if mask is None else torch.tensor(mask),
+        seq_ids=torch.zeros(n, dtype=torch.long) if seq_ids is None else torch.tensor(seq_ids),
+    )
+
+
+def _expected(keep: list[bool], weights: list[float], num_loss_tokens: float) -> tuple[float, list[float]]:
+    """Loss value and d loss / d logpi for a -r*A policy-gradient term plus kl_coef * (log r)^2."""
+    loss, grads = 0.0, []
+    for k, w, a, r in zip(keep, weights, ADV, RATIO):
+        pen = KL_COEF * math.log(r) ** 2
+        loss += (-w * a if k else 0.0) + pen
+        grads.append(((-w * a) if k else 0.0) + 2 * KL_COEF * math.log(r))
+    return loss / num_loss_tokens, [g / num_loss_tokens for g in grads]
+
+
+def _check(cfg: LossConfig, inp: LossInputs, keep, weights, num_loss_tokens=8.0, masked=None):
+    res = rl_loss(inp, cfg, num_loss_tokens)
+    res.loss.backward()
+    want_loss, want_grad = _expected(keep, weights, num_loss_tokens)
+    assert res.loss.item() == pytest.approx(want_loss, rel=1e-12)
+    assert inp.logprobs.grad.tolist() == pytest.approx(want_grad, rel=1e-12)
+    assert res.num_masked.item() == (masked if masked is not None else keep.count(False))
+    assert res.num_loss_tokens.item() == 4
+    return res
+
+
+def test_trust_region_masks_in_the_advantage_direction():
+    # pi - mu = [0.1, -0.3, -0.3, 0.3]: only token 2 (A < 0, pi fell by 0.3 > delta_low) leaves the region.
+    # Token 1 fell by 0.3 too, but its advantage is positive, so the update pushes it back: kept.
+    # Token 3 rose by 0.3, but its advantage is negative: kept.
+    cfg = LossConfig(variant="trust_region", delta_low=0.2, delta_high=0.2, kl_coef=KL_COEF)
+    _check(cfg, _inputs(), keep=[True, True, False, True], weights=RATIO)
+
+
+def test_trust_region_boundaries():
+    cfg = LossConfig(variant="trust_region", delta_low=0.2, delta_high=0.1, kl_coef=0.0)
+    mu = [0.5, 0.5, 0.5, 0.5]
+    pi = [0.6 - 1e-6, 0.6 + 1e-6, 0.3 + 1e-6, 0.3 - 1e-6]  # just inside/outside +0.1 and -0.2
+    res = rl_loss(_inputs(pi=pi, mu=mu, adv=[1.0, 1.0, -1.0, -1.0]), cfg, 4.0)
+    assert res.num_masked.item() == 2
+    # The masked tokens get no gradient at all.
+    inp = _inputs(pi=pi, mu=mu, adv=[1.0, 1.0, -1.0, -1.0])
+    rl_loss(inp, cfg, 4.0).loss.backward()
+    g = inp.logprobs.grad
+    assert g[1] == 0 and g[3] == 0 and g[0] != 0 and g[2] != 0
+
+
+def test_tis_truncates_a_detached_weight():
+    cfg = LossConfig(variant="tis", tis_cap=1.3, kl_coef=KL_COEF)
+    inp = _inputs()
+    res = rl_loss(inp, cfg, 8.0)
+    res.loss.backward()
+    w = [min(r, 1.3) for r in RATIO]
+    # value: -w * logpi * A; gradient: -w * A (w is a constant), plus the penalty.
+    want = (
+        sum(-wi * math.log(p) * a + KL_COEF * math.log(r) ** 2 for wi, p, a, r in zip(w, PI, ADV, RATIO)) / 8
+    )
+    assert res.loss.item() == pytest.approx(want, rel=1e-12)
+    want_grad = [(-wi * a + 2 * KL_COEF * math.log(r)) / 8 for wi, a, r in zip(w, ADV, RATIO)]
+    assert inp.logprobs.grad.tolist() == pytest.approx(want_grad, rel=1e-12)
+    assert res.num_masked.item() == 0
+
+
+def test_mis_masks_ratios_outside_bounds():
+    cfg = LossConfig(variant="mis", mis_low=0.5, mis_high=1.4, kl_coef=KL_COEF)
+    _check(cfg, _inputs(), keep=[True, True, False, False], weights=RATIO)  # r = 0.4 and 1.5 are out
+
+
+def test_mis_bounds_are_inclusive():
+    cfg = LossConfig(variant="mis", mis_low=0.5, mis_high=2.0, kl_coef=0.0)
+    res = rl_loss(_inputs(pi=[0.25, 0.5, 0.2, 0.9], mu=[0.5, 0.25, 0.4, 0.45]), cfg, 4.0)
+    assert res.num_masked.item() == 0  # ratios exactly 0.5 and 2.0 stay
+
+
+def test_sequence_masking_drops_whole_sequences():
+    # geometric-mean ratios: seq 0 sqrt(1.25 * 0.625) = 0.884, seq 1 sqrt(0.4 * 1.5) = 0.775
+    cfg = LossConfig(variant="sequence", seq_low=0.8, seq_high=1.2, kl_coef=KL_COEF)
+    _check(cfg, _inputs(seq_ids=[0, 0, 1, 1]), keep=[True, True, False, False], weights=RATIO)
+    cfg = LossConfig(variant="sequence", seq_low=0.7, seq_high=1.2, kl_coef=KL_COEF)
+    _check(cfg, _inputs(seq_ids=[0, 0, 1, 1]), keep=[True] * 4, weights=RATIO)
+
+
+def test_tokens_outside_the_loss_mask_do_not_count():
+    cfg = LossConfig(kl_coef=KL_COEF)
+    pi, mu = [*PI, 0.01], [*MU, 0.99]  # a wild prompt token that must be ignored
+    inp = _inputs(pi=pi, mu=mu, adv=[*ADV, 5.0], mask=[True] * 4 + [False])
+    res = rl_loss(inp, cfg, 8.0)
+    res.loss.backward()
+    assert res.num_loss_tokens.item() == 4 and inp.logprobs.grad[4] == 0
+    assert res.loss.item() == pytest.approx(_expected([True, True, False, True], RATIO, 8.0)[0], rel=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["trust_region", "tis", "mis", "sequence"])
+def test_on_policy_ratio_is_one_and_kl_zero(variant):
+    lp = torch.tensor([-0.3, -1.2, -2.0, -0.1], dtype=torch.float64)
+    inp = LossInputs(
+        logprobs=lp.clone().requires_grad_(),
+        inference_logprobs=lp.clone(),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64),
+        loss_mask=torch.ones(4, dtype=torch.bool),
+        seq_ids=torch.tensor([0, 0, 1, 1]),
+    )
+    res = rl_loss(inp, LossConfig(variant=variant), 4.0)
+    res.loss.backward()
+    assert res.mismatch_kl_sum.item() == 0.0 and res.num_masked.item() == 0
+    # With r == 1 every variant is the plain policy gradient -A * grad(logpi) / N.
+    assert inp.logprobs.grad.tolist() == pytest.approx([-0.25, 0.25, -0.125, 0.125], rel=1e-12)
+
+
+def test_mismatch_kl_is_k3():
+    log_r = torch.tensor([0.0, math.log(2.0), math.log(0.5)], dtype=torch.float64)
+    assert mismatch_kl(log_r).tolist() == pytest.approx([0.0, 2 - math.log(2) - 1, 0.5 + math.log(2) - 1])
+
+
+def test_sft_loss_is_mean_negative_logprob_over_loss_tokens():
+    inp = _inputs(mask=[False, True, True, True])
+    res = sft_loss(inp, 3.0)
+    assert res.loss.item() == pytest.approx(-(math.log(0.5) + math.log(0.2) + math.log(0.9)) / 3)
+
+
+def test_config_rejects_inverted_bounds():
+    with pytest.raises(ValueError, match="mis_low"):
+        LossConfig(variant="mis", mis_low=2.0, mis_high=1.0)
