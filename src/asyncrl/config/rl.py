@@ -101,15 +101,25 @@ class RLConfig(BaseConfig):
                 )
         d = self.deployment
         inference = [
-            _section(InferenceConfig, "inference", self.inference | {"model": self.model, "host": d.host,
-                     "port": d.base_port + i, "seed": self.seed + i})  # fmt: skip
+            _section(
+                InferenceConfig,
+                "inference",
+                self.inference
+                | {"model": self.model, "host": d.host, "port": d.base_port + i, "seed": self.seed + i},
+            )
             for i in range(d.num_inference_servers)
         ]
         orchestrator = _section(
             OrchestratorConfig,
             "orchestrator",
-            self.orchestrator | {"model": self.model, "run_dir": self.run_dir, "max_steps": self.max_steps,
-                                 "servers": self.server_urls, "seed": self.seed},  # fmt: skip
+            self.orchestrator
+            | {
+                "model": self.model,
+                "run_dir": self.run_dir,
+                "max_steps": self.max_steps,
+                "servers": self.server_urls,
+                "seed": self.seed,
+            },
         )
         trainer_model = dict(self.trainer.get("model", {}))
         if "path" in trainer_model:
@@ -119,8 +129,14 @@ class RLConfig(BaseConfig):
         trainer = _section(
             RLTrainerConfig,
             "trainer",
-            trainer_cfg | {"model": trainer_model, "run_dir": self.run_dir, "max_steps": self.max_steps,
-                           "seq_len": self.seq_len, "seed": self.seed},  # fmt: skip
+            trainer_cfg
+            | {
+                "model": trainer_model,
+                "run_dir": self.run_dir,
+                "max_steps": self.max_steps,
+                "seq_len": self.seq_len,
+                "seed": self.seed,
+            },
         )
         return ResolvedRL(inference=inference, orchestrator=orchestrator, trainer=trainer)
 

@@ -20,7 +20,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("asyncrl.trainer.rl:main", "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)"),
     "orchestrator": ("asyncrl.orchestrator.main:main", "rollouts over HTTP -> RUN/rollouts/step_n (asyncio)"),
     "sft": ("asyncrl.trainer.sft:main", "supervised fine-tuning on chat / prompt-completion JSONL"),
-    "inference": ("asyncrl.inference.main:main", "serve a model: embedded engine, OpenAI-compatible HTTP API"),
+    "rl": ("asyncrl.launcher.rl:main", "asynchronous RL: inference + orchestrator + trainer, supervised"),
+    "inference": (
+        "asyncrl.inference.main:main",
+        "serve a model: embedded engine, OpenAI-compatible HTTP API",
+    ),
 }
 
 

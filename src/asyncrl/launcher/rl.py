@@ -1,0 +1,129 @@
+"""`asyncrl rl @ config.toml [--dotted.key value ...]`: asynchronous RL in one command.
+
+Starts the inference server(s), the orchestrator and the trainer (through torchrun when
+`deployment.trainer_nproc` > 1) as child processes, each logging to RUN/logs/<name>.log, with the
+resolved config of every process written to RUN/configs/. Progress lines of the orchestrator and
+the trainer are echoed to the console. When one process fails, or on Ctrl-C, everything is
+stopped and the exit code is non-zero, naming the failing process.
+
+Top-level keys: model, run_dir, max_steps, seq_len, seed, and the tables [deployment],
+[inference], [orchestrator], [trainer] (see docs/configuration.md). Any key can be overridden on
+the command line: `--orchestrator.batch_size 32 --trainer.optim.lr 1e-4`.
+
+Other flags:
+  --dry-run     resolve and write the configs, print the commands, start nothing
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import tomli_w
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.config.rl import ResolvedRL, RLConfig
+from asyncrl.launcher.supervisor import ChildSpec, Supervisor
+
+__all__ = ["build_children", "main", "write_configs"]
+
+
+def _dump(model) -> dict:
+    return model.model_dump(mode="json", exclude_none=True)
+
+
+def write_configs(cfg: RLConfig, resolved: ResolvedRL) -> dict[str, Path]:
+    configs = Path(cfg.run_dir) / "configs"
+    configs.mkdir(parents=True, exist_ok=True)
+    files = {"rl": configs / "rl.toml"}
+    files["rl"].write_text(tomli_w.dumps(_dump(cfg)))
+    for i, inf in enumerate(resolved.inference):
+        files[f"inference-{i}"] = configs / f"inference-{i}.toml"
+        files[f"inference-{i}"].write_text(tomli_w.dumps(_dump(inf)))
+    for name in ("orchestrator", "trainer"):
+        files[name] = configs / f"{name}.toml"
+        files[name].write_text(tomli_w.dumps(_dump(getattr(resolved, name))))
+    return files
+
+
+def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) -> list[ChildSpec]:
+    logs = Path(cfg.run_dir) / "logs"
+    py = [sys.executable, "-m", "asyncrl"]
+    children = []
+    for i in range(len(resolved.inference)):
+        env = {}
+        if cfg.deployment.inference_devices:
+            env["CUDA_VISIBLE_DEVICES"] = cfg.deployment.inference_devices[i]
+        children.append(
+            ChildSpec(
+                name=f"inference-{i}",
+                argv=[*py, "inference", "@", str(files[f"inference-{i}"])],
+                log=logs / f"inference-{i}.log",
+                env=env,
+            )
+        )
+    children.append(
+        ChildSpec(
+            name="orchestrator",
+            argv=[*py, "orchestrator", "@", str(files["orchestrator"])],
+            log=logs / "orchestrator.log",
+            echo_prefixes=("[orchestrator]",),
+            may_exit_ok=True,
+        )
+    )
+    nproc = cfg.deployment.trainer_nproc
+    if nproc > 1:
+        trainer_cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "asyncrl",
+            "trainer",
+        ]
+    else:
+        trainer_cmd = [*py, "trainer"]
+    env = {"CUDA_VISIBLE_DEVICES": cfg.deployment.trainer_devices} if cfg.deployment.trainer_devices else {}
+    children.append(
+        ChildSpec(
+            name="trainer",
+            argv=[*trainer_cmd, "@", str(files["trainer"])],
+            log=logs / "trainer.log",
+            env=env,
+            echo_prefixes=("step ",),
+            done_ok=True,
+        )
+    )
+    return children
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    dry_run = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
+    try:
+        cfg = load_config(RLConfig, argv)
+        resolved = cfg.resolve()
+    except ConfigError as e:
+        print(f"asyncrl rl: {e}", file=sys.stderr)
+        return 2
+    files = write_configs(cfg, resolved)
+    children = build_children(cfg, resolved, files)
+    print(
+        f"asyncrl rl: run dir {cfg.run_dir}; configs in {files['rl'].parent}; logs in {Path(cfg.run_dir) / 'logs'}"
+    )
+    for child in children:
+        print(f"  {child.name}: {shlex.join(child.argv)}")
+    if dry_run:
+        return 0
+    code = Supervisor(children).run()
+    print(
+        f"asyncrl rl: {'finished' if code == 0 else 'FAILED'} (exit {code})",
+        file=sys.stderr if code else sys.stdout,
+    )
+    return code

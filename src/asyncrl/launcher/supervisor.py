@@ -1,0 +1,146 @@
+"""Start child processes, stream their logs, and stop them all together.
+
+Each child runs in its own process group (so a stop reaches its grandchildren, e.g. torchrun's
+workers) and, on Linux, gets SIGTERM if the launcher itself dies, so no orphans are left behind.
+Output goes to `RUN/logs/<name>.log`; lines matching a child's `echo` prefix are also printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["ChildSpec", "Supervisor"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError):  # not Linux: the launcher's own signal handlers still stop children
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChildSpec:
+    """One process to supervise. `done_ok`: an exit 0 of this child means the run succeeded."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    echo_prefixes: tuple[str, ...] = ()
+    done_ok: bool = False
+    may_exit_ok: bool = False  # exiting 0 before the run ends is normal (e.g. the orchestrator)
+
+
+class _Child:
+    def __init__(self, spec: ChildSpec) -> None:
+        self.spec = spec
+        spec.log.parent.mkdir(parents=True, exist_ok=True)
+        self.tail: deque[str] = deque(maxlen=40)
+        self.proc = subprocess.Popen(
+            spec.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=os.environ | spec.env | {"PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            text=True,
+            bufsize=1,
+        )
+        self.reader = threading.Thread(target=self._pump, daemon=True)
+        self.reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        with self.spec.log.open("a") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                self.tail.append(line.rstrip("\n"))
+                if self.spec.echo_prefixes and line.startswith(self.spec.echo_prefixes):
+                    print(f"[{self.spec.name}] {line.rstrip()}" if not line.startswith("[") else line.rstrip(),
+                          flush=True)  # fmt: skip
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+
+class Supervisor:
+    """Runs children until the `done_ok` one exits 0 (success), any child fails, or a signal arrives."""
+
+    def __init__(self, specs: list[ChildSpec], *, stop_timeout_s: float = 15.0, poll_s: float = 0.2) -> None:
+        self.specs, self.stop_timeout_s, self.poll_s = specs, stop_timeout_s, poll_s
+        self.children: list[_Child] = []
+        self._signalled: int | None = None
+        self.failed: str | None = None
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._signalled = signum
+
+    def run(self) -> int:
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for spec in self.specs:
+                self.children.append(_Child(spec))
+            return self._watch()
+        finally:
+            self.stop_all()
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+    def _watch(self) -> int:
+        while True:
+            if self._signalled is not None:
+                print(f"asyncrl: received {signal.Signals(self._signalled).name}, stopping all processes",
+                      file=sys.stderr)  # fmt: skip
+                return 130
+            for child in self.children:
+                code = child.proc.poll()
+                if code is None:
+                    continue
+                if code == 0 and child.spec.done_ok:
+                    return 0
+                if code == 0 and child.spec.may_exit_ok:
+                    continue
+                self._report_failure(child, code)
+                return 1
+            time.sleep(self.poll_s)
+
+    def _report_failure(self, child: _Child, code: int) -> None:
+        self.failed = child.spec.name
+        child.reader.join(timeout=2)
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        tail = "\n".join(f"    {line}" for line in list(child.tail)[-15:])
+        print(
+            f"asyncrl: process '{child.spec.name}' {how}; stopping the others.\n"
+            f"  log: {child.spec.log}\n  last lines:\n{tail}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def stop_all(self) -> None:
+        alive = [c for c in self.children if c.proc.poll() is None]
+        for c in alive:
+            c.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
+        for c in alive:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.signal(signal.SIGKILL)
+                c.proc.wait()
+        for c in self.children:  # grandchildren left in a group whose leader already exited
+            c.signal(signal.SIGKILL)
+            c.reader.join(timeout=2)
