@@ -1,0 +1,130 @@
+"""Asynchronous versus synchronous RL on the same env with heavy-tailed latency, in one run.
+
+    python benchmarks/bench_async.py [--steps 8] [--median-s 0.4] [--sigma 1.2] [--no-write]
+
+Runs `asyncrl rl` twice on a fresh tiny MoE (`reverse-text`, lognormal delay on every episode step):
+once with max_async_steps = 0 (synchronous, on-policy) and once with max_async_steps = 2
+(max_off_policy_steps = 2). Reports wall time for N steps, the speed-up, the final reward, and how
+long inference sat idle waiting for weights. Appends a section "## Async vs sync" to BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_model import _write_section  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(model: Path, run_dir: Path, steps: int, median_s: float, sigma: float, lag: int) -> str:
+    return f"""
+model = "{model}"
+run_dir = "{run_dir}"
+max_steps = {steps}
+seq_len = 1024
+
+[deployment]
+base_port = {_free_port()}
+
+[inference]
+max_num_seqs = 64
+
+[orchestrator]
+batch_size = 32
+group_size = 8
+max_async_steps = {lag}
+max_off_policy_steps = {lag}
+sampling = {{ temperature = 1.0, max_tokens = 12 }}
+
+[[orchestrator.envs.envs]]
+name = "reverse-text"
+latency = {{ median_s = {median_s}, sigma = {sigma} }}
+
+[trainer]
+optim = {{ lr = 1e-4 }}
+"""
+
+
+def run_mode(model: Path, work: Path, name: str, lag: int, a) -> dict:
+    run_dir = work / name
+    cfg = work / f"{name}.toml"
+    cfg.write_text(_config(model, run_dir, a.steps, a.median_s, a.sigma, lag))
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "rl", "@", str(cfg)], capture_output=True, text=True
+    )
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    orch = [r for r in records if r.get("role") == "orchestrator"]
+    trainer = [r for r in records if r.get("role") != "orchestrator"]
+    return {
+        "mode": name,
+        "wall_s": wall,
+        "reward_first": orch[0]["reward/mean"],
+        "reward_last": orch[-1]["reward/mean"],
+        "idle_s": sum(r["inference/idle_s"] for r in orch),
+        "staleness_max": max(r["staleness/max"] for r in orch),
+        "trainer_steps": len(trainer),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--median-s", type=float, default=0.4)
+    p.add_argument("--sigma", type=float, default=1.2)
+    p.add_argument("--no-write", action="store_true")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = work / "model"
+        subprocess.run([sys.executable, "-m", "asyncrl", "init-model", "--out", str(model)], check=True,
+                       capture_output=True)  # fmt: skip
+        rows = [run_mode(model, work, "sync", 0, a), run_mode(model, work, "async", 2, a)]
+    speedup = rows[0]["wall_s"] / rows[1]["wall_s"]
+    lines = [
+        "| mode | wall s | reward first step | reward last step | inference idle s | max staleness |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {r['mode']} | {r['wall_s']:.1f} | {r['reward_first']:.3f} | {r['reward_last']:.3f} "
+            f"| {r['idle_s']:.1f} | {r['staleness_max']} |"
+            for r in rows
+        ),
+        "",
+        f"Speed-up of async over sync: **{speedup:.2f}x** for {a.steps} steps.",
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if not a.no_write:
+        header = (
+            "## Async vs sync\n\n"
+            f"`reverse-text` with a lognormal delay per episode step (median {a.median_s}s, sigma {a.sigma}); "
+            f"tiny-moe from scratch, batch 32 = 4 groups of 8, {a.steps} steps; sync = max_async_steps 0, "
+            "async = max_async_steps 2 and max_off_policy_steps 2. Same machine, one run.\n"
+            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs. Command: "
+            f"`python benchmarks/bench_async.py --steps {a.steps} --median-s {a.median_s} --sigma {a.sigma}`\n\n"
+        )
+        _write_section(ROOT / "BENCHMARKS.md", "## Async vs sync", header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
