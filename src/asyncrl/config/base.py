@@ -124,23 +124,30 @@ def _fields_at(cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
-def format_validation_error(cls: type[BaseModel], err: ValidationError) -> str:
+def format_validation_error(cls: type[BaseModel], err: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming the dotted key (with `prefix`, e.g. 'orchestrator.')."""
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
-        key = ".".join(str(p) for p in loc)
+        key = prefix + ".".join(str(p) for p in loc)
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             hint = _nearest(str(loc[-1]), _fields_at(cls, loc[:-1]))
             lines.append(f"unknown key '{key}'{hint}")
+        elif loc:
+            lines.append(f"'{key}': {msg}")
         else:
-            lines.append(f"'{key}': {e['msg']}")
+            lines.append(f"{prefix.rstrip('.') or cls.__name__}: {msg}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-def load_config(cls: type[C], argv: list[str] | dict[str, Any]) -> C:
-    """Build `cls` from CLI-style arguments or a plain dict, with errors that name the key."""
+def load_config(cls: type[C], argv: list[str] | dict[str, Any], prefix: str = "") -> C:
+    """Build `cls` from CLI-style arguments or a plain dict, with errors that name the key.
+
+    `prefix` is prepended to every key in error messages (a section of a larger config).
+    """
     data = parse_cli_overrides(argv) if isinstance(argv, list) else argv
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(cls, e)) from None
+        raise ConfigError(format_validation_error(cls, e, prefix)) from None

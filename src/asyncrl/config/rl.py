@@ -142,8 +142,4 @@ class RLConfig(BaseConfig):
 
 
 def _section(cls, name: str, data: dict[str, Any]):
-    try:
-        return load_config(cls, data)
-    except ConfigError as e:
-        msg = str(e).replace("unknown key '", f"unknown key '{name}.").replace("\n  '", f"\n  '{name}.")
-        raise ConfigError(msg) from None
+    return load_config(cls, data, prefix=f"{name}.")

@@ -100,9 +100,29 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
     return children
 
 
+def _keys_help() -> str:
+    from asyncrl.config.inference import InferenceConfig
+    from asyncrl.config.orchestrator import OrchestratorConfig
+    from asyncrl.config.rl import DeploymentConfig
+    from asyncrl.config.trainer import RLTrainerConfig
+
+    sections = {
+        "(top level)": RLConfig,
+        "[deployment]": DeploymentConfig,
+        "[inference]": InferenceConfig,
+        "[orchestrator]": OrchestratorConfig,
+        "[trainer]": RLTrainerConfig,
+    }
+    lines = ["Keys:"]
+    for title, cls in sections.items():
+        lines.append(f"  {title}: " + ", ".join(cls.model_fields))
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
+        print(_keys_help())
         return 0
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]

@@ -1,0 +1,77 @@
+"""`asyncrl rl` config resolution, error messages and the commands it would start (--dry-run)."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.config.rl import RLConfig
+from asyncrl.launcher.cli import main
+
+
+def _cfg(**kw) -> RLConfig:
+    return load_config(RLConfig, {"model": "m", "run_dir": "r", "max_steps": 5, "seq_len": 256} | kw)
+
+
+def test_shared_keys_reach_every_process():
+    cfg = _cfg(
+        deployment={"num_inference_servers": 2, "base_port": 9100},
+        orchestrator={"batch_size": 8, "group_size": 4},
+        trainer={"optim": {"lr": 3e-4}, "model": {"dtype": "bfloat16"}},
+        inference={"max_num_seqs": 7},
+    )
+    r = cfg.resolve()
+    assert [i.port for i in r.inference] == [9100, 9101] and all(i.model == "m" for i in r.inference)
+    assert r.inference[0].max_num_seqs == 7
+    assert r.orchestrator.servers == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
+    assert (r.orchestrator.model, r.orchestrator.run_dir, r.orchestrator.max_steps) == ("m", "r", 5)
+    assert str(r.trainer.model.path) == "m" and r.trainer.model.dtype == "bfloat16"
+    assert (r.trainer.max_steps, r.trainer.seq_len, r.trainer.optim.lr) == (5, 256, 3e-4)
+
+
+def test_section_setting_a_shared_key_is_an_error():
+    with pytest.raises(ConfigError, match=r"\[orchestrator\] sets \['max_steps'\]"):
+        _cfg(orchestrator={"max_steps": 3}).resolve()
+    with pytest.raises(ConfigError, match=r"\[trainer.model\] sets 'path'"):
+        _cfg(trainer={"model": {"path": "other"}}).resolve()
+
+
+def test_unknown_keys_name_the_section_and_nearest_key():
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'orchestrator.batch_sise' \(did you mean 'batch_size'\?\)"
+    ):
+        _cfg(orchestrator={"batch_sise": 8}).resolve()
+    with pytest.raises(ConfigError, match=r"unknown key 'max_step' \(did you mean 'max_steps'\?\)"):
+        load_config(RLConfig, {"model": "m", "max_step": 3})
+    with pytest.raises(
+        ConfigError, match=r"orchestrator: batch_size \(10\) must be a multiple of group_size"
+    ):
+        _cfg(orchestrator={"batch_size": 10, "group_size": 4}).resolve()
+
+
+def test_dry_run_writes_configs_and_prints_commands(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = main(["rl", "--model", "m", "--run-dir", str(run_dir), "--deployment.trainer_nproc", "2",
+                 "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4", "--dry-run"])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "torch.distributed.run --standalone --nproc-per-node=2 -m asyncrl trainer" in out
+    assert "asyncrl inference @" in out and "asyncrl orchestrator @" in out
+    orch = tomllib.loads((run_dir / "configs" / "orchestrator.toml").read_text())
+    assert orch["batch_size"] == 8 and orch["servers"] == ["http://127.0.0.1:8000"]
+    assert not (run_dir / "logs").exists()  # nothing was started
+
+
+def test_bad_config_exits_2_with_message(capsys):
+    assert (
+        main(["rl", "--model", "m", "--orchestrator.group-size", "3", "--orchestrator.batch-size", "8"]) == 2
+    )
+    assert "must be a multiple of group_size" in capsys.readouterr().err
+
+
+def test_help_lists_keys(capsys):
+    assert main(["rl", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "max_async_steps" in out and "[trainer]" in out and "--dry-run" in out
