@@ -64,6 +64,9 @@ class OrchestratorConfig(BaseConfig):
     weights_poll_s: float = Field(0.2, gt=0.0)
     health_poll_s: float = Field(1.0, gt=0.0)
     request_timeout_s: float = Field(600.0, gt=0.0)
+    server_ready_timeout_s: float = Field(
+        600.0, gt=0.0, description="wait at start for every server's /health"
+    )
     seed: int = 0
 
     @model_validator(mode="after")

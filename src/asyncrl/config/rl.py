@@ -55,7 +55,9 @@ class DeploymentConfig(BaseConfig):
         default_factory=list, description="CUDA_VISIBLE_DEVICES per server, e.g. ['0', '1']; empty = inherit"
     )
     trainer_devices: str | None = Field(None, description="CUDA_VISIBLE_DEVICES of the trainer, e.g. '2,3'")
-    ready_timeout_s: float = Field(600.0, gt=0, description="how long the orchestrator waits for servers")
+    max_inference_restarts: int = Field(
+        3, ge=0, description="restarts of a failed inference server before the run stops"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DeploymentConfig:

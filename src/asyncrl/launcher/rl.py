@@ -61,6 +61,7 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
                 argv=[*py, "inference", "@", str(files[f"inference-{i}"])],
                 log=logs / f"inference-{i}.log",
                 env=env,
+                max_restarts=cfg.deployment.max_inference_restarts,
             )
         )
     children.append(

@@ -40,6 +40,7 @@ class ChildSpec:
     echo_prefixes: tuple[str, ...] = ()
     done_ok: bool = False
     may_exit_ok: bool = False  # exiting 0 before the run ends is normal (e.g. the orchestrator)
+    max_restarts: int = 0  # restart after a failure this many times (inference servers) before giving up
 
 
 class _Child:
@@ -47,6 +48,11 @@ class _Child:
         self.spec = spec
         spec.log.parent.mkdir(parents=True, exist_ok=True)
         self.tail: deque[str] = deque(maxlen=40)
+        self.num_restarts = 0
+        self.start()
+
+    def start(self) -> None:
+        spec = self.spec
         self.proc = subprocess.Popen(
             spec.argv,
             stdout=subprocess.PIPE,
@@ -114,17 +120,31 @@ class Supervisor:
                     return 0
                 if code == 0 and child.spec.may_exit_ok:
                     continue
+                if child.num_restarts < child.spec.max_restarts:
+                    self._restart(child, code)
+                    continue
                 self._report_failure(child, code)
                 return 1
             time.sleep(self.poll_s)
 
+    def _restart(self, child: _Child, code: int) -> None:
+        child.reader.join(timeout=2)
+        child.signal(signal.SIGKILL)  # leftovers of its process group
+        child.num_restarts += 1
+        print(
+            f"asyncrl: process '{child.spec.name}' {_how(code)}; restarting "
+            f"({child.num_restarts}/{child.spec.max_restarts}), log: {child.spec.log}",
+            file=sys.stderr,
+            flush=True,
+        )
+        child.start()
+
     def _report_failure(self, child: _Child, code: int) -> None:
         self.failed = child.spec.name
         child.reader.join(timeout=2)
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         tail = "\n".join(f"    {line}" for line in list(child.tail)[-15:])
         print(
-            f"asyncrl: process '{child.spec.name}' {how}; stopping the others.\n"
+            f"asyncrl: process '{child.spec.name}' {_how(code)}; stopping the others.\n"
             f"  log: {child.spec.log}\n  last lines:\n{tail}",
             file=sys.stderr,
             flush=True,
@@ -144,3 +164,7 @@ class Supervisor:
         for c in self.children:  # grandchildren left in a group whose leader already exited
             c.signal(signal.SIGKILL)
             c.reader.join(timeout=2)
+
+
+def _how(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"

@@ -23,12 +23,12 @@ from asyncrl.orchestrator.weights import WeightUpdater
 log = logging.getLogger("asyncrl.orchestrator")
 
 
-async def run_orchestrator(cfg: OrchestratorConfig, ready_timeout_s: float = 600.0) -> None:
+async def run_orchestrator(cfg: OrchestratorConfig) -> None:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     pool = ServerPool(cfg.servers, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)
     try:
-        await pool.wait_ready(ready_timeout_s)
+        await pool.wait_ready(cfg.server_ready_timeout_s)
         dispatcher = Dispatcher(
             cfg, pool, EnvMixture.from_config(cfg.envs), ChatTokenizer.from_pretrained(cfg.model)
         )
@@ -36,7 +36,7 @@ async def run_orchestrator(cfg: OrchestratorConfig, ready_timeout_s: float = 600
         await updater.sync_once()  # resume: servers start from the newest published weights
         background = [
             asyncio.create_task(updater.run()),
-            asyncio.create_task(pool.health_loop(cfg.health_poll_s)),
+            asyncio.create_task(pool.health_loop(cfg.health_poll_s, updater.sync_server)),
         ]
 
         def on_batch(m: dict) -> None:

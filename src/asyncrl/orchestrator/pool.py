@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -152,8 +153,14 @@ class ServerPool:
         results = await asyncio.gather(*(one(s) for s in servers))
         return {s.url: r for s, r in zip(servers, results, strict=True)}
 
-    async def health_loop(self, interval_s: float) -> None:
-        """Forever: probe servers out of rotation and re-admit those that answer /health."""
+    async def health_loop(
+        self, interval_s: float, before_readmit: Callable[[Server], Awaitable[bool]] | None = None
+    ) -> None:
+        """Forever: probe servers out of rotation and re-admit those that answer /health.
+
+        `before_readmit` (the weight updater's) brings a restarted server to the current policy
+        version first; the server stays out if it returns False.
+        """
         while True:
             await asyncio.sleep(interval_s)
             for server in self.servers:
@@ -163,9 +170,10 @@ class ServerPool:
                     r = await server.http.get("/health", timeout=min(interval_s * 2, 5.0))
                 except httpx.HTTPError:
                     continue
-                if r.status_code == 200:
-                    log.warning("inference server %s healthy again, back in rotation", server.url)
-                    server.healthy = True
+                if r.status_code != 200 or (before_readmit is not None and not await before_readmit(server)):
+                    continue
+                log.warning("inference server %s healthy again, back in rotation", server.url)
+                server.healthy = True
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Block until every server answers /health, or raise naming the ones that don't."""

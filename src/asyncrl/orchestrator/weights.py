@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl.orchestrator.pool import ServerPool
+import httpx
+
+from asyncrl.orchestrator.pool import Server, ServerPool
 from asyncrl.transport.weights import latest_stable_step, weights_dir
 
 __all__ = ["WeightUpdater"]
@@ -60,6 +62,22 @@ class WeightUpdater:
         )
         if self.on_version is not None:
             self.on_version(version)
+
+    async def sync_server(self, server: Server) -> bool:
+        """Bring one (restarted) server to the current version before it rejoins; False if it can't."""
+        try:
+            held = (await server.http.get("/weights")).json()["version"]
+            if held < self.version:
+                path = str(weights_dir(self.run_dir, self.version).resolve())
+                r = await server.http.post("/update_weights", json={"path": path, "version": self.version})
+                r.raise_for_status()
+                log.info(
+                    "server %s brought from v%d to v%d before re-admission", server.url, held, self.version
+                )
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            log.warning("server %s: weight sync before re-admission failed: %s", server.url, e)
+            return False
+        return True
 
     def _fail(self, results: dict, what: str) -> None:
         for server in self.pool.servers:

@@ -29,14 +29,16 @@ def free_port() -> int:
 
 
 class FakeServer:
-    def __init__(self, *, seed: int = 0, delay_median_s: float = 0.0, delay_sigma: float = 0.0) -> None:
+    def __init__(
+        self, *, seed: int = 0, delay_median_s: float = 0.0, delay_sigma: float = 0.0, port: int | None = None
+    ) -> None:
         self.version = 0
         self.loaded_paths: list[str] = []
         self.num_requests = 0
         self.paused = False
         self.rng = random.Random(seed)
         self.delay_median_s, self.delay_sigma = delay_median_s, delay_sigma
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = self._build_app()
         self._server: uvicorn.Server | None = None
@@ -72,6 +74,10 @@ class FakeServer:
                 num_cached_tokens=0,
                 routed_experts=routing,
             )
+
+        @app.get("/weights")
+        async def weights():
+            return {"version": self.version, "path": self.loaded_paths[-1] if self.loaded_paths else None}
 
         @app.post("/pause")
         async def pause():

@@ -14,6 +14,7 @@ from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.orchestrator.main import run_orchestrator
 
 from .conftest import fake_trainer
+from .fake_server import FakeServer
 
 
 def _cfg(tmp_path, tokenizer_dir, servers, **kw) -> OrchestratorConfig:
@@ -27,6 +28,7 @@ def _cfg(tmp_path, tokenizer_dir, servers, **kw) -> OrchestratorConfig:
         max_steps=4,
         weights_poll_s=0.02,
         health_poll_s=0.1,
+        server_ready_timeout_s=10,
     )
     return OrchestratorConfig(**(base | kw))
 
@@ -34,7 +36,7 @@ def _cfg(tmp_path, tokenizer_dir, servers, **kw) -> OrchestratorConfig:
 async def _run(cfg: OrchestratorConfig, step_time_s: float = 0.05):
     seen: list = []
     trainer = asyncio.create_task(fake_trainer(cfg.run_dir, cfg.max_steps, seen, step_time_s))
-    await asyncio.wait_for(run_orchestrator(cfg, ready_timeout_s=10), timeout=60)
+    await asyncio.wait_for(run_orchestrator(cfg), timeout=60)
     await asyncio.wait_for(trainer, timeout=10)
     lines = Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
@@ -80,18 +82,30 @@ def test_heavy_tailed_latency_respects_max_off_policy_steps(tmp_path, tokenizer_
     assert dropped >= 1, "heavy-tailed latency with async lag 2 should leave some groups too stale"
 
 
-def test_killed_server_episodes_are_retried_elsewhere(tmp_path, tokenizer_dir, servers):
+def test_killed_server_episodes_are_retried_and_restart_is_readmitted(tmp_path, tokenizer_dir, servers):
     a, b = servers(2, delay_median_s=0.05, delay_sigma=0.5)
-    cfg = _cfg(tmp_path, tokenizer_dir, [a, b], max_steps=5, max_async_steps=1, max_off_policy_steps=2)
+    cfg = _cfg(tmp_path, tokenizer_dir, [a, b], max_steps=8, max_async_steps=1, max_off_policy_steps=2)
+    restarted: list[FakeServer] = []
 
     async def go():
         task = asyncio.create_task(_run(cfg, step_time_s=0.1))
         while a.num_requests < 5:
             await asyncio.sleep(0.01)
         await asyncio.to_thread(a.stop)
-        return await task
+        while not Path(cfg.run_dir, "weights", "step_2", "STABLE").exists():
+            await asyncio.sleep(0.01)
+        # the same address comes back with fresh (v0) weights, like a restarted process
+        restarted.append(FakeServer(seed=7, port=a.port, delay_median_s=0.05).start())
+        try:
+            return await task
+        finally:
+            restarted[0].stop()
 
     batches, records = asyncio.run(go())
-    assert [x.step for x in batches] == [1, 2, 3, 4, 5]
+    assert [x.step for x in batches] == list(range(1, 9))
     assert records[-1]["episodes/retried_total"] >= 1
-    assert b.num_requests > 0
+    again = restarted[0]
+    assert again.loaded_paths, "a re-admitted server must first be brought to the current weights"
+    assert again.num_requests > 0, "the restarted server should be back in rotation"
+    for batch in batches:  # nothing sampled with stale weights slipped in under the restart
+        assert _trained_versions(batch).min() >= batch.step - 1 - cfg.max_off_policy_steps
