@@ -73,16 +73,15 @@ class TokenPolicy:
 
     async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Turn:
         temperature = self.sampling.temperature
-        before = self.trajectory.num_tokens
-        prompt = self.trajectory.extend_prompt(
-            self.tokenizer.render(messages, tools), temperature=temperature
-        )
-        num_new_prompt = self.trajectory.num_tokens - before
-        room = self.max_total_tokens - len(prompt)
+        rendered = self.tokenizer.render(messages, tools)
+        room = self.max_total_tokens - len(rendered)  # checked first: no unused env tokens in the sample
         if room < 1:
             raise EpisodeBudgetExhausted(
-                f"prompt has {len(prompt)} tokens, max_total_tokens={self.max_total_tokens}"
+                f"prompt has {len(rendered)} tokens, max_total_tokens={self.max_total_tokens}"
             )
+        before = self.trajectory.num_tokens
+        prompt = self.trajectory.extend_prompt(rendered, temperature=temperature)
+        num_new_prompt = self.trajectory.num_tokens - before
         sampling = self.sampling.model_copy(update={"max_tokens": min(self.max_tokens_per_turn, room)})
         response = await self.client.generate(
             prompt,

@@ -147,7 +147,8 @@ async def run_episode(
             reward, rewards = await env.rubric.score(state)
         except Exception as e:  # same boundary, for reward functions
             error, stop_reason = f"reward {type(e).__name__}: {e}", "error"
-    error = error or await _teardown(env, state)
+    teardown_error = await _teardown(env, state)  # always, also after an error
+    error = error or teardown_error
     if error is not None:
         reward, rewards, stop_reason = 0.0, {}, "error"
     metrics = _metrics(stats, policy, t0, error)
