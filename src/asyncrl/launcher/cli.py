@@ -13,19 +13,15 @@ from collections.abc import Callable
 # command -> ("module:function", one-line help). Modules are imported lazily so that
 # `asyncrl --help` and torch-free commands start fast.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "init-model": (
-        "asyncrl.launcher.init_model:main",
-        "write a randomly initialised HF-format model + tokenizer",
-    ),
+    "init-model": ("asyncrl.launcher.init_model:main", "write a randomly initialised HF-format model + tokenizer"),
+    "eval-env": ("asyncrl.envs.evaluate:main", "evaluate an OpenAI-compatible endpoint on an environment"),
 }
 
 
 def _usage() -> str:
     width = max(len(c) for c in COMMANDS)
     rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items())
-    return (
-        f"usage: asyncrl <command> [args...]\n\ncommands:\n{rows}\n\n`asyncrl <command> --help` for details."
-    )
+    return f"usage: asyncrl <command> [args...]\n\ncommands:\n{rows}\n\n`asyncrl <command> --help` for details."
 
 
 def _resolve(target: str) -> Callable[[list[str]], int | None]:
