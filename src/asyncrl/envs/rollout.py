@@ -8,7 +8,7 @@ tool messages); a turn without tool calls asks the env to `respond` (None ends t
 reasons: "done", "max_turns", "max_tokens", "deadline", "aborted" (the server aborted the request),
 and "error": environment code raised, so the episode is marked failed with reward 0 and the error
 recorded, and the caller keeps going. Inference failures (`InferenceError`) are not environment bugs:
-they propagate to the caller, which owns retries.
+they propagate to the caller, which owns retries; so does cancellation. Teardown runs in every case.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ async def run_episode(
             stop_reason = "deadline"
         else:  # raised by environment code, not our deadline
             error, stop_reason = f"TimeoutError: {e}", "error"
-    except InferenceError:
+    except (InferenceError, asyncio.CancelledError):  # the caller's business: retry or shut down
         await _teardown(env, state)
         raise
     except Exception as e:  # environment code is a plugin boundary: record, fail the episode, keep going

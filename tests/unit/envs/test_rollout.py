@@ -153,6 +153,23 @@ def test_inference_errors_propagate_after_teardown(tokenizer):
     assert env.teardowns == 1
 
 
+def test_cancelled_episode_is_torn_down(tokenizer):
+    env = FlakyEnv(fail_on_turn=None)
+    cfg = EnvConfig(name="flaky", latency=LatencyConfig(median_s=30.0, sigma=0.0))
+
+    async def go():
+        episode = asyncio.create_task(
+            run_episode(env, env.task("train", 0), _policy(tokenizer, ["a"], cfg), config=cfg, episode_id="c")
+        )
+        await asyncio.sleep(0.1)
+        episode.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await episode
+
+    asyncio.run(go())
+    assert env.teardowns == 1
+
+
 def test_latency_is_heavy_tailed_lognormal():
     cfg = LatencyConfig(median_s=0.2, sigma=1.5, max_s=1000.0)
     rng = random.Random(0)
