@@ -57,7 +57,8 @@ class ChatTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of sampled tokens, without special tokens (the eos that ended the turn)."""
-        return self.hf.decode(token_ids, skip_special_tokens=True)
+        # No clean-up of spaces: the text must re-encode to the very same ids when re-rendered.
+        return self.hf.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
