@@ -104,3 +104,22 @@ def test_faked_runner_output_does_not_count(tokenizer):
     replies = [_call("write_file", path=f"{task.info['module']}.py", content=fake), "done"]
     ep = _episode(env, task, replies, tokenizer)
     assert ep.reward == 0.0
+
+
+def test_every_template_fails_some_tests_with_the_bug_and_none_with_the_fix():
+    from asyncrl.envs.builtin.swe_lite.env import _RUNNER_NAME, _RUNNER_SOURCE, _run_tests
+    from asyncrl.envs.sandbox import Sandbox
+
+    for template in TEMPLATES:
+        repo = template.render(template.names[0], template.modules[0])
+        counts = []
+        for source in (repo.buggy, repo.fixed):
+            box = Sandbox()
+            box.write_file(f"{repo.module}.py", source)
+            box.write_file(f"test_{repo.module}.py", repo.tests)
+            box.write_file(_RUNNER_NAME, _RUNNER_SOURCE)
+            results = asyncio.run(_run_tests(box, repo.test_names))
+            box.close()
+            assert [name for name, _, _ in results] == list(repo.test_names)
+            counts.append(sum(ok for _, ok, _ in results))
+        assert 0 < counts[0] < len(repo.test_names) and counts[1] == len(repo.test_names), template.kind

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import numpy as np
+import pytest
 
 from asyncrl.config import EnvConfig
 from asyncrl.envs import NOT_SAMPLED_VERSION, ScriptedClient, TokenPolicy, build_env, run_episode
@@ -43,7 +44,7 @@ def test_multi_turn_stitching_is_exact(tokenizer):
         client.version = 10 + i  # a weight update lands between every two turns
         return replies[i]
 
-    client = ScriptedClient(tokenizer, script, routing=ROUTING)
+    client = ScriptedClient(tokenizer, script, routing=ROUTING, route_last_token=False)
     cfg = EnvConfig(name="calculator")
     ep = _run(env, task, client, tokenizer, cfg, routing=True)
 
@@ -82,8 +83,40 @@ def test_multi_turn_stitching_is_exact(tokenizer):
     assert sample.routed_experts.shape == (len(ids), ROUTING[0], ROUTING[1])
     np.testing.assert_array_equal(sample.routed_experts[:-1], scripted_routing(ids[:-1], 0, *ROUTING))
     assert sample.metrics["routing_filled_tokens"] == 1.0
-    # Later turns only asked for routing of tokens not seen yet.
-    assert len(client.calls) == 3
+
+
+def test_routing_from_an_engine_that_routes_every_token(tokenizer):
+    env = build_env("calculator", seed=1)
+    task = env.task("train", 6)
+    replies = _calc_script(task.info["expression"], str(int(task.answer)))
+    client = ScriptedClient(tokenizer, replies, routing=ROUTING, route_last_token=True)
+    ep = _run(env, task, client, tokenizer, EnvConfig(name="calculator"), routing=True)
+    (sample,) = ep.samples
+    ids = sample.token_ids.tolist()
+    np.testing.assert_array_equal(sample.routed_experts, scripted_routing(ids, 0, *ROUTING))
+    assert "routing_filled_tokens" not in sample.metrics and "routing_missing_tokens" not in sample.metrics
+
+
+@pytest.mark.parametrize("forget_turn", [1, 2])
+def test_routing_gap_heals_on_the_next_turn_or_drops_routing(tokenizer, forget_turn):
+    env = build_env("calculator", seed=1)
+    task = env.task("train", 6)
+    replies = _calc_script(task.info["expression"], str(int(task.answer)))
+
+    class ForgetfulClient(ScriptedClient):
+        async def generate(self, prompt_token_ids, sampling, **kwargs):
+            if len(self.calls) == forget_turn:
+                kwargs["return_routed_experts"] = False  # this turn comes back without routing
+            return await super().generate(prompt_token_ids, sampling, **kwargs)
+
+    client = ForgetfulClient(tokenizer, replies, routing=ROUTING)
+    ep = _run(env, task, client, tokenizer, EnvConfig(name="calculator"), routing=True)
+    (sample,) = ep.samples
+    if forget_turn < len(replies) - 1:  # the next turn asks again from the first unknown token
+        ids = sample.token_ids.tolist()
+        np.testing.assert_array_equal(sample.routed_experts, scripted_routing(ids, 0, *ROUTING))
+    else:
+        assert sample.routed_experts is None and sample.metrics["routing_missing_tokens"] > 0
 
 
 def test_template_mismatch_starts_new_sample_and_keeps_every_sampled_token(tokenizer):
