@@ -80,6 +80,8 @@ def test_unfixed_repo_scores_partial_and_tools_report_errors(tokenizer):
         ("while True:\n    pass\n", "killed: CPU time limit exceeded"),
         ("import socket\nsocket.socket()\n", "socket.__new__ is not allowed"),
         ("print('x' * 10**7)\n", "killed: output limit exceeded"),
+        ("import os\nfor _ in range(64):\n    os.fork()\n", "os.fork is not allowed"),
+        ("open('../outside.txt', 'w').write('x')\n", "writing '../outside.txt' is outside the sandbox"),
     ],
 )
 def test_hostile_code_under_test_ends_with_a_tool_error(tokenizer, code, summary):
