@@ -33,8 +33,12 @@ __all__ = ["Episode", "run_episode", "sample_latency"]
 
 @dataclass(frozen=True, kw_only=True)
 class Episode:
-    """The outcome of one episode. `samples` is empty for text-only policies and for failed episodes'
-    callers that choose to skip them; `failed` episodes keep their samples (reward 0) for inspection."""
+    """The outcome of one episode.
+
+    `samples` is empty for text-only policies. Failed episodes (`error` set) keep their samples with
+    reward 0 for inspection; callers should not train on them. `metrics` holds floats only, with
+    the stop reason one-hot as `stop_<reason>` so that it aggregates like any other metric.
+    """
 
     episode_id: str
     env: str
@@ -151,7 +155,7 @@ async def run_episode(
     error = error or teardown_error
     if error is not None:
         reward, rewards, stop_reason = 0.0, {}, "error"
-    metrics = _metrics(stats, policy, t0, error)
+    metrics = _metrics(stats, policy, t0, error) | {f"stop_{stop_reason}": 1.0}
     samples = policy.build_samples(reward=reward, env=label, episode_id=episode_id, metrics=metrics)
     return Episode(
         episode_id=episode_id,

@@ -101,6 +101,7 @@ def test_env_raising_mid_episode_fails_the_episode_and_the_caller_keeps_going(to
     failed, ok, failed_reward = asyncio.run(both())
     assert failed.failed and failed.reward == 0.0 and failed.stop_reason == "error"
     assert failed.error == "RuntimeError: env bug on turn 2" and failed.metrics["failed"] == 1.0
+    assert failed.metrics["stop_error"] == 1.0 and ok.metrics["stop_done"] == 1.0
     assert failed.metrics["num_turns"] == 2 and bad.teardowns == 1
     assert all(s.reward == 0.0 for s in failed.samples)  # kept for inspection, reward 0
     assert not ok.failed and ok.reward == 1.0 and ok.stop_reason == "done" and ok.metrics["num_turns"] == 3
