@@ -85,7 +85,7 @@ def test_unfixed_repo_scores_partial_and_tools_report_errors(tokenizer):
     ],
 )
 def test_hostile_code_under_test_ends_with_a_tool_error(tokenizer, code, summary):
-    env = build_env("swe-lite", {"cpu_s": 1, "wall_s": 3.0})
+    env = build_env("swe-lite", {"cpu_s": 1, "wall_s": 30.0})  # CPU limit fires first, even under load
     task = env.task("train", 1)
     replies = [
         _call("write_file", path=f"{task.info['module']}.py", content=code),
