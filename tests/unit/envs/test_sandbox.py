@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.envs.sandbox import Sandbox, SandboxLimits, SandboxPathError, network_isolation_prefix
 
-LIMITS = SandboxLimits(cpu_s=1, wall_s=2.0, max_output_bytes=4096, max_file_bytes=1 << 20)
+LIMITS = SandboxLimits(cpu_s=1, wall_s=10.0, max_output_bytes=4096, max_file_bytes=1 << 20)
 
 
 @pytest.fixture
@@ -69,8 +69,7 @@ def test_fork_bomb_lite_fails(sandbox):
 
 
 def test_infinite_loop_is_killed_by_cpu_limit(sandbox):
-    # A generous wall clock, so that the CPU limit (not the timeout) fires on a loaded machine.
-    sandbox.limits = SandboxLimits(cpu_s=1, wall_s=20.0)
+    # LIMITS has a generous wall clock, so that the CPU limit (not the timeout) fires on a loaded machine.
     result = _run(sandbox, "while True:\n    pass\n")
     assert (
         result.returncode == -signal.SIGXCPU and result.error_summary() == "killed: CPU time limit exceeded"
@@ -78,6 +77,7 @@ def test_infinite_loop_is_killed_by_cpu_limit(sandbox):
 
 
 def test_sleeping_process_is_killed_by_wall_clock(sandbox):
+    sandbox.limits = SandboxLimits(cpu_s=1, wall_s=2.0)
     result = _run(sandbox, "import time\nprint('start', flush=True)\ntime.sleep(60)\n")
     assert result.timed_out and result.stdout == "start\n"
     assert result.error_summary().startswith("killed: wall-clock timeout")
