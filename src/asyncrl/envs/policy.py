@@ -47,6 +47,9 @@ class Policy(Protocol):
     @property
     def num_resets(self) -> int: ...
 
+    @property
+    def num_bridged_turns(self) -> int: ...
+
 
 class TokenPolicy:
     """Token-exact turns over an `InferenceClient`; see `asyncrl.envs.trajectory` for the stitching rules."""
@@ -61,6 +64,8 @@ class TokenPolicy:
         cache_salt: str | None = None,
         return_routed_experts: bool = False,
     ) -> None:
+        self.stitching = config.stitching
+        self.num_bridged_turns = 0
         self.client, self.tokenizer, self.sampling = client, tokenizer, sampling
         self.max_total_tokens = config.max_total_tokens
         self.max_tokens_per_turn = config.max_tokens_per_turn or sampling.max_tokens
@@ -73,7 +78,7 @@ class TokenPolicy:
 
     async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Turn:
         temperature = self.sampling.temperature
-        rendered = self.tokenizer.render(messages, tools)
+        rendered = self._render(messages, tools)
         room = self.max_total_tokens - len(rendered)  # checked first: no unused env tokens in the sample
         if room < 1:
             raise EpisodeBudgetExhausted(
@@ -97,6 +102,16 @@ class TokenPolicy:
             num_prompt_tokens=num_new_prompt,
             num_completion_tokens=len(response.token_ids),
         )
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        rendered = self.tokenizer.render(messages, tools)
+        have = self.trajectory.token_ids
+        if self.stitching == "bridge" and have and rendered[: len(have)] != have:
+            bridged = self.tokenizer.render_bridged(have, messages, tools)
+            if bridged is not None:
+                self.num_bridged_turns += 1
+                return bridged
+        return rendered
 
     def build_samples(
         self, *, reward: float, env: str, episode_id: str, metrics: dict[str, float]
@@ -125,6 +140,10 @@ class ChatPolicy:
 
     @property
     def num_resets(self) -> int:
+        return 0
+
+    @property
+    def num_bridged_turns(self) -> int:
         return 0
 
     async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Turn:

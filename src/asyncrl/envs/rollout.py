@@ -190,6 +190,7 @@ def _metrics(stats: _Stats, policy: Policy, t0: float, error: str | None) -> dic
         "num_completion_tokens": float(stats.num_completion_tokens),
         "num_truncated_turns": float(stats.num_truncated_turns),
         "num_resets": float(policy.num_resets),
+        "num_bridged_turns": float(policy.num_bridged_turns),
         "latency_s": stats.latency_s,
         "wall_s": time.monotonic() - t0,
         "failed": float(error is not None),

@@ -101,11 +101,13 @@ def _recomputed_logprobs(model: Transformer, sample, temperature: float) -> np.n
     return logp_TV[:-1].gather(1, ids_1T[0, 1:, None])[:, 0].numpy()
 
 
-@pytest.mark.parametrize("env_name", ["reverse-text", "chatty"])
-def test_stitched_samples_reproduce_sampler_logprobs(model, tokenizer, env_name):
+@pytest.mark.parametrize(
+    ("env_name", "stitching"), [("reverse-text", "strict"), ("chatty", "strict"), ("chatty", "bridge")]
+)
+def test_stitched_samples_reproduce_sampler_logprobs(model, tokenizer, env_name, stitching):
     env = ChattyEnv() if env_name == "chatty" else build_env("reverse-text")
     task = env.task("train", 0)
-    cfg = EnvConfig(name=env_name, max_tokens_per_turn=12)
+    cfg = EnvConfig(name=env_name, max_tokens_per_turn=12, stitching=stitching)
     client = TinyModelClient(model, eos=tokenizer.eos_token_id, seed=1, version=4)
     sampling = SamplingParams(temperature=0.8, max_tokens=12)
     policy = TokenPolicy(client, tokenizer, sampling, config=cfg, return_routed_experts=True)
@@ -114,6 +116,8 @@ def test_stitched_samples_reproduce_sampler_logprobs(model, tokenizer, env_name)
     assert ep.error is None and ep.metrics["num_turns"] == env.max_turns
     assert sum(int(s.loss_mask.sum()) for s in ep.samples) == ep.metrics["num_completion_tokens"]
     assert len(ep.samples) == ep.metrics["num_resets"] + 1  # random bytes may not re-encode: counted
+    if stitching == "bridge":  # the sampled ids stay in the context: one sample for the whole episode
+        assert ep.metrics["num_resets"] == 0 and len(ep.samples) == 1
     for sample in ep.samples:
         assert sample.routed_experts.shape == (sample.num_tokens, 4, 2)
         assert (sample.policy_versions[sample.loss_mask] == 4).all()

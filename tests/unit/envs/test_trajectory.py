@@ -139,6 +139,39 @@ def test_template_mismatch_starts_new_sample_and_keeps_every_sampled_token(token
     assert int(sum(s.loss_mask.sum() for s in ep.samples)) == ep.metrics["num_completion_tokens"]
 
 
+def test_bridge_stitching_keeps_sampled_ids_when_text_does_not_round_trip(tokenizer):
+    env = build_env("calculator", seed=0)
+    task = env.task("train", 0)
+    replies = [
+        '<|im_start|><tool_call>{"name": "calc", "arguments": {"expression": "1+1"}}</tool_call>',
+        "42",
+    ]
+    client = ScriptedClient(tokenizer, replies)
+    ep = _run(env, task, client, tokenizer, EnvConfig(name="calculator", stitching="bridge"))
+    assert ep.metrics["num_resets"] == 0 and ep.metrics["num_bridged_turns"] == 1
+    (sample,) = ep.samples
+    first = client.calls[0] + [*tokenizer.encode(replies[0]), tokenizer.eos_token_id]
+    second = [*tokenizer.encode(replies[1]), tokenizer.eos_token_id]
+    ids = sample.token_ids.tolist()
+    assert ids == client.calls[1] + second and client.calls[1][: len(first)] == first
+    # After the sampled eos: the rest of the template's end of turn, then the tool turn and the prompt.
+    bridge = client.calls[1][len(first) :]
+    assert bridge == tokenizer.encode("\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n")
+    assert sample.loss_mask.sum() == len(first) - len(client.calls[0]) + len(second)
+
+
+def test_bridge_stitching_adds_the_end_of_turn_a_truncated_completion_lacks(tokenizer):
+    env = build_env("calculator", seed=0)
+    task = env.task("train", 1)
+    call = '<|pad|><tool_call>{"name": "calc", "arguments": {"expression": "2*3"}}</tool_call>'
+    client = ScriptedClient(tokenizer, [call, "6"])
+    cfg = EnvConfig(name="calculator", stitching="bridge", max_tokens_per_turn=len(tokenizer.encode(call)))
+    ep = _run(env, task, client, tokenizer, cfg)
+    assert ep.metrics["num_bridged_turns"] == 1 and ep.metrics["num_truncated_turns"] == 1
+    first = client.calls[0] + tokenizer.encode(call)  # no eos: cut by max_tokens
+    assert client.calls[1][len(first) : len(first) + 2] == tokenizer.encode("<|im_end|>\n")
+
+
 def test_truncated_turn_is_extended_with_unmasked_end_token(tokenizer):
     env = build_env("calculator", seed=0)
     task = env.task("train", 1)
