@@ -18,7 +18,7 @@ Example (TOML)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -59,6 +59,11 @@ class EnvConfig(BaseConfig):
     )
     max_tool_output_chars: int = Field(4000, ge=16)
     latency: LatencyConfig = Field(default_factory=LatencyConfig)
+    stitching: Literal["strict", "bridge"] = Field(
+        "strict",
+        description="strict: a completion whose text does not re-encode to its ids starts a new sample; "
+        "bridge: keep the sampled ids and append the template's tokens after them (see docs/envs.md)",
+    )
 
 
 class EnvsConfig(BaseConfig):

@@ -33,6 +33,7 @@ __all__ = [
     "Split",
     "Task",
     "iter_reference_examples",
+    "split_of",
     "task_rng",
 ]
 

@@ -52,12 +52,52 @@ class ChatTokenizer:
         )
         return self.encode(text)
 
+    def render_bridged(
+        self, prev_ids: list[int], messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int] | None:
+        """`prev_ids` (ending in the last assistant turn's sampled ids) + the template's tokens after it.
+
+        For when the plain re-rendering does not start with `prev_ids` only because the sampled
+        completion's text does not re-encode to the sampled ids. The template must still be
+        append-only: the rendering up to the last assistant message must be a token prefix of the
+        full rendering. The end-of-turn tokens (`<|im_end|>\n` in ChatML) are found by rendering the
+        assistant turn with two sentinel contents; the ones the completion already sampled (its eos)
+        are not repeated. Returns None when the template does not allow this (then: a new sample).
+        """
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+        if last is None:
+            return None
+        before = self.render(messages[: last + 1], tools, add_generation_prompt=False)
+        full = self.render(messages, tools)
+        closing = self._closing_tokens(messages[:last], tools)
+        if full[: len(before)] != before or not closing or before[-len(closing) :] != closing:
+            return None
+        longest = min(len(closing), len(prev_ids))
+        overlap = next(k for k in range(longest, -1, -1) if prev_ids[len(prev_ids) - k :] == closing[:k])
+        return [*prev_ids, *closing[overlap:], *full[len(before) :]]
+
+    def _closing_tokens(self, history: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """Tokens the template puts after an assistant message's content (common tail of two renderings)."""
+        a, b = (
+            self.render(
+                [*history, {"role": "assistant", "content": f"sentinel{c}"}],
+                tools,
+                add_generation_prompt=False,
+            )
+            for c in "AB"
+        )
+        n = 0
+        while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+            n += 1
+        return a[len(a) - n :] if n else []
+
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of sampled tokens, without special tokens (the eos that ended the turn)."""
-        return self.hf.decode(token_ids, skip_special_tokens=True)
+        # No clean-up of spaces: the text must re-encode to the very same ids when re-rendered.
+        return self.hf.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids

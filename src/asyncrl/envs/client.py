@@ -44,10 +44,19 @@ class InferenceClient(Protocol):
 class HttpInferenceClient:
     """`InferenceClient` over HTTP. One instance shares a connection pool; close it with `aclose()`."""
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport
+        )
 
     async def generate(
         self,

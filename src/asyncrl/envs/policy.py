@@ -47,6 +47,9 @@ class Policy(Protocol):
     @property
     def num_resets(self) -> int: ...
 
+    @property
+    def num_bridged_turns(self) -> int: ...
+
 
 class TokenPolicy:
     """Token-exact turns over an `InferenceClient`; see `asyncrl.envs.trajectory` for the stitching rules."""
@@ -61,6 +64,8 @@ class TokenPolicy:
         cache_salt: str | None = None,
         return_routed_experts: bool = False,
     ) -> None:
+        self.stitching = config.stitching
+        self.num_bridged_turns = 0
         self.client, self.tokenizer, self.sampling = client, tokenizer, sampling
         self.max_total_tokens = config.max_total_tokens
         self.max_tokens_per_turn = config.max_tokens_per_turn or sampling.max_tokens
@@ -73,16 +78,15 @@ class TokenPolicy:
 
     async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Turn:
         temperature = self.sampling.temperature
-        before = self.trajectory.num_tokens
-        prompt = self.trajectory.extend_prompt(
-            self.tokenizer.render(messages, tools), temperature=temperature
-        )
-        num_new_prompt = self.trajectory.num_tokens - before
-        room = self.max_total_tokens - len(prompt)
+        rendered = self._render(messages, tools)
+        room = self.max_total_tokens - len(rendered)  # checked first: no unused env tokens in the sample
         if room < 1:
             raise EpisodeBudgetExhausted(
-                f"prompt has {len(prompt)} tokens, max_total_tokens={self.max_total_tokens}"
+                f"prompt has {len(rendered)} tokens, max_total_tokens={self.max_total_tokens}"
             )
+        before = self.trajectory.num_tokens
+        prompt = self.trajectory.extend_prompt(rendered, temperature=temperature)
+        num_new_prompt = self.trajectory.num_tokens - before
         sampling = self.sampling.model_copy(update={"max_tokens": min(self.max_tokens_per_turn, room)})
         response = await self.client.generate(
             prompt,
@@ -98,6 +102,16 @@ class TokenPolicy:
             num_prompt_tokens=num_new_prompt,
             num_completion_tokens=len(response.token_ids),
         )
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        rendered = self.tokenizer.render(messages, tools)
+        have = self.trajectory.token_ids
+        if self.stitching == "bridge" and have and rendered[: len(have)] != have:
+            bridged = self.tokenizer.render_bridged(have, messages, tools)
+            if bridged is not None:
+                self.num_bridged_turns += 1
+                return bridged
+        return rendered
 
     def build_samples(
         self, *, reward: float, env: str, episode_id: str, metrics: dict[str, float]
@@ -126,6 +140,10 @@ class ChatPolicy:
 
     @property
     def num_resets(self) -> int:
+        return 0
+
+    @property
+    def num_bridged_turns(self) -> int:
         return 0
 
     async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Turn:

@@ -8,7 +8,7 @@ tool messages); a turn without tool calls asks the env to `respond` (None ends t
 reasons: "done", "max_turns", "max_tokens", "deadline", "aborted" (the server aborted the request),
 and "error": environment code raised, so the episode is marked failed with reward 0 and the error
 recorded, and the caller keeps going. Inference failures (`InferenceError`) are not environment bugs:
-they propagate to the caller, which owns retries.
+they propagate to the caller, which owns retries; so does cancellation. Teardown runs in every case.
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ __all__ = ["Episode", "run_episode", "sample_latency"]
 
 @dataclass(frozen=True, kw_only=True)
 class Episode:
-    """The outcome of one episode. `samples` is empty for text-only policies and for failed episodes'
-    callers that choose to skip them; `failed` episodes keep their samples (reward 0) for inspection."""
+    """The outcome of one episode.
+
+    `samples` is empty for text-only policies. Failed episodes (`error` set) keep their samples with
+    reward 0 for inspection; callers should not train on them. `metrics` holds floats only, with
+    the stop reason one-hot as `stop_<reason>` so that it aggregates like any other metric.
+    """
 
     episode_id: str
     env: str
@@ -136,7 +140,7 @@ async def run_episode(
             stop_reason = "deadline"
         else:  # raised by environment code, not our deadline
             error, stop_reason = f"TimeoutError: {e}", "error"
-    except InferenceError:
+    except (InferenceError, asyncio.CancelledError):  # the caller's business: retry or shut down
         await _teardown(env, state)
         raise
     except Exception as e:  # environment code is a plugin boundary: record, fail the episode, keep going
@@ -147,10 +151,11 @@ async def run_episode(
             reward, rewards = await env.rubric.score(state)
         except Exception as e:  # same boundary, for reward functions
             error, stop_reason = f"reward {type(e).__name__}: {e}", "error"
-    error = error or await _teardown(env, state)
+    teardown_error = await _teardown(env, state)  # always, also after an error
+    error = error or teardown_error
     if error is not None:
         reward, rewards, stop_reason = 0.0, {}, "error"
-    metrics = _metrics(stats, policy, t0, error)
+    metrics = _metrics(stats, policy, t0, error) | {f"stop_{stop_reason}": 1.0}
     samples = policy.build_samples(reward=reward, env=label, episode_id=episode_id, metrics=metrics)
     return Episode(
         episode_id=episode_id,
@@ -185,6 +190,7 @@ def _metrics(stats: _Stats, policy: Policy, t0: float, error: str | None) -> dic
         "num_completion_tokens": float(stats.num_completion_tokens),
         "num_truncated_turns": float(stats.num_truncated_turns),
         "num_resets": float(policy.num_resets),
+        "num_bridged_turns": float(policy.num_bridged_turns),
         "latency_s": stats.latency_s,
         "wall_s": time.monotonic() - t0,
         "failed": float(error is not None),

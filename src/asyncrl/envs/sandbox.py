@@ -105,10 +105,11 @@ def network_isolation_prefix() -> tuple[tuple[str, ...], str]:
     return (), f"guard-only (unshare failed: {probe.stderr.decode(errors='replace').strip()[:200]})"
 
 
-def _read_roots() -> list[str]:
+@functools.cache
+def _read_roots() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     roots = {paths["stdlib"], paths["platstdlib"], os.path.dirname(os.__file__), "/dev/null", "/dev/urandom"}
-    return sorted(os.path.realpath(p) for p in roots)
+    return tuple(sorted(os.path.realpath(p) for p in roots))
 
 
 class Sandbox:
@@ -161,8 +162,8 @@ class Sandbox:
         lim = self.limits
         config = {
             "root": str(self.dir),
-            "read_roots": _read_roots(),
-            "sys_path": [p for p in sys.path if p and os.path.realpath(p).startswith(tuple(_read_roots()))],
+            "read_roots": list(_read_roots()),
+            "sys_path": [p for p in sys.path if p and os.path.realpath(p).startswith(_read_roots())],
             "limits": {
                 "RLIMIT_CPU": lim.cpu_s, "RLIMIT_AS": lim.memory_bytes, "RLIMIT_NPROC": lim.max_processes,
                 "RLIMIT_FSIZE": lim.max_file_bytes, "RLIMIT_NOFILE": lim.max_open_files, "RLIMIT_CORE": 0,

@@ -2,8 +2,8 @@
 
 Each reply is the script's text, encoded with the chat tokenizer and followed by eos, with
 deterministic logprobs, a settable policy version, and (when asked) deterministic routed experts
-for every prompt and completion token except the last sampled one, the way an engine that never
-fed that token forward would answer.
+for every prompt and completion token from `routed_experts_start` on. With `route_last_token=False`
+the last sampled token has no routing, the way an engine that never fed it forward would answer.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class ScriptedClient:
     script: Script | Sequence[str]
     version: int = 0
     routing: tuple[int, int, int] | None = None  # (layers, top_k, experts) when the "model" is MoE
+    route_last_token: bool = True  # asyncrl's engine runs one more forward to route the last token
     calls: list[list[int]] = field(default_factory=list)  # every prompt it received
 
     async def generate(
@@ -61,7 +62,7 @@ class ScriptedClient:
         routed = None
         if return_routed_experts and self.routing is not None:
             layers, top_k, experts = self.routing
-            seen = [*prompt_token_ids, *ids[:-1]]  # the last sampled token was never an input
+            seen = [*prompt_token_ids, *(ids if self.route_last_token else ids[:-1])]
             rows = scripted_routing(seen, routed_experts_start, layers, top_k, experts)
             routed = RoutedExperts.from_array(rows, start=routed_experts_start)
         return GenerateResponse(

@@ -5,7 +5,9 @@ are the suffix of the re-rendered conversation, taken only after checking that t
 prefix equals the ids we already hold. Nothing is re-tokenized. When the chat template cannot
 extend the previous ids exactly (a template that rewrites history, a completion whose text does
 not re-encode to the same ids), the current sample is closed and a new one starts from the full
-rendering; `num_resets` counts this. Sampled tokens are never dropped.
+rendering; `num_resets` counts this. Sampled tokens are never dropped. (With
+`EnvConfig.stitching = "bridge"`, `TokenPolicy` first tries `ChatTokenizer.render_bridged`, which
+keeps the sampled ids when only their text fails to round-trip.)
 
 Per token: the loss mask is true only on sampled tokens; logprobs and policy versions come from
 `/v1/generate` (0.0 and -1 on tokens the model did not sample); temperatures are the sampling

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "asyncrl.inference.main:main",
         "serve a model: embedded engine, OpenAI-compatible HTTP API",
     ),
+    "eval-env": ("asyncrl.envs.evaluate:main", "evaluate an OpenAI-compatible endpoint on an environment"),
 }
 
 

@@ -34,18 +34,24 @@ def _repo_files(repo: RenderedRepo) -> dict[str, str]:
     return {f"{repo.module}.py": repo.buggy, f"test_{repo.module}.py": repo.tests}
 
 
-async def _run_tests(sandbox: Sandbox, repo: RenderedRepo) -> list[tuple[str, bool, str]]:
-    """(test name, passed, error) for every expected test; missing or crashed tests count as failed."""
+async def _run_tests(sandbox: Sandbox, expected: tuple[str, ...]) -> list[tuple[str, bool, str]]:
+    """(test name, passed, error) for every test that ran, then the expected tests that did not
+    run (failed, with the reason)."""
     nonce = secrets.token_hex(8)
     result = await sandbox.run_python(_RUNNER_NAME, stdin=nonce + "\n")
     outcome: dict[str, tuple[bool, str]] = {}
+    import_errors: list[str] = []
     for line in result.stdout.splitlines():
         if line.startswith(nonce + " "):
             status, _, rest = line[len(nonce) + 1 :].partition(" ")
             name, _, err = rest.partition(": ")
-            outcome[name] = (status == "PASS", err)
-    problem = result.error_summary() or "test did not run (import error?)"
-    return [(name, *outcome.get(name, (False, problem))) for name in repo.test_names]
+            if status == "ERROR":
+                import_errors.append(f"cannot import {name}: {err}")
+            else:
+                outcome[name] = (status == "PASS", err)
+    problem = result.error_summary() or (import_errors[0] if import_errors else "test did not run")
+    ran = [(name, ok, err) for name, (ok, err) in outcome.items()]
+    return ran + [(name, False, problem) for name in expected if name not in outcome]
 
 
 class SweLiteEnv(Environment):
@@ -109,7 +115,7 @@ class SweLiteEnv(Environment):
 
         async def run_tests() -> str:
             """Run the unit tests and show which pass."""
-            return format_report(await _run_tests(sandbox(), state.data["repo"]))
+            return format_report(await _run_tests(sandbox(), state.data["repo"].test_names))
 
         return [Tool.from_function(f) for f in (list_files, read_file, write_file, run_tests)]
 
@@ -118,8 +124,9 @@ class SweLiteEnv(Environment):
         sandbox: Sandbox = state.data["sandbox"]
         sandbox.write_file(f"test_{repo.module}.py", repo.tests)
         sandbox.write_file(_RUNNER_NAME, _RUNNER_SOURCE)
-        results = await _run_tests(sandbox, repo)
-        return sum(ok for _, ok, _ in results) / len(results)
+        results = await _run_tests(sandbox, repo.test_names)
+        passed = {name for name, ok, _ in results if ok}
+        return sum(name in passed for name in repo.test_names) / len(repo.test_names)
 
     def reference(self, task: Task) -> list[dict[str, Any]]:
         repo = self._repo(task)

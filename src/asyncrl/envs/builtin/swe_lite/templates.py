@@ -35,9 +35,10 @@ class BugTemplate:
         for i, (call_args, expected) in enumerate(self.cases):
             name = f"test_{fn}_{i}"
             names.append(name)
+            head, tail = repr(f"{fn}({call_args}) returned "), repr(f", expected {expected}")
             tests.append(
                 f"\n\ndef {name}():\n    got = {fn}({call_args})\n"
-                f"    assert got == {expected}, f'{fn}({call_args}) returned {{got!r}}, expected {expected}'\n"
+                f"    assert got == {expected}, {head} + repr(got) + {tail}\n"
             )
         return RenderedRepo(
             module=module,
