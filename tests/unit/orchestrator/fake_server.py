@@ -30,14 +30,22 @@ def free_port() -> int:
 
 class FakeServer:
     def __init__(
-        self, *, seed: int = 0, delay_median_s: float = 0.0, delay_sigma: float = 0.0, port: int | None = None
+        self,
+        *,
+        seed: int = 0,
+        delay_median_s: float = 0.0,
+        delay_sigma: float = 0.0,
+        port: int | None = None,
+        hang_after: int | None = None,
     ) -> None:
+        """`hang_after`: requests after the first N never answer (a server that stops responding)."""
         self.version = 0
         self.loaded_paths: list[str] = []
         self.num_requests = 0
         self.paused = False
         self.rng = random.Random(seed)
         self.delay_median_s, self.delay_sigma = delay_median_s, delay_sigma
+        self.hang_after = hang_after
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = self._build_app()
@@ -54,6 +62,8 @@ class FakeServer:
         @app.post("/v1/generate")
         async def generate(req: GenerateRequest) -> GenerateResponse:
             self.num_requests += 1
+            if self.hang_after is not None and self.num_requests > self.hang_after:
+                await asyncio.Event().wait()
             if self.delay_median_s:
                 await asyncio.sleep(
                     self.delay_median_s * float(np.exp(self.delay_sigma * self.rng.gauss(0, 1)))

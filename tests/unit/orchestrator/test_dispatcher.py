@@ -83,13 +83,17 @@ def test_heavy_tailed_latency_respects_max_off_policy_steps(tmp_path, tokenizer_
 
 
 def test_killed_server_episodes_are_retried_and_restart_is_readmitted(tmp_path, tokenizer_dir, servers):
-    a, b = servers(2, delay_median_s=0.05, delay_sigma=0.5)
-    cfg = _cfg(tmp_path, tokenizer_dir, [a, b], max_steps=8, max_async_steps=1, max_off_policy_steps=2)
+    (a,) = servers(1, delay_median_s=0.05, delay_sigma=0.5, hang_after=5)
+    (b,) = servers(1, delay_median_s=0.05, delay_sigma=0.5)
+    cfg = _cfg(
+        tmp_path, tokenizer_dir, [a, b], max_steps=8, max_async_steps=1, max_off_policy_steps=2,
+        request_timeout_s=3.0,
+    )  # fmt: skip
     restarted: list[FakeServer] = []
 
     async def go():
         task = asyncio.create_task(_run(cfg, step_time_s=0.1))
-        while a.num_requests < 5:
+        while a.num_requests <= a.hang_after:  # then a request is stuck on `a`
             await asyncio.sleep(0.01)
         await asyncio.to_thread(a.stop)
         while not Path(cfg.run_dir, "weights", "step_2", "STABLE").exists():
