@@ -114,7 +114,11 @@ def _fields_at(cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     model: Any = cls
     for part in loc:
         field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+        if (
+            field is None
+            or not isinstance(field.annotation, type)
+            or not issubclass(field.annotation, BaseModel)
+        ):
             return list(model.model_fields)
         model = field.annotation
     return list(model.model_fields)

@@ -1,9 +1,9 @@
 """The one transformer implementation shared by the trainer and the embedded inference engine.
 
-    from asyncrl.model import from_pretrained, save_pretrained
-    model = from_pretrained("outputs/tiny-moe")            # Qwen3 / Qwen3-MoE, HF layout
-    out = model(input_ids, return_routing=True)            # .logits, .routed_experts
-    out = model(input_ids, routed_experts=out.routed_experts)  # router replay (R3)
+from asyncrl.model import from_pretrained, save_pretrained
+model = from_pretrained("outputs/tiny-moe")            # Qwen3 / Qwen3-MoE, HF layout
+out = model(input_ids, return_routing=True)            # .logits, .routed_experts
+out = model(input_ids, routed_experts=out.routed_experts)  # router replay (R3)
 """
 
 from asyncrl.model.args import SUPPORTED_MODEL_TYPES, ModelArgs, ModelConfigError

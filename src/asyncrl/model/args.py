@@ -119,8 +119,13 @@ class ModelArgs:
                     f"num_experts ({self.num_experts})"
                 )
             if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
-                raise ModelConfigError("config.json: moe_intermediate_size and decoder_sparse_step must be positive")
-        if any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers)) and self.intermediate_size <= 0:
+                raise ModelConfigError(
+                    "config.json: moe_intermediate_size and decoder_sparse_step must be positive"
+                )
+        if (
+            any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+            and self.intermediate_size <= 0
+        ):
             raise ModelConfigError("config.json: 'intermediate_size' must be positive when a layer is dense")
 
     # -- HF conversion -------------------------------------------------------------------------
@@ -211,7 +216,9 @@ class ModelArgs:
 def _reject_unsupported_features(cfg: dict[str, Any]) -> None:
     """Fail loudly on settings that would silently change the maths if ignored."""
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelConfigError(f"config.json: hidden_act '{cfg['hidden_act']}' is not supported (only 'silu')")
+        raise ModelConfigError(
+            f"config.json: hidden_act '{cfg['hidden_act']}' is not supported (only 'silu')"
+        )
     if cfg.get("use_sliding_window"):
         raise ModelConfigError("config.json: use_sliding_window=true is not supported")
     rope_type = (cfg.get("rope_parameters") or {}).get("rope_type", "default")

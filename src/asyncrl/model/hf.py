@@ -21,7 +21,9 @@ from asyncrl.model.transformer import Transformer
 
 __all__ = ["from_pretrained", "load_args", "load_state_dict", "save_pretrained", "to_hf_state_dict"]
 
-_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_KEY = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
 _FUSED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,9 +53,11 @@ def _safetensors_files(path: Path) -> list[Path]:
         return [path / name for name in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        extra = " (PyTorch .bin checkpoints are not supported; convert to safetensors)" if list(
-            path.glob("*.bin")
-        ) else ""
+        extra = (
+            " (PyTorch .bin checkpoints are not supported; convert to safetensors)"
+            if list(path.glob("*.bin"))
+            else ""
+        )
         raise ModelConfigError(f"{path} holds no *.safetensors weights{extra}")
     return files
 
@@ -90,7 +94,9 @@ def _stack_experts(flat: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
     return out
 
 
-def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+def from_pretrained(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Transformer:
     """Load a Qwen3 / Qwen3-MoE Hugging Face directory (config.json + safetensors)."""
     args = load_args(path)
     state = load_state_dict(path, args, dtype)
@@ -119,7 +125,9 @@ def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "
         for name, p in params.items():
             t = state[name]
             if t.shape != p.shape:
-                raise ModelConfigError(f"{where}: tensor '{name}' has shape {list(t.shape)}, expected {list(p.shape)}")
+                raise ModelConfigError(
+                    f"{where}: tensor '{name}' has shape {list(t.shape)}, expected {list(p.shape)}"
+                )
             p.copy_(t)
 
 

@@ -107,7 +107,9 @@ class PackedCausalAttention:
         gqa = q_BHTd.shape[1] != k_BGTd.shape[1]
         if self.mask_B1TT is None:
             return F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BGTd, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BGTd, attn_mask=self.mask_B1TT, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q_BHTd, k_BGTd, v_BGTd, attn_mask=self.mask_B1TT, enable_gqa=gqa
+        )
 
 
 class Attention(nn.Module):

@@ -19,7 +19,14 @@ import torch
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
-from asyncrl.model.layers import MLP, Attention, AttentionBackend, PackedCausalAttention, RMSNorm, RotaryEmbedding
+from asyncrl.model.layers import (
+    MLP,
+    Attention,
+    AttentionBackend,
+    PackedCausalAttention,
+    RMSNorm,
+    RotaryEmbedding,
+)
 from asyncrl.model.moe import MoE
 
 __all__ = ["DecoderLayer", "ModelOutput", "Transformer"]
@@ -131,7 +138,9 @@ class Transformer(nn.Module):
         rope = self.rotary(position_ids, x_BTD.dtype)
         captured = []
         for layer in self.model.layers:
-            replay = None if routed_experts is None or not layer.is_moe else routed_experts[:, :, layer.layer_idx]
+            replay = (
+                None if routed_experts is None or not layer.is_moe else routed_experts[:, :, layer.layer_idx]
+            )
             x_BTD, ids_BTK = layer(x_BTD, rope, backend, replay)
             if return_routing:
                 captured.append(ids_BTK)

@@ -35,7 +35,9 @@ class GenerateRequest(SamplingParams):
     prompt_token_ids: list[int] = Field(min_length=1)
     cache_salt: str | None = None
     return_routed_experts: bool = False
-    routed_experts_start: int = Field(0, ge=0, description="skip routing for the first N (already known) tokens")
+    routed_experts_start: int = Field(
+        0, ge=0, description="skip routing for the first N (already known) tokens"
+    )
 
 
 class RoutedExperts(_Message):
@@ -51,7 +53,9 @@ class RoutedExperts(_Message):
         if arr.dtype not in (np.uint8, np.uint16) or arr.ndim != 3:
             raise ValueError(f"routed experts must be uint8/uint16 [T, L, K], got {arr.dtype} {arr.shape}")
         raw = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-        return cls(data=base64.b64encode(raw).decode(), shape=list(arr.shape), dtype=str(arr.dtype), start=start)
+        return cls(
+            data=base64.b64encode(raw).decode(), shape=list(arr.shape), dtype=str(arr.dtype), start=start
+        )
 
     def to_array(self) -> np.ndarray:
         dtype = np.dtype(self.dtype).newbyteorder("<")

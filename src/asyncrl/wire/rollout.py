@@ -71,7 +71,9 @@ class RolloutSample:
         for name, dtype in _TOKEN_FIELDS.items():
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray):
-                raise BatchFormatError(f"{where}: field '{name}' must be a numpy array, got {type(arr).__name__}")
+                raise BatchFormatError(
+                    f"{where}: field '{name}' must be a numpy array, got {type(arr).__name__}"
+                )
             if arr.ndim != 1:
                 raise BatchFormatError(f"{where}: field '{name}' must be 1-D [T], got shape {arr.shape}")
             if arr.dtype != dtype:
@@ -86,7 +88,9 @@ class RolloutSample:
         re = self.routed_experts
         if re is not None:
             if re.dtype not in (np.uint8, np.uint16):
-                raise BatchFormatError(f"{where}: field 'routed_experts' must be uint8 or uint16, got {re.dtype}")
+                raise BatchFormatError(
+                    f"{where}: field 'routed_experts' must be uint8 or uint16, got {re.dtype}"
+                )
             if re.ndim != 3 or re.shape[0] != n:
                 raise BatchFormatError(
                     f"{where}: field 'routed_experts' must be [T={n}, layers, top_k], got {re.shape}"
@@ -111,7 +115,9 @@ def encode_batch(batch: RolloutBatch) -> tuple[dict[str, np.ndarray], dict[str, 
     if not batch.samples:
         raise BatchFormatError(f"batch for step {batch.step} has no samples")
     arrays = {name: np.concatenate([getattr(s, name) for s in batch.samples]) for name in _TOKEN_FIELDS}
-    arrays["loss_mask"] = arrays["loss_mask"].astype(np.uint8)  # safetensors has no numpy bool on all versions
+    arrays["loss_mask"] = arrays["loss_mask"].astype(
+        np.uint8
+    )  # safetensors has no numpy bool on all versions
     arrays["lengths"] = np.array([s.num_tokens for s in batch.samples], dtype=np.int64)
     with_routing = [s.routed_experts is not None for s in batch.samples]
     if any(with_routing):
@@ -161,7 +167,9 @@ def decode_batch(arrays: dict[str, np.ndarray], meta: dict[str, str], where: str
             continue
         arr = _require(arrays, name, where)
         if arr.shape[0] != total:
-            raise BatchFormatError(f"{where}: field '{name}' has {arr.shape[0]} tokens, lengths sum to {total}")
+            raise BatchFormatError(
+                f"{where}: field '{name}' has {arr.shape[0]} tokens, lengths sum to {total}"
+            )
         cols[name] = np.split(arr, np.cumsum(lengths)[:-1])
     samples = []
     for i, m in enumerate(sample_meta):
