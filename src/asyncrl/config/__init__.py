@@ -8,5 +8,15 @@ from asyncrl.config.base import (
     merge_dicts,
     parse_cli_overrides,
 )
+from asyncrl.config.trainer import RLTrainerConfig, SFTConfig
 
-__all__ = ["BaseConfig", "ConfigError", "load_config", "load_toml", "merge_dicts", "parse_cli_overrides"]
+__all__ = [
+    "BaseConfig",
+    "ConfigError",
+    "RLTrainerConfig",
+    "SFTConfig",
+    "load_config",
+    "load_toml",
+    "merge_dicts",
+    "parse_cli_overrides",
+]
