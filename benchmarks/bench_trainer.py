@@ -14,6 +14,7 @@ BENCHMARKS.md with the table.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 from pathlib import Path
@@ -54,12 +55,14 @@ def time_rl_step(engine: StepEngine, mbs: list[MicroBatch], steps: int) -> float
         return rl_loss(inputs, cfg, n)
 
     engine.step(mbs, loss_fn, policy_step=1)  # warm-up
-    _sync(engine.info.device)
-    start = time.perf_counter()
+    times = []
     for i in range(steps):
+        _sync(engine.info.device)
+        start = time.perf_counter()
         engine.step(mbs, loss_fn, policy_step=2 + i)
-    _sync(engine.info.device)
-    return (time.perf_counter() - start) / steps
+        _sync(engine.info.device)
+        times.append(time.perf_counter() - start)
+    return min(times)  # best of N: the least disturbed by other processes on a shared machine
 
 
 def time_plain_fwd_bwd(model: Transformer, mbs: list[MicroBatch], steps: int, device: torch.device) -> float:
@@ -73,12 +76,14 @@ def time_plain_fwd_bwd(model: Transformer, mbs: list[MicroBatch], steps: int, de
             F.cross_entropy(logits, mb.target_ids, reduction="sum").backward()
 
     once()
-    _sync(device)
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
         once()
-    _sync(device)
-    return (time.perf_counter() - start) / steps
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def bench_preset(preset: str, args: argparse.Namespace, peak: float) -> dict[str, float | str]:
@@ -139,6 +144,8 @@ def render(rows: list[dict[str, float | str]], args: argparse.Namespace, peak: f
         )
     lines += [
         "",
+        f"Times are the best of {args.steps} steps after a warm-up step (shared machine: load average "
+        f"{os.getloadavg()[0]:.1f} at the end of the run, on {os.cpu_count()} cores).",
         "The baseline is a forward with full logits + cross-entropy + backward on the same rows (no "
         "optimizer, no chunking); the RL step adds the chunked LM head with recompute, the loss, "
         "clipping and AdamW. MFU counts 6 x active non-embedding parameters + causal attention per token.",
