@@ -18,6 +18,7 @@ from asyncrl.config.base import BaseConfig
 
 __all__ = [
     "CheckpointConfig",
+    "CommonTrainConfig",
     "LossConfig",
     "ModelLoadConfig",
     "OptimConfig",
@@ -99,7 +100,9 @@ class PublishConfig(BaseConfig):
     interval: int = Field(1, ge=1)  # publish every N steps
 
 
-class _CommonTrainConfig(BaseConfig):
+class CommonTrainConfig(BaseConfig):
+    """Sections shared by the RL trainer and SFT: model, run directory, optimizer, checkpoints, publishing."""
+
     model: ModelLoadConfig
     run_dir: Path = Path("outputs/run")
     max_steps: int = Field(..., ge=1)
@@ -115,7 +118,7 @@ class _CommonTrainConfig(BaseConfig):
     logits_chunk_size: int = Field(1024, gt=0)  # tokens per LM-head chunk (bounds [chunk, vocab] memory)
 
 
-class RLTrainerConfig(_CommonTrainConfig):
+class RLTrainerConfig(CommonTrainConfig):
     """`asyncrl trainer`: consume rollouts/step_n, produce weights/step_n."""
 
     loss: LossConfig = LossConfig()
@@ -131,7 +134,7 @@ class SFTDataConfig(BaseConfig):
     shuffle: bool = True
 
 
-class SFTConfig(_CommonTrainConfig):
+class SFTConfig(CommonTrainConfig):
     """`asyncrl sft`: cross-entropy on chat / prompt-completion data, same outputs as the RL trainer."""
 
     data: SFTDataConfig

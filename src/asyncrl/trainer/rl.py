@@ -13,6 +13,7 @@ from the latest checkpoint with the same step numbering.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 from asyncrl.config import load_config
@@ -57,6 +58,15 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
     }
 
 
+def _warn_if_replay_is_idle(cfg: RLTrainerConfig, args: ModelArgs, batch: RolloutBatch) -> None:
+    if cfg.router_replay and args.is_moe and batch.samples[0].routed_experts is None:
+        warnings.warn(
+            f"router_replay = true but batch {batch.step} carries no routed_experts; the trainer routes "
+            "with its own router (ask the orchestrator for return_routed_experts)",
+            stacklevel=2,
+        )
+
+
 def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
     """Train from session.start_step + 1 to cfg.max_steps; returns the metric records (main rank)."""
     session = TrainSession.build(cfg)
@@ -70,6 +80,8 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
         for step in range(session.start_step + 1, cfg.max_steps + 1):
             batch = read_batch(cfg.run_dir, step, timeout_s=cfg.batch_timeout_s)
             check_batch_fits_model(batch, session.model.args, str(batch_dir(cfg.run_dir, step)))
+            if step == session.start_step + 1:
+                _warn_if_replay_is_idle(cfg, session.model.args, batch)
             mine = shard_samples(batch.samples, session.info.rank, session.info.world_size)
             micro_batches = pack_samples(mine, cfg.seq_len, replay=replay)
             result = session.engine.step(micro_batches, loss_fn, step)

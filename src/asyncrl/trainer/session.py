@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.config.trainer import _CommonTrainConfig
+from asyncrl.config.trainer import CommonTrainConfig
 from asyncrl.model import Transformer, from_pretrained
 from asyncrl.trainer.checkpoint import (
     CheckpointNotFoundError,
@@ -34,7 +34,7 @@ __all__ = ["TrainSession", "resolve_resume_step"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def resolve_resume_step(cfg: _CommonTrainConfig) -> int | None:
+def resolve_resume_step(cfg: CommonTrainConfig) -> int | None:
     """The checkpoint step to resume from, or None for a fresh run."""
     if cfg.resume_step is not None:
         return cfg.resume_step
@@ -50,7 +50,7 @@ def resolve_resume_step(cfg: _CommonTrainConfig) -> int | None:
 
 @dataclass(kw_only=True)
 class TrainSession:
-    cfg: _CommonTrainConfig
+    cfg: CommonTrainConfig
     info: DistInfo
     model: Transformer
     engine: StepEngine
@@ -60,7 +60,7 @@ class TrainSession:
     start_step: int  # the last completed step (0 for a fresh run)
 
     @classmethod
-    def build(cls, cfg: _CommonTrainConfig, publisher: WeightPublisher | None = None) -> TrainSession:
+    def build(cls, cfg: CommonTrainConfig, publisher: WeightPublisher | None = None) -> TrainSession:
         info = init_distributed(cfg.model.device)
         torch.manual_seed(cfg.seed)
         dtype = _DTYPES[cfg.model.dtype]

@@ -101,6 +101,9 @@ def test_crash_and_resume_matches_the_uninterrupted_run(model_dir, tmp_path):
     with pytest.raises(RolloutTimeoutError, match="step 4"):
         run_rl(_cfg(model_dir, crashed))  # dies waiting for batch 4: step 3 done, last checkpoint at 2
     assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_2"]
+    # A kill in the middle of saving step 3 leaves a directory without DCP's .metadata: not resumable.
+    (crashed / "checkpoints" / "step_3").mkdir()
+    (crashed / "checkpoints" / "step_3" / "__0_0.distcp").write_bytes(b"partial")
     write_batch(crashed, batches[3])
     resumed = run_rl(_cfg(model_dir, crashed, resume=True))
     assert [r["step"] for r in resumed] == [3, 4]

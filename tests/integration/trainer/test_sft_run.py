@@ -11,6 +11,24 @@ from asyncrl.trainer.sft import run_sft
 from asyncrl.transport import stable_steps, weights_dir
 
 
+def test_sft_cli_entry_point(tmp_path):
+    from asyncrl.launcher.cli import main
+
+    model_dir = tmp_path / "model"
+    init_model("tiny-dense", model_dir, seed=0)
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    toml = tmp_path / "sft.toml"
+    toml.write_text(f'run_dir = "{tmp_path / "run"}"\nmax_steps = 2\n[model]\npath = "{model_dir}"\n')
+    assert (
+        main(["sft", "@", str(toml), "--data.path", str(data), "--seq-len", "32", "--peak-flops", "1e11"])
+        == 0
+    )
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    assert stable_steps(tmp_path / "run") == [1, 2]
+
+
 def test_sft_learns_a_fixed_answer_and_publishes(tmp_path):
     model_dir = tmp_path / "model"
     init_model("tiny-dense", model_dir, seed=0)
