@@ -1,7 +1,7 @@
 """One optimizer step over packed micro-batches, shared by RL and SFT.
 
     engine = StepEngine(model, optimizer, scheduler, dist_info, max_grad_norm=1.0, chunk_size=1024)
-    result = engine.step(micro_batches, loss_fn, policy_step=n)
+    result = engine.step(micro_batches, loss_fn, trained_version=n - 1)  # step n trains v_{n-1}
 
 The step: count loss tokens on every rank and all-reduce the count; for each micro-batch run the
 model (replaying routed experts when present), recompute sampled-token logprobs through the
@@ -78,7 +78,7 @@ class StepEngine:
             h_TD, self.model.lm_head.weight, mb.target_ids, mb.temperatures, self.chunk_size
         )
 
-    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, policy_step: int) -> StepResult:
+    def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, trained_version: int) -> StepResult:
         start = time.perf_counter()
         device = self.info.device
         micro_batches = [mb.to(device) for mb in micro_batches]
@@ -89,7 +89,7 @@ class StepEngine:
         staleness_max = torch.zeros(1, dtype=torch.float64, device=device)
         if num_loss_tokens > 0:
             for mb in micro_batches:
-                self._accumulate(mb, loss_fn, num_loss_tokens, policy_step, sums, staleness_max)
+                self._accumulate(mb, loss_fn, num_loss_tokens, trained_version, sums, staleness_max)
         all_reduce_(sums, self.info)
         all_reduce_(staleness_max, self.info, op="max")
         all_reduce_grads_(self.params, self.info)
@@ -127,7 +127,7 @@ class StepEngine:
         mb: MicroBatch,
         loss_fn: LossFn,
         num_loss_tokens: float,
-        policy_step: int,
+        trained_version: int,
         sums: torch.Tensor,
         staleness_max: torch.Tensor,
     ) -> None:
@@ -143,7 +143,8 @@ class StepEngine:
         result.loss.backward()
         with torch.no_grad():
             mask_T = mb.loss_mask
-            staleness_T = (policy_step - mb.policy_versions).double()
+            # staleness = optimizer steps between the sampling weights and the weights trained now (0 = on-policy)
+            staleness_T = (trained_version - mb.policy_versions).double()
             sums += torch.stack(
                 [
                     result.loss.detach().double(),

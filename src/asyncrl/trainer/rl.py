@@ -13,6 +13,7 @@ from the latest checkpoint with the same step numbering.
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -78,14 +79,16 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
     replay = cfg.router_replay and session.model.args.is_moe
     try:
         for step in range(session.start_step + 1, cfg.max_steps + 1):
+            t_wait = time.perf_counter()
             batch = read_batch(cfg.run_dir, step, timeout_s=cfg.batch_timeout_s)
+            wait_s = time.perf_counter() - t_wait
             check_batch_fits_model(batch, session.model.args, str(batch_dir(cfg.run_dir, step)))
             if step == session.start_step + 1:
                 _warn_if_replay_is_idle(cfg, session.model.args, batch)
             mine = shard_samples(batch.samples, session.info.rank, session.info.world_size)
             micro_batches = pack_samples(mine, cfg.seq_len, replay=replay)
-            result = session.engine.step(micro_batches, loss_fn, step)
-            records.append(session.end_step(step, result, batch_metrics(batch)))
+            result = session.engine.step(micro_batches, loss_fn, trained_version=step - 1)
+            records.append(session.end_step(step, result, batch_metrics(batch) | {"wait_s": wait_s}))
     finally:
         session.close()
     return records

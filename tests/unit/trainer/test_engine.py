@@ -28,10 +28,10 @@ def test_on_policy_batch_has_ratio_one_and_zero_mismatch(tiny_model, make_engine
         with torch.no_grad():
             lp, _ = engine.forward_micro_batch(mb)
         torch.testing.assert_close(lp[mb.loss_mask], mb.inference_logprobs[mb.loss_mask], rtol=0, atol=1e-6)
-    result = engine.step(pack_samples(batch.samples, 64, replay=True), _rl(), policy_step=1)
+    result = engine.step(pack_samples(batch.samples, 64, replay=True), _rl(), trained_version=0)
     assert not result.skipped
     assert abs(result.mismatch_kl) < 1e-10 and result.masked_fraction == 0.0
-    assert result.staleness_mean == 1.0 and result.staleness_max == 1  # sampled at v0, trained at step 1
+    assert result.staleness_mean == 0.0 and result.staleness_max == 0  # sampled at v0, trained at step 1 (v0)
     assert result.num_loss_tokens == sum(int(s.loss_mask[1:].sum()) for s in batch.samples)
 
 
@@ -81,7 +81,7 @@ def test_fixed_batch_is_learnable(tiny_model, make_engine):
         return torch.cat(vals).mean().item()
 
     before = positive_logprob()
-    losses = [engine.step(mbs, _rl(), policy_step=1).loss for _ in range(12)]
+    losses = [engine.step(mbs, _rl(), trained_version=0).loss for _ in range(12)]
     after = positive_logprob()
     assert losses[-1] < losses[0] - 0.5, losses
     assert after > before + 0.5, (before, after)
@@ -95,12 +95,12 @@ def test_non_finite_loss_skips_the_step_and_keeps_weights(tiny_model, make_engin
     )
     engine = make_engine(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = engine.step(pack_samples([bad, *batch.samples[1:]], 256, replay=True), _rl(), policy_step=1)
+    result = engine.step(pack_samples([bad, *batch.samples[1:]], 256, replay=True), _rl(), trained_version=0)
     assert result.skipped
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert not engine.optimizer.state  # AdamW moments were never touched
-    ok = engine.step(pack_samples(batch.samples, 256, replay=True), _rl(), policy_step=2)
+    ok = engine.step(pack_samples(batch.samples, 256, replay=True), _rl(), trained_version=1)
     assert not ok.skipped and any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
@@ -108,5 +108,5 @@ def test_batch_without_loss_tokens_is_skipped(tiny_model, make_engine):
     model = tiny_model()
     s = synthetic_batch(model, step=1, num_samples=1, prompt_len=8, completion_len=8, seed=5).samples[0]
     empty = dataclasses.replace(s, loss_mask=np.zeros(s.num_tokens, bool))
-    result = make_engine(model).step(pack_samples([empty], 64, replay=True), _rl(), policy_step=1)
+    result = make_engine(model).step(pack_samples([empty], 64, replay=True), _rl(), trained_version=0)
     assert result.skipped and result.num_loss_tokens == 0
