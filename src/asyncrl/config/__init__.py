@@ -10,6 +10,7 @@ from asyncrl.config.base import (
 )
 from asyncrl.config.envs import EnvConfig, EnvsConfig, LatencyConfig
 from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.parallel import ParallelConfig
 
 __all__ = [
     "BaseConfig",
@@ -18,6 +19,7 @@ __all__ = [
     "EnvsConfig",
     "InferenceConfig",
     "LatencyConfig",
+    "ParallelConfig",
     "load_config",
     "load_toml",
     "merge_dicts",

@@ -1,0 +1,197 @@
+"""Spawned-process helpers for the distributed tests: gloo on CPU, tiny MoE, packed rows.
+
+Each worker builds the same model and batch as the single-process reference (same seeds), runs a
+parallel layout, and asserts against the reference inside the worker; a failure propagates
+through torch.multiprocessing.spawn with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from asyncrl.distributed import (
+    ContextParallelAttention,
+    ParallelDims,
+    apply_parallelism,
+    clip_grad_norm_,
+    gather_from_cp,
+    split_for_cp,
+)
+from asyncrl.model import Transformer
+from asyncrl.model.presets import preset_args
+
+T = 32  # tokens per packed row
+NUM_ROWS = 4
+ATOL = 2e-5  # fp32: loss, gradients, weights and logprobs agree to this absolute tolerance
+RTOL = 1e-4
+AC_PREFIX = "_checkpoint_wrapped_module."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, world_size: int, *args) -> None:
+    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+# -- model and data --------------------------------------------------------------------------------
+def make_model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(preset_args("tiny-moe"))
+    model.init_weights(seed)
+    return model
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    input_ids: torch.Tensor  # int64 [1, T]
+    position_ids: torch.Tensor  # int64 [1, T]; two packed sequences
+    target_ids: torch.Tensor  # int64 [T]
+    weights: torch.Tensor  # f32 [T]; advantage * loss mask
+
+
+def make_rows() -> list[Row]:
+    gen = torch.Generator().manual_seed(1234)
+    rows = []
+    for i in range(NUM_ROWS):
+        split = 11 + 3 * i  # sequence boundary not aligned with CP chunks
+        pos = torch.cat([torch.arange(split), torch.arange(T - split)])[None]
+        mask = torch.rand(T, generator=gen) > 0.3
+        adv = torch.randn(T, generator=gen)
+        rows.append(
+            Row(
+                input_ids=torch.randint(0, 256, (1, T), generator=gen),
+                position_ids=pos,
+                target_ids=torch.randint(0, 256, (T,), generator=gen),
+                weights=adv * mask,
+            )
+        )
+    return rows
+
+
+def logprobs(model, input_ids, position_ids, target_ids, routed=None, attention=None):
+    """The trainer's pattern: hidden states from the model, LM head applied outside its forward."""
+    out = model(input_ids, position_ids, routed_experts=routed, attention=attention, compute_logits=False)
+    logits = F.linear(out.hidden_states[0], model.lm_head.weight)
+    return logits.log_softmax(-1).gather(1, target_ids[:, None])[:, 0]
+
+
+def num_loss_tokens(rows: list[Row]) -> float:
+    return float(sum(int((r.weights != 0).sum()) for r in rows))
+
+
+def reference_step(model, rows: list[Row]):
+    """Single-process loss over all rows (sum of weighted logprobs / global token count) + backward."""
+    count = num_loss_tokens(rows)
+    loss = sum(-(logprobs(model, r.input_ids, r.position_ids, r.target_ids) * r.weights).sum() for r in rows)
+    loss = loss / count
+    loss.backward()
+    return loss.detach()
+
+
+def clean(name: str) -> str:
+    return name.replace(AC_PREFIX, "")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+# -- one parallel layout ---------------------------------------------------------------------------
+def parallel_step(model, dims: ParallelDims, meshes, rank: int, rows: list[Row]) -> torch.Tensor:
+    """This rank's share of the reference loss; backward; returns the global loss (all-reduced)."""
+    row = rows[dims.dp_rank(rank)]
+    count = num_loss_tokens(rows[: dims.dp_size])
+    ids, pos, tgt, w = row.input_ids, row.position_ids, row.target_ids, row.weights
+    attention = None
+    if dims.cp_enabled:
+        cp_rank = dims.cp_rank(rank)
+        attention = ContextParallelAttention(pos, meshes.world.get_group("cp"))
+        ids, pos = split_for_cp(ids, dims.cp, cp_rank, 1), split_for_cp(pos, dims.cp, cp_rank, 1)
+        tgt, w = split_for_cp(tgt, dims.cp, cp_rank, 0), split_for_cp(w, dims.cp, cp_rank, 0)
+    loss = -(logprobs(model, ids, pos, tgt, attention=attention) * w).sum() / count
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # loss-token counts and loss sums reduce over the whole world
+    return total
+
+
+def check_layout(rank: int, world_size: int, degrees: dict, ac: bool) -> None:
+    rows = make_rows()
+    dims = ParallelDims.build(world_size=world_size, num_experts=8, **degrees)
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.0)
+    model = make_model()
+    meshes = dims.build_meshes("cpu")
+    apply_parallelism(model, dims, meshes, device_type="cpu", activation_checkpointing=ac)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.0)
+    for step in range(2):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        ref_loss = reference_step(ref, rows[: dims.dp_size])
+        loss = parallel_step(model, dims, meshes, rank, rows)
+        torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=RTOL, msg=f"{degrees} loss, step {step}")
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        for name, p in model.named_parameters():
+            g = full(p.grad)
+            torch.testing.assert_close(g, ref_grads[clean(name)], atol=ATOL, rtol=RTOL, msg=f"{degrees} {name}")
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+        norm = clip_grad_norm_(list(model.parameters()), 1e9)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+        torch.testing.assert_close(norm, ref_norm, atol=ATOL, rtol=RTOL)
+        ref_opt.step()
+        opt.step()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full(p.detach()), ref_params[clean(name)].detach(), atol=ATOL, rtol=RTOL)
+
+
+def worker_layouts(rank: int, world_size: int, layouts: list[tuple[dict, bool]]) -> None:
+    for degrees, ac in layouts:
+        check_layout(rank, world_size, degrees, ac)
+
+
+def worker_replay(rank: int, world_size: int) -> None:
+    """R3: logprobs with replayed routing are identical with and without EP (and CP)."""
+    rows = make_rows()
+    row = rows[0]
+    ref = make_model()
+    with torch.no_grad():
+        routed = ref(row.input_ids, row.position_ids, return_routing=True).routed_experts
+        ref_lp = logprobs(ref, row.input_ids, row.position_ids, row.target_ids, routed=routed)
+    for degrees in ({"ep": world_size}, {"ep": world_size, "cp": world_size, "dp_shard": 1}):
+        dims = ParallelDims.build(world_size=world_size, num_experts=8, **degrees)
+        model = make_model()
+        meshes = dims.build_meshes("cpu")
+        apply_parallelism(model, dims, meshes, device_type="cpu")
+        ids, pos, tgt, r = row.input_ids, row.position_ids, row.target_ids, routed
+        attention = None
+        if dims.cp_enabled:
+            c, group = dims.cp_rank(rank), meshes.world.get_group("cp")
+            attention = ContextParallelAttention(pos, group)
+            ids, pos, tgt, r = (split_for_cp(x, dims.cp, c, d) for x, d in ((ids, 1), (pos, 1), (tgt, 0), (r, 1)))
+        with torch.no_grad():
+            lp = logprobs(model, ids, pos, tgt, routed=r, attention=attention)
+        if dims.cp_enabled:
+            lp = gather_from_cp(lp, meshes.world.get_group("cp"), dim=0)
+        torch.testing.assert_close(lp, ref_lp, atol=ATOL, rtol=RTOL, msg=f"R3 replay {degrees}")
