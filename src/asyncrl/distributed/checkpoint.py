@@ -35,26 +35,30 @@ __all__ = ["iter_hf_tensors", "load_model_dcp", "save_model_dcp"]
 _AC_PREFIX = "_checkpoint_wrapped_module."
 
 
-def save_model_dcp(model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+def save_model_dcp(
+    model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """Write model (and optimizer) state with DCP; collective over all ranks."""
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
 
-def load_model_dcp(model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_model_dcp(
+    model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """Load a DCP checkpoint written at any world size / layout into `model` (and optimizer)."""
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         set_model_state_dict(model, state["model"])
         return
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -62,7 +66,9 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def iter_hf_tensors(model: nn.Module, *, tie_word_embeddings: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(
+    model: nn.Module, *, tie_word_embeddings: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, full tensor) on rank 0; every rank must exhaust the iterator.
 
     Each DTensor is gathered on its own (at most one full tensor alive per rank at a time).

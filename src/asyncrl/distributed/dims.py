@@ -68,7 +68,12 @@ class ParallelDims:
         num_experts: int = 0,
     ) -> ParallelDims:
         """Resolve `dp_shard = -1` and validate every degree; see the module docstring."""
-        for name, value in (("world_size", world_size), ("dp_replicate", dp_replicate), ("ep", ep), ("cp", cp)):
+        for name, value in (
+            ("world_size", world_size),
+            ("dp_replicate", dp_replicate),
+            ("ep", ep),
+            ("cp", cp),
+        ):
             if value < 1:
                 raise ParallelDimsError(f"{name} must be >= 1, got {value}")
         if dp_shard == -1:

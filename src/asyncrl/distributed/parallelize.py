@@ -23,6 +23,7 @@ the global number of loss tokens, so the sum over ranks is the gradient of the g
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -111,21 +112,33 @@ def _apply_fsdp(
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip by the global L2 norm over parameters living on different meshes (dense vs expert).
+    """Clip by the global L2 norm over gradients living on different meshes (dense vs expert).
 
-    `torch.nn.utils.clip_grad_norm_` cannot stack norms of DTensors from different meshes, so the
-    squared norm is reduced per parameter (DTensor.full_tensor sums the shards) and added up.
+    `torch.nn.utils.clip_grad_norm_` cannot combine DTensors from different meshes. Here the
+    local squared norms are grouped by (mesh, placements), summed over the sharded mesh axes in
+    one all-reduce per group and axis (replicated axes hold copies and are not summed), then added.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    total_sq = None
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    plain = []
     for g in grads:
-        sq = g.detach().float().pow(2).sum()
-        sq = sq.full_tensor() if isinstance(sq, DTensor) else sq
-        total_sq = sq if total_sq is None else total_sq + sq
+        if isinstance(g, DTensor):
+            groups.setdefault((g.device_mesh, g.placements), []).append(g.to_local())
+        else:
+            plain.append(g)
+    total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for (mesh, placements), locals_ in groups.items():
+        sq = torch.stack([t.float().pow(2).sum() for t in locals_]).sum()
+        for axis, placement in enumerate(placements):
+            if placement.is_shard():
+                dist.all_reduce(sq, group=mesh.get_group(axis))
+        total_sq += sq.to(total_sq.device)
+    for g in plain:
+        total_sq += g.float().pow(2).sum().to(total_sq.device)
     total = total_sq.sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
-        g.mul_(scale.to(g.device) if not isinstance(g, DTensor) else scale.item())
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(scale.to(g.device))
     return total

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard
 
 from asyncrl.distributed import (
     ContextParallelAttention,
@@ -22,11 +23,16 @@ from asyncrl.distributed import (
     apply_parallelism,
     clip_grad_norm_,
     gather_from_cp,
+    iter_hf_tensors,
+    load_model_dcp,
+    save_model_dcp,
     split_for_cp,
 )
 from asyncrl.model import Transformer
+from asyncrl.model.hf import to_hf_state_dict
 from asyncrl.model.presets import preset_args
 
+ARGS = replace(preset_args("tiny-moe"), num_hidden_layers=2)  # 2 MoE layers of 8 experts, top-2
 T = 32  # tokens per packed row
 NUM_ROWS = 4
 ATOL = 2e-5  # fp32: loss, gradients, weights and logprobs agree to this absolute tolerance
@@ -51,13 +57,16 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
 
 
 def launch(fn, world_size: int, *args) -> None:
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    # fork: the children inherit the already imported torch (a fresh interpreter costs ~10 s here).
+    mp.start_processes(
+        _entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True, start_method="fork"
+    )
 
 
 # -- model and data --------------------------------------------------------------------------------
 def make_model(seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer(preset_args("tiny-moe"))
+    model = Transformer(ARGS)
     model.init_weights(seed)
     return model
 
@@ -145,6 +154,7 @@ def check_layout(rank: int, world_size: int, degrees: dict, ac: bool) -> None:
     meshes = dims.build_meshes("cpu")
     apply_parallelism(model, dims, meshes, device_type="cpu", activation_checkpointing=ac)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.0)
+    check_expert_placement(model, dims)
     for step in range(2):
         ref_opt.zero_grad()
         opt.zero_grad()
@@ -154,7 +164,9 @@ def check_layout(rank: int, world_size: int, degrees: dict, ac: bool) -> None:
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         for name, p in model.named_parameters():
             g = full(p.grad)
-            torch.testing.assert_close(g, ref_grads[clean(name)], atol=ATOL, rtol=RTOL, msg=f"{degrees} {name}")
+            torch.testing.assert_close(
+                g, ref_grads[clean(name)], atol=ATOL, rtol=RTOL, msg=f"{degrees} {name}"
+            )
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
         norm = clip_grad_norm_(list(model.parameters()), 1e9)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
@@ -164,6 +176,17 @@ def check_layout(rank: int, world_size: int, degrees: dict, ac: bool) -> None:
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(full(p.detach()), ref_params[clean(name)].detach(), atol=ATOL, rtol=RTOL)
+
+
+def check_expert_placement(model, dims: ParallelDims) -> None:
+    """Under EP each rank really holds num_experts / ep experts (the global shape stays [E, ...])."""
+    for name, p in model.named_parameters():
+        if ".mlp.experts." not in name:
+            continue
+        assert p.shape[0] == ARGS.num_experts, name
+        if dims.ep_enabled:
+            assert p.device_mesh.mesh_dim_names[-1] == "ep" and p.placements[-1] == Shard(0), name
+            assert p.to_local().shape[0] == ARGS.num_experts // dims.ep, name
 
 
 def worker_layouts(rank: int, world_size: int, layouts: list[tuple[dict, bool]]) -> None:
@@ -189,9 +212,69 @@ def worker_replay(rank: int, world_size: int) -> None:
         if dims.cp_enabled:
             c, group = dims.cp_rank(rank), meshes.world.get_group("cp")
             attention = ContextParallelAttention(pos, group)
-            ids, pos, tgt, r = (split_for_cp(x, dims.cp, c, d) for x, d in ((ids, 1), (pos, 1), (tgt, 0), (r, 1)))
+            ids, pos, tgt, r = (
+                split_for_cp(x, dims.cp, c, d) for x, d in ((ids, 1), (pos, 1), (tgt, 0), (r, 1))
+            )
         with torch.no_grad():
             lp = logprobs(model, ids, pos, tgt, routed=r, attention=attention)
         if dims.cp_enabled:
             lp = gather_from_cp(lp, meshes.world.get_group("cp"), dim=0)
         torch.testing.assert_close(lp, ref_lp, atol=ATOL, rtol=RTOL, msg=f"R3 replay {degrees}")
+
+
+# -- DCP: save at one world size, resume at another ------------------------------------------------
+RESUME_ROWS = 2  # every layout below reads the same 2 rows per step (dp_size == 2)
+
+
+def make_optimizer(model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.0)
+
+
+def reference_two_steps():
+    """Single process: two AdamW steps on the resume rows; the weights every resume must reach."""
+    rows = make_rows()[:RESUME_ROWS]
+    model = make_model()
+    opt = make_optimizer(model)
+    for _ in range(2):
+        opt.zero_grad()
+        reference_step(model, rows)
+        opt.step()
+    return model
+
+
+def parallel_train_step(model, opt, dims, meshes, rank: int) -> None:
+    opt.zero_grad()
+    parallel_step(model, dims, meshes, rank, make_rows()[:RESUME_ROWS])
+    opt.step()
+
+
+def worker_dcp_save(rank: int, world_size: int, path: str) -> None:
+    """World size 2, FSDP2 x EP2: one step, then save model + optimizer."""
+    dims = ParallelDims.build(world_size=world_size, dp_shard=2, ep=2, num_experts=8)
+    meshes = dims.build_meshes("cpu")
+    model = apply_parallelism(make_model(), dims, meshes, device_type="cpu", activation_checkpointing=True)
+    opt = make_optimizer(model)
+    parallel_train_step(model, opt, dims, meshes, rank)
+    save_model_dcp(model, path, opt)
+
+
+def worker_dcp_resume(rank: int, world_size: int, path: str) -> None:
+    """World size 4, dp_shard 2 x cp 2 x ep 2: load, take step 2, match the reference; publish."""
+    dims = ParallelDims.build(world_size=world_size, dp_shard=2, cp=2, ep=2, num_experts=8)
+    meshes = dims.build_meshes("cpu")
+    model = apply_parallelism(make_model(seed=99), dims, meshes, device_type="cpu")
+    opt = make_optimizer(model)
+    load_model_dcp(model, path, opt)
+    parallel_train_step(model, opt, dims, meshes, rank)
+    ref = reference_two_steps()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full(p.detach()), ref_params[clean(name)].detach(), atol=ATOL, rtol=RTOL)
+    published = dict(iter_hf_tensors(model))
+    if rank == 0:
+        expected = to_hf_state_dict(ref)
+        assert published.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(published[key], value.detach(), atol=ATOL, rtol=RTOL)
+    else:
+        assert published == {}, "only rank 0 receives published tensors"
