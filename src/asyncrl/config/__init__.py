@@ -10,7 +10,7 @@ from asyncrl.config.base import (
 )
 from asyncrl.config.envs import EnvConfig, EnvsConfig, LatencyConfig
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.config.parallel import ParallelConfig
+from asyncrl.config.parallel import ParallelConfig, SlurmConfig
 
 __all__ = [
     "BaseConfig",
@@ -20,6 +20,7 @@ __all__ = [
     "InferenceConfig",
     "LatencyConfig",
     "ParallelConfig",
+    "SlurmConfig",
     "load_config",
     "load_toml",
     "merge_dicts",

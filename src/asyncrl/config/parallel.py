@@ -13,11 +13,13 @@ checks all of this against the model and world size before any process group is 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from asyncrl.config.base import BaseConfig
 
-__all__ = ["ParallelConfig"]
+__all__ = ["ParallelConfig", "SlurmConfig"]
 
 
 class ParallelConfig(BaseConfig):
@@ -27,3 +29,36 @@ class ParallelConfig(BaseConfig):
     cp: int = Field(1, ge=1, description="context-parallel degree (contiguous sequence chunks)")
     activation_checkpointing: bool = Field(False, description="recompute each block in backward")
     reshard_after_forward: bool = Field(True, description="FSDP: free gathered weights after forward")
+
+
+class SlurmConfig(BaseConfig):
+    """`[slurm]` of `asyncrl slurm @ rl.toml`: one sbatch job, inference nodes first, then trainer nodes.
+
+    [slurm]
+    inference_nodes = 2
+    trainer_nodes = 4
+    gpus_per_node = 8
+    partition = "h200"
+    time = "24:00:00"
+    setup = ["source .venv/bin/activate"]
+    env = { NCCL_IB_HCA = "mlx5" }
+    """
+
+    inference_nodes: int = Field(1, ge=1)
+    trainer_nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+    servers_per_inference_node: int = Field(1, ge=1, description="GPUs of a node split evenly among them")
+    job_name: str = "asyncrl"
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = Field(None, description="Slurm time limit, e.g. '24:00:00'")
+    rdzv_port: int = Field(29500, ge=1, le=65535, description="torchrun c10d rendezvous port")
+    orchestrator_on: Literal["trainer", "inference"] = Field(
+        "trainer", description="which node group's first node runs the orchestrator (CPU only)"
+    )
+    python: str = "python"
+    setup: list[str] = Field(default_factory=list, description="shell lines run first on every node")
+    env: dict[str, str] = Field(default_factory=dict, description="exported to every process")
+    extra_sbatch: list[str] = Field(
+        default_factory=list, description="more '#SBATCH' options, e.g. '--exclusive'"
+    )
