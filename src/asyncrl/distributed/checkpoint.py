@@ -15,7 +15,9 @@ model; only rank 0 receives the tensors, the other ranks just join the gathers.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,6 +37,14 @@ __all__ = ["iter_hf_tensors", "load_model_dcp", "save_model_dcp"]
 _AC_PREFIX = "_checkpoint_wrapped_module."
 
 
+@contextmanager
+def _single_process_quiet():
+    """World size 1 is a supported case (resume on one process), not something to warn about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
 def save_model_dcp(
     model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
@@ -44,7 +54,8 @@ def save_model_dcp(
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
 
 def load_model_dcp(
@@ -53,12 +64,14 @@ def load_model_dcp(
     """Load a DCP checkpoint written at any world size / layout into `model` (and optimizer)."""
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         set_model_state_dict(model, state["model"])
         return
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

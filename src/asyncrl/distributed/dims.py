@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from asyncrl.config.parallel import ParallelConfig
+
 __all__ = ["Meshes", "ParallelDims", "ParallelDimsError"]
 
 
@@ -93,6 +95,14 @@ class ParallelDims:
         dims = cls(world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, cp=cp)
         dims._check_ep(num_experts)
         return dims
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, *, world_size: int, num_experts: int) -> ParallelDims:
+        """`[trainer.parallel]` + the launched world size + the model's expert count."""
+        return cls.build(
+            world_size=world_size, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard,
+            ep=cfg.ep, cp=cfg.cp, num_experts=num_experts,
+        )  # fmt: skip
 
     def _check_ep(self, num_experts: int) -> None:
         if self.ep == 1:

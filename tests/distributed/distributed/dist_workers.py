@@ -259,10 +259,14 @@ def worker_dcp_save(rank: int, world_size: int, path: str) -> None:
 
 
 def worker_dcp_resume(rank: int, world_size: int, path: str) -> None:
-    """World size 4, dp_shard 2 x cp 2 x ep 2: load, take step 2, match the reference; publish."""
+    """World size 4, dp_shard 2 x cp 2 x ep 2, built on meta: load, take step 2, match the reference; publish."""
     dims = ParallelDims.build(world_size=world_size, dp_shard=2, cp=2, ep=2, num_experts=8)
     meshes = dims.build_meshes("cpu")
-    model = apply_parallelism(make_model(seed=99), dims, meshes, device_type="cpu")
+    with torch.device("meta"):  # how a large model is built: no full copy on any rank
+        model = Transformer(ARGS)
+    apply_parallelism(model, dims, meshes, device_type="cpu")
+    model.to_empty(device="cpu")
+    model.tie_weights()
     opt = make_optimizer(model)
     load_model_dcp(model, path, opt)
     parallel_train_step(model, opt, dims, meshes, rank)

@@ -52,3 +52,13 @@ def test_bad_dims_raise_before_any_process_group(kwargs, fragment):
 def test_ep_may_borrow_cp_ranks():
     dims = ParallelDims.build(world_size=4, dp_shard=1, cp=4, ep=4, num_experts=8)
     assert dims.expert_shard == 1
+
+
+def test_from_config_reads_the_trainer_parallel_table():
+    from asyncrl.config import ParallelConfig, load_config
+
+    cfg = load_config(ParallelConfig, ["--ep", "2", "--cp", "2"])
+    dims = ParallelDims.from_config(cfg, world_size=8, num_experts=8)
+    assert (dims.dp_shard, dims.ep, dims.cp, dims.expert_shard) == (4, 2, 2, 4)
+    with pytest.raises(ParallelDimsError, match=r"ep \(2\) must divide num_experts \(3\)"):
+        ParallelDims.from_config(cfg, world_size=8, num_experts=3)
