@@ -4,7 +4,12 @@ Applied to an `asyncrl.model.Transformer` from outside; the model knows nothing 
 See docs/scaling.md for the layout rules and how the trainer calls this package.
 """
 
-from asyncrl.distributed.checkpoint import iter_hf_tensors, load_model_dcp, save_model_dcp
+from asyncrl.distributed.checkpoint import (
+    iter_hf_tensors,
+    load_full_state_dict,
+    load_model_dcp,
+    save_model_dcp,
+)
 from asyncrl.distributed.context_parallel import (
     ContextParallelAttention,
     gather_from_cp,
@@ -27,6 +32,7 @@ __all__ = [
     "clip_grad_norm_",
     "gather_from_cp",
     "iter_hf_tensors",
+    "load_full_state_dict",
     "load_model_dcp",
     "mixed_precision_policy",
     "pad_for_cp",

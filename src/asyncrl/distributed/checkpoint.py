@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-__all__ = ["iter_hf_tensors", "load_model_dcp", "save_model_dcp"]
+__all__ = ["iter_hf_tensors", "load_full_state_dict", "load_model_dcp", "save_model_dcp"]
 
 _AC_PREFIX = "_checkpoint_wrapped_module."
 
@@ -73,6 +74,16 @@ def load_model_dcp(
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None) -> None:
+    """Load a full (unsharded, our naming) state dict into a parallelised model, e.g. HF weights.
+
+    Rank 0 passes the tensors (from `asyncrl.model.hf.load_state_dict`), the other ranks pass None:
+    each tensor is broadcast from rank 0 and every rank keeps only its shard.
+    """
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+    set_model_state_dict(model, state if state is not None else {}, options=options)
 
 
 def _is_main() -> bool:

@@ -24,6 +24,7 @@ from asyncrl.distributed import (
     clip_grad_norm_,
     gather_from_cp,
     iter_hf_tensors,
+    load_full_state_dict,
     load_model_dcp,
     save_model_dcp,
     split_for_cp,
@@ -249,10 +250,14 @@ def parallel_train_step(model, opt, dims, meshes, rank: int) -> None:
 
 
 def worker_dcp_save(rank: int, world_size: int, path: str) -> None:
-    """World size 2, FSDP2 x EP2: one step, then save model + optimizer."""
+    """World size 2, FSDP2 x EP2 with AC, full weights broadcast from rank 0: one step, then save."""
     dims = ParallelDims.build(world_size=world_size, dp_shard=2, ep=2, num_experts=8)
     meshes = dims.build_meshes("cpu")
-    model = apply_parallelism(make_model(), dims, meshes, device_type="cpu", activation_checkpointing=True)
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    apply_parallelism(model, dims, meshes, device_type="cpu", activation_checkpointing=True)
+    model.to_empty(device="cpu")
+    load_full_state_dict(model, make_model().state_dict() if rank == 0 else None)  # HF-style weights
     opt = make_optimizer(model)
     parallel_train_step(model, opt, dims, meshes, rank)
     save_model_dcp(model, path, opt)
