@@ -55,15 +55,20 @@ def apply_parallelism(
     device_type: str,
     activation_checkpointing: bool = False,
     reshard_after_forward: bool = True,
+    mixed_precision: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
-    """Make `model` (a `Transformer`, already holding its full weights or on meta) parallel in place."""
+    """Make `model` (a `Transformer`, already holding its full weights or on meta) parallel in place.
+
+    `mixed_precision` defaults to `mixed_precision_policy(device_type)`; routers are fp32 regardless.
+    """
     if dims.ep_enabled:
         assert meshes.expert is not None
         num_swapped = apply_expert_parallel(model, meshes.expert["ep"])
         assert num_swapped > 0, "ParallelDims rejects ep > 1 for a model without experts"
     if activation_checkpointing:
         _apply_activation_checkpointing(model)
-    _apply_fsdp(model, dims, meshes, mixed_precision_policy(device_type), reshard_after_forward)
+    mp = mixed_precision if mixed_precision is not None else mixed_precision_policy(device_type)
+    _apply_fsdp(model, dims, meshes, mp, reshard_after_forward)
     return model
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
 from asyncrl.distributed import (
@@ -168,7 +169,6 @@ def check_layout(rank: int, world_size: int, degrees: dict, ac: bool) -> None:
             torch.testing.assert_close(
                 g, ref_grads[clean(name)], atol=ATOL, rtol=RTOL, msg=f"{degrees} {name}"
             )
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
         norm = clip_grad_norm_(list(model.parameters()), 1e9)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
         torch.testing.assert_close(norm, ref_norm, atol=ATOL, rtol=RTOL)
@@ -287,3 +287,27 @@ def worker_dcp_resume(rank: int, world_size: int, path: str) -> None:
             torch.testing.assert_close(published[key], value.detach(), atol=ATOL, rtol=RTOL)
     else:
         assert published == {}, "only rank 0 receives published tensors"
+
+
+def worker_bf16_router_stays_fp32(rank: int, world_size: int) -> None:
+    """The GPU policy (bf16 params, fp32 reduce) on CPU: blocks compute in bf16, routers in fp32."""
+    dims = ParallelDims.build(world_size=world_size, ep=world_size, num_experts=8)
+    model = make_model()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    apply_parallelism(model, dims, dims.build_meshes("cpu"), device_type="cpu", mixed_precision=bf16)
+    seen = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.gate.register_forward_hook(lambda m, a, o, i=i: seen.update({f"router{i}": m.weight.dtype}))
+        layer.self_attn.register_forward_hook(
+            lambda m, a, o, i=i: seen.update({f"attn{i}": m.q_proj.weight.dtype})
+        )
+        layer.mlp.experts.register_forward_hook(lambda m, a, o, i=i: seen.update({f"experts{i}": o.dtype}))
+    row = make_rows()[0]
+    lp = logprobs(model, row.input_ids, row.position_ids, row.target_ids)
+    lp.sum().backward()
+    assert all(seen[f"router{i}"] == torch.float32 for i in range(ARGS.num_hidden_layers)), seen
+    assert all(
+        seen[f"attn{i}"] == seen[f"experts{i}"] == torch.bfloat16 for i in range(ARGS.num_hidden_layers)
+    ), seen
+    for name, p in model.named_parameters():  # sharded master weights and reduced gradients stay fp32
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name

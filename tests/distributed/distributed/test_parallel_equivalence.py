@@ -37,3 +37,7 @@ def test_four_process_layouts_match_single_process():
 
 def test_router_replay_logprobs_identical_with_and_without_ep():
     W.launch(W.worker_replay, 2)
+
+
+def test_bf16_policy_keeps_router_and_master_weights_fp32():
+    W.launch(W.worker_bf16_router_stays_fp32, 2)
