@@ -311,3 +311,30 @@ def worker_bf16_router_stays_fp32(rank: int, world_size: int) -> None:
     ), seen
     for name, p in model.named_parameters():  # sharded master weights and reduced gradients stay fp32
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
+
+
+def worker_ep_idle_rank(rank: int, world_size: int) -> None:
+    """Replayed routing sends every token to experts 0 and 1 (EP rank 0): EP rank 1 receives no
+    tokens, must still join both all_to_alls of the backward, and gets zero expert gradients."""
+    rows = make_rows()[:world_size]
+    forced = torch.zeros(1, T, ARGS.num_hidden_layers, ARGS.num_experts_per_tok, dtype=torch.int64)
+    forced[..., 1] = 1
+    count = num_loss_tokens(rows)
+    ref = make_model()
+    ref_loss = sum(
+        -(logprobs(ref, r.input_ids, r.position_ids, r.target_ids, routed=forced) * r.weights).sum()
+        for r in rows
+    )
+    (ref_loss / count).backward()
+    dims = ParallelDims.build(world_size=world_size, ep=world_size, num_experts=8)
+    model = apply_parallelism(make_model(), dims, dims.build_meshes("cpu"), device_type="cpu")
+    row = rows[dims.dp_rank(rank)]
+    loss = -(
+        logprobs(model, row.input_ids, row.position_ids, row.target_ids, routed=forced) * row.weights
+    ).sum()
+    (loss / count).backward()
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full(p.grad), ref_grads[name].grad, atol=ATOL, rtol=RTOL, msg=name)
+        if ".mlp.experts." in name:
+            assert full(p.grad)[2:].abs().max() == 0  # experts 2..7 saw no tokens

@@ -41,3 +41,7 @@ def test_router_replay_logprobs_identical_with_and_without_ep():
 
 def test_bf16_policy_keeps_router_and_master_weights_fp32():
     W.launch(W.worker_bf16_router_stays_fp32, 2)
+
+
+def test_ep_rank_that_receives_no_tokens_still_matches():
+    W.launch(W.worker_ep_idle_rank, 2)
