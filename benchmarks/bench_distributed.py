@@ -62,6 +62,13 @@ def _baseline(tokens: int, steps: int) -> float:
     return _median_seconds(lambda: model(ids, pos).logits.float().mean().backward(), steps)
 
 
+def _fwd_bwd(model, ids, pos, attention):
+    def step() -> None:
+        model(ids, pos, attention=attention).logits.mean().backward()
+
+    return step
+
+
 def _worker(rank: int, port: int, tokens: int, steps: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -78,9 +85,7 @@ def _worker(rank: int, port: int, tokens: int, steps: int, results) -> None:
                 split_for_cp(ids, 2, dims.cp_rank(rank), 1),
                 split_for_cp(pos, 2, dims.cp_rank(rank), 1),
             )
-        seconds = _median_seconds(
-            lambda: model(ids, pos, attention=attention).logits.mean().backward(), steps
-        )
+        seconds = _median_seconds(_fwd_bwd(model, ids, pos, attention), steps)
         if rank == 0:
             results[name] = seconds
     dist.destroy_process_group()
