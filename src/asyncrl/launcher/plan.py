@@ -127,8 +127,9 @@ def _activations(args: ModelArgs, layout: Layout, act_bytes: int) -> tuple[float
         for i in range(args.num_hidden_layers)
     ]
     head = tokens * args.hidden_size * act_bytes + 3 * 1024 * args.vocab_size * 4  # hidden + one logits chunk
-    no_ac = sum(per_layer) + head
-    ac = args.num_hidden_layers * tokens * args.hidden_size * act_bytes + max(per_layer) + head
+    mask = tokens * layout.seq_len  # packed-row attention mask, bool [S/cp, S], held all step
+    no_ac = sum(per_layer) + head + mask
+    ac = args.num_hidden_layers * tokens * args.hidden_size * act_bytes + max(per_layer) + head + mask
     return ac, no_ac
 
 
