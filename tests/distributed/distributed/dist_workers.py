@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
@@ -33,6 +32,7 @@ from asyncrl.distributed import (
 from asyncrl.model import Transformer
 from asyncrl.model.hf import to_hf_state_dict
 from asyncrl.model.presets import preset_args
+from asyncrl.trainer.logprobs import chunked_logprobs
 
 ARGS = replace(preset_args("tiny-moe"), num_hidden_layers=2)  # 2 MoE layers of 8 experts, top-2
 T = 32  # tokens per packed row
@@ -101,10 +101,12 @@ def make_rows() -> list[Row]:
 
 
 def logprobs(model, input_ids, position_ids, target_ids, routed=None, attention=None):
-    """The trainer's pattern: hidden states from the model, LM head applied outside its forward."""
+    """The trainer's own path: hidden states from the model, then its chunked (recomputed) LM head."""
     out = model(input_ids, position_ids, routed_experts=routed, attention=attention, compute_logits=False)
-    logits = F.linear(out.hidden_states[0], model.lm_head.weight)
-    return logits.log_softmax(-1).gather(1, target_ids[:, None])[:, 0]
+    temperatures = torch.full(target_ids.shape, 0.9)
+    return chunked_logprobs(
+        out.hidden_states[0], model.lm_head.weight, target_ids, temperatures, chunk_size=8
+    )[0]
 
 
 def num_loss_tokens(rows: list[Row]) -> float:
