@@ -5,6 +5,7 @@ See docs/scaling.md for the layout rules and how the trainer calls this package.
 """
 
 from asyncrl.distributed.checkpoint import (
+    gather_to_rank0,
     iter_hf_tensors,
     load_full_state_dict,
     load_model_dcp,
@@ -31,6 +32,7 @@ __all__ = [
     "apply_parallelism",
     "clip_grad_norm_",
     "gather_from_cp",
+    "gather_to_rank0",
     "iter_hf_tensors",
     "load_full_state_dict",
     "load_model_dcp",

@@ -8,13 +8,14 @@ and layout loads at any other (including world size 1 with a plain, unsharded mo
     save_model_dcp(model, path, optimizer)      # every rank
     load_model_dcp(model, path, optimizer)      # every rank, any layout
 
-Publishing: `iter_hf_tensors` walks the parameters in Hugging Face names, gathering ONE full
-tensor at a time (stacked experts are unstacked per expert), so no rank ever holds the whole
-model; only rank 0 receives the tensors, the other ranks just join the gathers.
+Publishing: `iter_hf_tensors` walks the parameters in Hugging Face names and gathers ONE full
+tensor at a time onto rank 0 only (stacked experts are unstacked per expert): no rank ever holds
+the whole model, and ranks other than 0 never hold more than their own shards.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,8 +33,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["iter_hf_tensors", "load_full_state_dict", "load_model_dcp", "save_model_dcp"]
+__all__ = [
+    "gather_to_rank0",
+    "iter_hf_tensors",
+    "load_full_state_dict",
+    "load_model_dcp",
+    "save_model_dcp",
+]
 
 _AC_PREFIX = "_checkpoint_wrapped_module."
 
@@ -90,19 +98,54 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def gather_to_rank0(value: torch.Tensor) -> torch.Tensor | None:
+    """The full tensor on global rank 0 (None elsewhere); each rank sends only its own shard.
+
+    For a DTensor on a mesh spanning the world: every rank sends its local shard and its global
+    offset to rank 0 (gathers padded to the largest shard), and rank 0 places the shards; ranks
+    that hold replicated copies just write the same values twice. A plain tensor is returned as is.
+    """
+    if not isinstance(value, DTensor):
+        return value if _is_main() else None
+    assert value.device_mesh.size() == dist.get_world_size(), "meshes built by ParallelDims span the world"
+    local = value.to_local().contiguous()
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    meta = torch.tensor([*shape, *offset], dtype=torch.int64, device=local.device)
+    world = dist.get_world_size()
+    metas = [torch.empty_like(meta) for _ in range(world)] if _is_main() else None
+    dist.gather(meta, metas, dst=0)
+    n = len(shape)
+    max_numel = max(math.prod(m[:n].tolist()) for m in metas) if metas else 0
+    size = torch.tensor([max_numel], dtype=torch.int64, device=local.device)
+    dist.broadcast(size, src=0)  # every rank pads its shard to the largest one
+    padded = local.new_zeros(int(size[0]))
+    padded[: local.numel()] = local.reshape(-1)
+    parts = [torch.empty_like(padded) for _ in range(world)] if _is_main() else None
+    dist.gather(padded, parts, dst=0)
+    if not _is_main():
+        return None
+    full = local.new_empty(value.shape)
+    for m, part in zip(metas, parts):
+        shard_shape, shard_offset = m[:n].tolist(), m[n:].tolist()
+        index = tuple(slice(o, o + k) for o, k in zip(shard_offset, shard_shape))
+        full[index] = part[: math.prod(shard_shape)].view(shard_shape)
+    return full
+
+
 def iter_hf_tensors(
     model: nn.Module, *, tie_word_embeddings: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, full tensor) on rank 0; every rank must exhaust the iterator.
 
-    Each DTensor is gathered on its own (at most one full tensor alive per rank at a time).
+    Tensors are gathered one at a time onto rank 0 only (`gather_to_rank0`): the other ranks never
+    hold more than their own shards, and rank 0 at most one full tensor beyond its shards.
     """
     for name, value in model.state_dict().items():
         name = name.replace(_AC_PREFIX, "")
         if name == "lm_head.weight" and tie_word_embeddings:
             continue
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if not _is_main():
+        full = gather_to_rank0(value) if dist.is_initialized() else value
+        if full is None:
             continue
         if name.startswith("model.layers.") and ".mlp.experts." in name:
             prefix, proj = name.rsplit(".", 1)
