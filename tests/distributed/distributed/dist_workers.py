@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from asyncrl.distributed import (
     ContextParallelAttention,
@@ -23,6 +24,7 @@ from asyncrl.distributed import (
     apply_parallelism,
     clip_grad_norm_,
     gather_from_cp,
+    gather_to_rank0,
     iter_hf_tensors,
     load_full_state_dict,
     load_model_dcp,
@@ -340,3 +342,17 @@ def worker_ep_idle_rank(rank: int, world_size: int) -> None:
         torch.testing.assert_close(full(p.grad), ref_grads[name].grad, atol=ATOL, rtol=RTOL, msg=name)
         if ".mlp.experts." in name:
             assert full(p.grad)[2:].abs().max() == 0  # experts 2..7 saw no tokens
+
+
+def worker_gather_to_rank0(rank: int, world_size: int) -> None:
+    """Uneven shards (5 rows over 2 ranks) and a 2-D mesh with a replicated axis reach rank 0 whole."""
+    x = torch.arange(30.0).view(5, 6)
+    mesh = DeviceMesh("cpu", torch.arange(world_size))
+    out = gather_to_rank0(distribute_tensor(x, mesh, [Shard(0)]))
+    assert (out is None) == (rank != 0)
+    if rank == 0:
+        assert torch.equal(out, x)
+    mesh2 = DeviceMesh("cpu", torch.arange(world_size).view(1, world_size), mesh_dim_names=("a", "b"))
+    out = gather_to_rank0(distribute_tensor(x, mesh2, [Replicate(), Shard(1)]))
+    if rank == 0:
+        assert torch.equal(out, x)

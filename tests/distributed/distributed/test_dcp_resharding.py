@@ -28,3 +28,7 @@ def test_checkpoint_from_two_ranks_resumes_at_one_and_four(tmp_path):
         torch.testing.assert_close(p.detach(), ref[name].detach(), atol=W.ATOL, rtol=W.RTOL)
 
     W.launch(W.worker_dcp_resume, 4, path)
+
+
+def test_gather_to_rank0_places_uneven_and_replicated_shards():
+    W.launch(W.worker_gather_to_rank0, 2)
