@@ -151,14 +151,16 @@ def parallel_step(model, dims: ParallelDims, meshes, rank: int, rows: list[Row])
     return total
 
 
-def check_layout(rank: int, world_size: int, degrees: dict, ac: bool) -> None:
+def check_layout(rank: int, world_size: int, degrees: dict, ac: bool, reshard: bool = True) -> None:
     rows = make_rows()
     dims = ParallelDims.build(world_size=world_size, num_experts=8, **degrees)
     ref = make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.0)
     model = make_model()
     meshes = dims.build_meshes("cpu")
-    apply_parallelism(model, dims, meshes, device_type="cpu", activation_checkpointing=ac)
+    apply_parallelism(
+        model, dims, meshes, device_type="cpu", activation_checkpointing=ac, reshard_after_forward=reshard
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.0)
     check_expert_placement(model, dims)
     for step in range(2):
@@ -194,9 +196,10 @@ def check_expert_placement(model, dims: ParallelDims) -> None:
             assert p.to_local().shape[0] == ARGS.num_experts // dims.ep, name
 
 
-def worker_layouts(rank: int, world_size: int, layouts: list[tuple[dict, bool]]) -> None:
-    for degrees, ac in layouts:
-        check_layout(rank, world_size, degrees, ac)
+def worker_layouts(rank: int, world_size: int, layouts: list[tuple]) -> None:
+    """layouts: (degrees, activation_checkpointing[, reshard_after_forward])."""
+    for layout in layouts:
+        check_layout(rank, world_size, *layout)
 
 
 def worker_replay(rank: int, world_size: int) -> None:

@@ -17,6 +17,7 @@ def test_two_process_layouts_match_single_process():
         2,
         [
             ({"dp_shard": 2}, False),  # FSDP=2
+            ({"dp_shard": 2}, False, False),  # FSDP=2 without resharding after forward
             ({"dp_shard": 2, "ep": 2}, True),  # EP=2 (dense FSDP=2), activation checkpointing
             ({"dp_shard": 1, "cp": 2}, False),  # CP=2
         ],
