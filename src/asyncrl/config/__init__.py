@@ -10,6 +10,7 @@ from asyncrl.config.base import (
 )
 from asyncrl.config.envs import EnvConfig, EnvsConfig, LatencyConfig
 from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.parallel import ParallelConfig, SlurmConfig
 from asyncrl.config.trainer import RLTrainerConfig, SFTConfig
 
 __all__ = [
@@ -19,8 +20,10 @@ __all__ = [
     "EnvsConfig",
     "InferenceConfig",
     "LatencyConfig",
+    "ParallelConfig",
     "RLTrainerConfig",
     "SFTConfig",
+    "SlurmConfig",
     "load_config",
     "load_toml",
     "merge_dicts",

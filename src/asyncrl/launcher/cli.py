@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "orchestrator": ("asyncrl.orchestrator.main:main", "rollouts over HTTP -> RUN/rollouts/step_n (asyncio)"),
     "sft": ("asyncrl.trainer.sft:main", "supervised fine-tuning on chat / prompt-completion JSONL"),
     "rl": ("asyncrl.launcher.rl:main", "asynchronous RL: inference + orchestrator + trainer, supervised"),
+    "plan": ("asyncrl.launcher.plan:main", "per-GPU memory and step time of a trainer layout (FSDP/EP/CP)"),
+    "slurm": ("asyncrl.launcher.slurm:main", "render (and submit) an sbatch job for a multi-node RL run"),
     "inference": (
         "asyncrl.inference.main:main",
         "serve a model: embedded engine, OpenAI-compatible HTTP API",

@@ -19,7 +19,7 @@ from torch import nn
 
 from asyncrl.model.args import ModelArgs
 
-__all__ = ["GroupedExperts", "MoE", "Router"]
+__all__ = ["GroupedExperts", "MoE", "Router", "grouped_swiglu"]
 
 
 class Router(nn.Module):
@@ -68,18 +68,33 @@ class GroupedExperts(nn.Module):
         return y_NKD.sum(dim=1)
 
     def _grouped_swiglu(self, x_sorted: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        if x_sorted.is_cuda and hasattr(F, "grouped_mm") and x_sorted.dtype == torch.bfloat16:
-            offs = counts_E.cumsum(0).to(torch.int32)
-            gate = F.grouped_mm(x_sorted, self.gate_proj.transpose(1, 2), offs=offs)
-            up = F.grouped_mm(x_sorted, self.up_proj.transpose(1, 2), offs=offs)
-            return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
-        # CPU / fp32: one matmul per expert over its contiguous slice (grouped_mm lacks CPU backward).
-        outs = []
-        for e, x_e in enumerate(x_sorted.split(counts_E.tolist())):
-            if x_e.shape[0]:
-                h = F.silu(x_e @ self.gate_proj[e].T) * (x_e @ self.up_proj[e].T)
-                outs.append(h @ self.down_proj[e].T)
-        return torch.cat(outs) if outs else x_sorted.new_zeros(x_sorted.shape)
+        return grouped_swiglu(x_sorted, counts_E, self.gate_proj, self.up_proj, self.down_proj)
+
+
+def grouped_swiglu(
+    x_sorted: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_EID: torch.Tensor,
+    up_EID: torch.Tensor,
+    down_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """SwiGLU of token copies already sorted by expert; counts_E[e] rows belong to expert e.
+
+    Module-free so that an expert-parallel wrapper (asyncrl.distributed) computes its local
+    experts with exactly the same arithmetic.
+    """
+    if x_sorted.is_cuda and hasattr(F, "grouped_mm") and x_sorted.dtype == torch.bfloat16:
+        offs = counts_E.cumsum(0).to(torch.int32)
+        gate = F.grouped_mm(x_sorted, gate_EID.transpose(1, 2), offs=offs)
+        up = F.grouped_mm(x_sorted, up_EID.transpose(1, 2), offs=offs)
+        return F.grouped_mm(F.silu(gate) * up, down_EDI.transpose(1, 2), offs=offs)
+    # CPU / fp32: one matmul per expert over its contiguous slice (grouped_mm lacks CPU backward).
+    outs = []
+    for e, x_e in enumerate(x_sorted.split(counts_E.tolist())):
+        if x_e.shape[0]:
+            h = F.silu(x_e @ gate_EID[e].T) * (x_e @ up_EID[e].T)
+            outs.append(h @ down_EDI[e].T)
+    return torch.cat(outs) if outs else x_sorted.new_zeros(x_sorted.shape[0], down_EDI.shape[1])
 
 
 class MoE(nn.Module):

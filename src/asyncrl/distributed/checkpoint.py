@@ -1,0 +1,156 @@
+"""Checkpoints that reshard (DCP) and Hugging Face tensors gathered one at a time for publishing.
+
+DCP: after `apply_parallelism` every parameter is a DTensor that knows its full shape, dense ones
+sharded over the FSDP mesh and expert ones over (expert_shard, ep). torch.distributed.checkpoint
+writes each rank's shards with their global offsets, so a checkpoint written at one world size
+and layout loads at any other (including world size 1 with a plain, unsharded model).
+
+    save_model_dcp(model, path, optimizer)      # every rank
+    load_model_dcp(model, path, optimizer)      # every rank, any layout
+
+Publishing: `iter_hf_tensors` walks the parameters in Hugging Face names and gathers ONE full
+tensor at a time onto rank 0 only (stacked experts are unstacked per expert): no rank ever holds
+the whole model, and ranks other than 0 never hold more than their own shards.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+__all__ = [
+    "gather_to_rank0",
+    "iter_hf_tensors",
+    "load_full_state_dict",
+    "load_model_dcp",
+    "save_model_dcp",
+]
+
+_AC_PREFIX = "_checkpoint_wrapped_module."
+
+
+@contextmanager
+def _single_process_quiet():
+    """World size 1 is a supported case (resume on one process), not something to warn about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def save_model_dcp(
+    model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Write model (and optimizer) state with DCP; collective over all ranks."""
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
+def load_model_dcp(
+    model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load a DCP checkpoint written at any world size / layout into `model` (and optimizer)."""
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        set_model_state_dict(model, state["model"])
+        return
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None) -> None:
+    """Load a full (unsharded, our naming) state dict into a parallelised model, e.g. HF weights.
+
+    Rank 0 passes the tensors (from `asyncrl.model.hf.load_state_dict`), the other ranks pass None:
+    each tensor is broadcast from rank 0 and every rank keeps only its shard.
+    """
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+    set_model_state_dict(model, state if state is not None else {}, options=options)
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def gather_to_rank0(value: torch.Tensor) -> torch.Tensor | None:
+    """The full tensor on global rank 0 (None elsewhere); each rank sends only its own shard.
+
+    For a DTensor on a mesh spanning the world: every rank sends its local shard and its global
+    offset to rank 0 (gathers padded to the largest shard), and rank 0 places the shards; ranks
+    that hold replicated copies just write the same values twice. A plain tensor is returned as is.
+    """
+    if not isinstance(value, DTensor):
+        return value if _is_main() else None
+    assert value.device_mesh.size() == dist.get_world_size(), "meshes built by ParallelDims span the world"
+    local = value.to_local().contiguous()
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    meta = torch.tensor([*shape, *offset], dtype=torch.int64, device=local.device)
+    world = dist.get_world_size()
+    metas = [torch.empty_like(meta) for _ in range(world)] if _is_main() else None
+    dist.gather(meta, metas, dst=0)
+    n = len(shape)
+    max_numel = max(math.prod(m[:n].tolist()) for m in metas) if metas else 0
+    size = torch.tensor([max_numel], dtype=torch.int64, device=local.device)
+    dist.broadcast(size, src=0)  # every rank pads its shard to the largest one
+    padded = local.new_zeros(int(size[0]))
+    padded[: local.numel()] = local.reshape(-1)
+    parts = [torch.empty_like(padded) for _ in range(world)] if _is_main() else None
+    dist.gather(padded, parts, dst=0)
+    if not _is_main():
+        return None
+    full = local.new_empty(value.shape)
+    for m, part in zip(metas, parts):
+        shard_shape, shard_offset = m[:n].tolist(), m[n:].tolist()
+        index = tuple(slice(o, o + k) for o, k in zip(shard_offset, shard_shape))
+        full[index] = part[: math.prod(shard_shape)].view(shard_shape)
+    return full
+
+
+def iter_hf_tensors(
+    model: nn.Module, *, tie_word_embeddings: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, full tensor) on rank 0; every rank must exhaust the iterator.
+
+    Tensors are gathered one at a time onto rank 0 only (`gather_to_rank0`): the other ranks never
+    hold more than their own shards, and rank 0 at most one full tensor beyond its shards.
+    """
+    for name, value in model.state_dict().items():
+        name = name.replace(_AC_PREFIX, "")
+        if name == "lm_head.weight" and tie_word_embeddings:
+            continue
+        full = gather_to_rank0(value) if dist.is_initialized() else value
+        if full is None:
+            continue
+        if name.startswith("model.layers.") and ".mlp.experts." in name:
+            prefix, proj = name.rsplit(".", 1)
+            for e in range(full.shape[0]):
+                yield f"{prefix}.{e}.{proj}.weight", full[e]
+        else:
+            yield name, full
+        del full

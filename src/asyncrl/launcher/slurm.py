@@ -1,0 +1,168 @@
+"""`asyncrl slurm @ rl.toml [--dry-run]`: render (and submit) one sbatch job for a multi-node RL run.
+
+The same TOML as `asyncrl rl`, plus a `[slurm]` table (asyncrl.config.SlurmConfig). The job
+holds inference_nodes + trainer_nodes nodes; Slurm's node list is split in that order:
+
+- inference: `servers_per_inference_node` servers per inference node, each on its own slice of
+  the node's GPUs, listening on 0.0.0.0 at deployment.base_port + local index;
+- trainer: one `torchrun` per trainer node (gpus_per_node processes each), joined by a c10d
+  rendezvous on the first trainer node;
+- orchestrator: on the first node of the group named by `orchestrator_on` (CPU only), given the
+  servers' URLs, which are known only once Slurm has picked the hosts.
+
+Per-process configs are resolved exactly as `asyncrl rl` resolves them and written to
+RUN/configs/; the script goes to RUN/slurm.sbatch and logs to RUN/logs/. When the trainer exits,
+the job stops the other processes and exits with the trainer's status. `--dry-run` writes the
+configs and the script and submits nothing.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pydantic import Field
+
+from asyncrl.config import ConfigError, SlurmConfig, load_config
+from asyncrl.config.rl import RLConfig
+from asyncrl.launcher.rl import write_configs
+
+__all__ = ["SlurmRLConfig", "main", "render_sbatch"]
+
+
+class SlurmRLConfig(RLConfig):
+    """`asyncrl rl`'s config with the `[slurm]` table."""
+
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+
+def _check(cfg: SlurmRLConfig) -> None:
+    s, d = cfg.slurm, cfg.deployment
+    want = s.inference_nodes * s.servers_per_inference_node
+    if d.num_inference_servers != want:
+        raise ConfigError(
+            f"deployment.num_inference_servers ({d.num_inference_servers}) must equal slurm.inference_nodes "
+            f"* slurm.servers_per_inference_node = {s.inference_nodes} * {s.servers_per_inference_node} = {want}"
+        )
+    if s.gpus_per_node % s.servers_per_inference_node:
+        raise ConfigError(
+            f"slurm.servers_per_inference_node ({s.servers_per_inference_node}) must divide "
+            f"slurm.gpus_per_node ({s.gpus_per_node})"
+        )
+
+
+def _header(s: SlurmConfig, run_dir: Path) -> list[str]:
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={s.job_name}",
+        f"#SBATCH --nodes={s.inference_nodes + s.trainer_nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={s.gpus_per_node}",
+        f"#SBATCH --output={run_dir / 'logs' / 'slurm-%j.out'}",
+    ]
+    lines += [
+        f"#SBATCH --{k}={v}"
+        for k, v in (("partition", s.partition), ("account", s.account), ("time", s.time))
+        if v
+    ]
+    lines += [f"#SBATCH {opt}" for opt in s.extra_sbatch]
+    return lines
+
+
+def _environment(s: SlurmConfig) -> list[str]:
+    lines = ["set -euo pipefail", *s.setup]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(s.env.items())]
+    lines += [
+        'NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+        f'INFERENCE_NODES=("${{NODES[@]:0:{s.inference_nodes}}}")',
+        f'TRAINER_NODES=("${{NODES[@]:{s.inference_nodes}:{s.trainer_nodes}}}")',
+        'TRAINER_MASTER="${TRAINER_NODES[0]}"',
+    ]
+    return lines
+
+
+def _inference(s: SlurmConfig, base_port: int, py: str, configs: Path, logs: Path) -> list[str]:
+    per = s.servers_per_inference_node
+    gpus = s.gpus_per_node // per
+    lines = ["", "# inference servers", "SERVERS=()", "PIDS=()"]
+    lines.append(f"for n in $(seq 0 {s.inference_nodes - 1}); do")
+    lines.append(f"  for j in $(seq 0 {per - 1}); do")
+    lines.append(f"    i=$((n * {per} + j)); port=$(({base_port} + j))")
+    lines.append(f"    devices=$(seq -s, $((j * {gpus})) $((j * {gpus} + {gpus - 1})))")
+    lines.append('    SERVERS+=("\\"http://${INFERENCE_NODES[$n]}:${port}\\"")')
+    lines.append(
+        '    srun --nodes=1 --ntasks=1 --nodelist="${INFERENCE_NODES[$n]}" '
+        f'--output="{logs}/inference-${{i}}.log" --export=ALL,CUDA_VISIBLE_DEVICES="$devices" \\'
+    )
+    lines.append(f'      {py} inference @ "{configs}/inference-${{i}}.toml" --host 0.0.0.0 --port "$port" &')
+    lines += ["    PIDS+=($!)", "  done", "done"]
+    return lines
+
+
+def render_sbatch(cfg: SlurmRLConfig, run_dir: Path) -> str:
+    """The sbatch script text for `cfg` (configs are expected in RUN/configs/, as write_configs puts them)."""
+    _check(cfg)
+    s = cfg.slurm
+    configs, logs = run_dir / "configs", run_dir / "logs"
+    py = f"{s.python} -m asyncrl"
+    orch_node = "${TRAINER_MASTER}" if s.orchestrator_on == "trainer" else "${INFERENCE_NODES[0]}"
+    lines = [*_header(s, run_dir), "", *_environment(s)]
+    lines += _inference(s, cfg.deployment.base_port, py, configs, logs)
+    lines += [
+        "",
+        "# trainer: one torchrun per node, c10d rendezvous on the first trainer node",
+        f'srun --nodes={s.trainer_nodes} --ntasks-per-node=1 --nodelist="$(IFS=,; echo "${{TRAINER_NODES[*]}}")" '
+        f'--output="{logs}/trainer-%t.log" \\',
+        f"  {s.python} -m torch.distributed.run --nnodes={s.trainer_nodes} --nproc-per-node={s.gpus_per_node} "
+        f'--rdzv-backend=c10d --rdzv-endpoint="${{TRAINER_MASTER}}:{s.rdzv_port}" --rdzv-id="$SLURM_JOB_ID" \\',
+        f'  -m asyncrl trainer @ "{configs}/trainer.toml" &',
+        "TRAINER_PID=$!",
+        "",
+        "# orchestrator (CPU only): told the servers' URLs now that the hosts are known",
+        f'srun --overlap --nodes=1 --ntasks=1 --nodelist="{orch_node}" --output="{logs}/orchestrator.log" \\',
+        f'  {py} orchestrator @ "{configs}/orchestrator.toml" --servers "[$(IFS=,; echo "${{SERVERS[*]}}")]" &',
+        "PIDS+=($!)",
+        "",
+        "# the run ends with the trainer; stop everything else and report the trainer's status",
+        "status=0",
+        'wait "$TRAINER_PID" || status=$?',
+        'kill "${PIDS[@]}" 2>/dev/null || true',
+        "wait || true",
+        'exit "$status"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    dry_run = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
+    try:
+        cfg = load_config(SlurmRLConfig, argv)
+        script = render_sbatch(cfg, Path(cfg.run_dir))
+        resolved = cfg.resolve()
+    except ConfigError as e:
+        print(f"asyncrl slurm: {e}", file=sys.stderr)
+        return 2
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    write_configs(cfg, resolved)
+    path = run_dir / "slurm.sbatch"
+    path.write_text(script)
+    print(
+        f"asyncrl slurm: wrote {path} ({cfg.slurm.inference_nodes} inference + {cfg.slurm.trainer_nodes} trainer nodes)"
+    )
+    if dry_run:
+        return 0
+    if shutil.which("sbatch") is None:
+        print(
+            "asyncrl slurm: sbatch not found on PATH (use --dry-run to only write the script)",
+            file=sys.stderr,
+        )
+        return 2
+    return subprocess.run(["sbatch", str(path)], check=False).returncode
