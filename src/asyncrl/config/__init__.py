@@ -10,14 +10,17 @@ from asyncrl.config.base import (
 )
 from asyncrl.config.envs import EnvConfig, EnvsConfig, LatencyConfig
 from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.mismatch import FP8Config, MismatchConfig
 
 __all__ = [
     "BaseConfig",
     "ConfigError",
     "EnvConfig",
     "EnvsConfig",
+    "FP8Config",
     "InferenceConfig",
     "LatencyConfig",
+    "MismatchConfig",
     "load_config",
     "load_toml",
     "merge_dicts",
