@@ -18,6 +18,7 @@ Prints a table and writes the "## Mismatch" section of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import tempfile
 import time
@@ -28,14 +29,19 @@ import numpy as np
 import torch
 
 from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.trainer import LossConfig, OptimConfig, ScheduleConfig
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.request import SamplingOptions
 from asyncrl.launcher.init_model import init_model
 from asyncrl.model import Transformer, from_pretrained, save_pretrained
 from asyncrl.model.fp8 import apply_fp8
+from asyncrl.trainer.engine import StepEngine
 from asyncrl.trainer.logprobs import chunked_logprobs
+from asyncrl.trainer.loss import rl_loss
 from asyncrl.trainer.mismatch import MismatchSums, mismatch_sums, routing_agreement
+from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.packing import pack_samples
+from asyncrl.trainer.parallel import DistInfo
 from asyncrl.wire import RolloutSample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,18 +80,21 @@ def load(model_dir: Path, precision: str) -> Transformer:
     return model.eval()
 
 
-def rollouts(
-    model_dir: Path, precision: str, prompts: list[list[int]], max_tokens: int
-) -> list[RolloutSample]:
-    model = load(model_dir, precision)
+def build_engine(model_dir: Path, precision: str, num_seqs: int, max_tokens: int) -> Engine:
     cfg = InferenceConfig(
         model=str(model_dir), dtype="float32" if precision == "fp32" else "bfloat16", device="cpu",
-        kv_cache_tokens=len(prompts) * (64 + max_tokens) + 512, max_model_len=512, seed=0,
+        kv_cache_tokens=num_seqs * (64 + max_tokens) + 512, max_model_len=512, seed=0,
     )  # fmt: skip
-    engine = Engine(model, cfg)
+    return Engine(load(model_dir, precision), cfg)
+
+
+def generate(
+    engine: Engine, prompts: list[list[int]], max_tokens: int, tag: str = "r"
+) -> list[RolloutSample]:
+    """Sample one completion per prompt (temperature 1) with routed experts; one RolloutSample each."""
     opts = SamplingOptions(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, opts, return_routed_experts=True)
+        engine.add_request(f"{tag}{i}", prompt, opts, return_routed_experts=True)
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[float]] = {}
     routing: dict[str, np.ndarray] = {}
@@ -95,11 +104,18 @@ def rollouts(
             logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
             if out.finished:
                 routing[out.request_id] = np.asarray(out.routed_experts)
-    return [_sample(p, tokens[f"r{i}"], logprobs[f"r{i}"], routing[f"r{i}"]) for i, p in enumerate(prompts)]
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    return [_sample(p, tokens[r], logprobs[r], routing[r], engine.version) for p, r in zip(prompts, ids)]
+
+
+def rollouts(
+    model_dir: Path, precision: str, prompts: list[list[int]], max_tokens: int
+) -> list[RolloutSample]:
+    return generate(build_engine(model_dir, precision, len(prompts), max_tokens), prompts, max_tokens)
 
 
 def _sample(
-    prompt: list[int], completion: list[int], logprobs: list[float], routed: np.ndarray
+    prompt: list[int], completion: list[int], logprobs: list[float], routed: np.ndarray, version: int
 ) -> RolloutSample:
     n_p, n = len(prompt), len(prompt) + len(completion)
     return RolloutSample(
@@ -108,7 +124,7 @@ def _sample(
         inference_logprobs=np.array([0.0] * n_p + logprobs, np.float32),
         advantages=np.zeros(n, np.float32),
         temperatures=np.ones(n, np.float32),
-        policy_versions=np.zeros(n, np.int32),
+        policy_versions=np.full(n, version, np.int32),
         routed_experts=routed,
     )
 
@@ -181,31 +197,102 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines + [_fmt_row(r) for r in rows])
 
 
+# -- short RL comparison: bf16 engine, fp32 trainer, R3 off vs on ----------------------------------
+LOWERCASE = np.arange(ord("a"), ord("z") + 1)
+
+
+def _with_group_advantages(samples: list[RolloutSample], group: int) -> list[RolloutSample]:
+    """Reward = share of lowercase letters in the completion; advantage = reward - group mean."""
+    rewards = np.array([np.isin(s.token_ids[s.loss_mask], LOWERCASE).mean() for s in samples])
+    adv = rewards - rewards.reshape(-1, group).mean(axis=1).repeat(group)
+    return [
+        dataclasses.replace(s, advantages=np.where(s.loss_mask, a, 0.0).astype(np.float32), reward=float(r))
+        for s, a, r in zip(samples, adv, rewards)
+    ]
+
+
+def rl_curve(model_dir: Path, replay: bool, steps: int, num_prompts: int, group: int, max_tokens: int,
+             lr: float, seed: int) -> list[tuple[float, float]]:  # fmt: skip
+    """(mean reward, trainer's mismatch KL) per step; weights go trainer -> engine (bf16) each step."""
+    torch.manual_seed(seed)
+    trainer = load(model_dir, "fp32").train()
+    optimizer = build_optimizer(trainer, OptimConfig(lr=lr))
+    scheduler = build_scheduler(optimizer, ScheduleConfig(), max_steps=steps)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    stepper = StepEngine(trainer, optimizer, scheduler, info, max_grad_norm=1.0, chunk_size=512)
+    engine = build_engine(model_dir, "bf16", num_prompts * group, max_tokens)
+    gen, loss_cfg, curve = torch.Generator().manual_seed(seed), LossConfig(), []
+    for n in range(1, steps + 1):
+        prompts = [torch.randint(0, 256, (16,), generator=gen).tolist() for _ in range(num_prompts)]
+        batch = generate(engine, [p for p in prompts for _ in range(group)], max_tokens, tag=f"s{n}-")
+        batch = _with_group_advantages(batch, group)
+        result = stepper.step(
+            pack_samples(batch, 2048, replay=replay), lambda inp, k: rl_loss(inp, loss_cfg, k), policy_step=n
+        )
+        engine.load_weights({k: v.detach().to(torch.bfloat16) for k, v in trainer.state_dict().items()}, n)
+        curve.append((float(np.mean([s.reward for s in batch])), result.mismatch_kl))
+        print(
+            f"  rl R3={'on' if replay else 'off'} step {n}: reward {curve[-1][0]:.3f} kl {curve[-1][1]:.2e}"
+        )
+    return curve
+
+
+def render_rl(off: list[tuple[float, float]], on: list[tuple[float, float]]) -> str:
+    lines = [
+        "| step | reward R3 off | reward R3 on | mismatch KL R3 off | mismatch KL R3 on |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {i + 1} | {a[0]:.3f} | {b[0]:.3f} | {a[1]:.2e} | {b[1]:.2e} |"
+        for i, (a, b) in enumerate(zip(off, on))
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--presets", nargs="+", default=list(PRESETS))
+    p.add_argument("--presets", nargs="*", default=list(PRESETS), help="none: only the RL comparison")
+    p.add_argument(
+        "--rl-steps", type=int, default=0, help="steps of the R3 off/on RL run on tiny-moe (0: skip)"
+    )
+    p.add_argument("--rl-lr", type=float, default=1e-3)
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args()
-    rows = []
+    machine = f"Machine: {platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}.\n"
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in a.presets:
-            rows += run_preset(preset, Path(tmp), a.prompts, a.max_tokens, a.seed)
-    table = render(rows)
-    print(table)
-    if a.no_write:
-        return
-    header = (
-        "## Mismatch\n\n"
-        f"Mismatch KL (k3, mean over sampled tokens) between the embedded engine's logprobs and the trainer's\n"
-        f"recomputation, R3 off/on; {a.prompts} prompts x {a.max_tokens} sampled tokens (temperature 1) per\n"
-        f"preset, random init with router and LM head x{ROUTER_SCALE:g}. One run.\n"
-        f"Machine: {platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}.\n"
-        f"Command: `python benchmarks/bench_mismatch.py --prompts {a.prompts} --max-tokens {a.max_tokens}`\n\n"
-    )
-    _write_section(ROOT / "BENCHMARKS.md", "## Mismatch", header + table + "\n")
+        if a.presets:
+            rows = [
+                r
+                for preset in a.presets
+                for r in run_preset(preset, Path(tmp), a.prompts, a.max_tokens, a.seed)
+            ]
+            table = render(rows)
+            print(table)
+            header = (
+                "## Mismatch\n\n"
+                "Mismatch KL (k3, mean over sampled tokens) between the embedded engine's logprobs and the trainer's\n"
+                f"recomputation, R3 off/on; {a.prompts} prompts x {a.max_tokens} sampled tokens (temperature 1) per\n"
+                f"preset, random init with router and LM head x{ROUTER_SCALE:g}. One run.\n" + machine
+                + f"Command: `python benchmarks/bench_mismatch.py --prompts {a.prompts} --max-tokens {a.max_tokens}`\n\n"
+            )  # fmt: skip
+            if not a.no_write:
+                _write_section(ROOT / "BENCHMARKS.md", "## Mismatch", header + table + "\n")
+        if a.rl_steps:
+            model_dir = build_model_dir("tiny-moe", Path(tmp) / "rl", a.seed)
+            kw = dict(steps=a.rl_steps, num_prompts=4, group=4, max_tokens=24, lr=a.rl_lr, seed=a.seed)
+            table = render_rl(rl_curve(model_dir, False, **kw), rl_curve(model_dir, True, **kw))
+            print(table)
+            header = (
+                "## Mismatch: short RL run, R3 off vs on\n\n"
+                "tiny-moe (random init, router and LM head x10), bf16 engine, fp32 trainer, trust-region loss,\n"
+                f"lr {a.rl_lr:g}, 4 prompts x 4 samples x 24 tokens per step; reward = share of lowercase letters.\n"
+                + machine + f"Command: `python benchmarks/bench_mismatch.py --presets --rl-steps {a.rl_steps}`\n\n"
+            )  # fmt: skip
+            if not a.no_write:
+                _write_section(ROOT / "BENCHMARKS.md", "## Mismatch: short RL run", header + table + "\n")
 
 
 def _write_section(path: Path, title: str, body: str) -> None:

@@ -167,9 +167,11 @@ def _scaled_mm_works(device_index: int) -> bool:
 
 def _matmul(xq, xs, wq, ws, backend: Backend) -> torch.Tensor:
     """fp32 [N, O] from quantized operands."""
-    if backend == "scaled_mm" or (
-        backend == "auto" and xq.is_cuda and _scaled_mm_works(xq.device.index or 0)
-    ):
+    if backend == "scaled_mm":
+        if not xq.is_cuda:
+            raise ValueError("fp8 backend 'scaled_mm' needs CUDA tensors; use 'emulated' or 'auto' on CPU")
+        return _mm_scaled(xq, xs, wq, ws)
+    if backend == "auto" and xq.is_cuda and _scaled_mm_works(xq.device.index or 0):
         return _mm_scaled(xq, xs, wq, ws)
     return _mm_emulated(xq, xs, wq, ws)
 

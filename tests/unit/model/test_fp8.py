@@ -221,5 +221,7 @@ def test_expert_hook_none_and_plain_matmul_hook_agree():
 def test_bad_backend_and_config_defaults():
     with pytest.raises(ValueError, match="fp8 backend must be"):
         apply_fp8(tiny_moe(), backend="fast")
+    with pytest.raises(ValueError, match="'scaled_mm' needs CUDA tensors"):
+        fp8_linear(torch.randn(2, 128), torch.randn(128, 128), backend="scaled_mm")
     assert tuple(CONFIG_DEFAULT_IGNORE) == DEFAULT_FP8_IGNORE
     assert tuple(FP8Config().ignore) == DEFAULT_FP8_IGNORE
