@@ -275,7 +275,8 @@ def main() -> None:
                 "## Mismatch\n\n"
                 "Mismatch KL (k3, mean over sampled tokens) between the embedded engine's logprobs and the trainer's\n"
                 f"recomputation, R3 off/on; {a.prompts} prompts x {a.max_tokens} sampled tokens (temperature 1) per\n"
-                f"preset, random init with router and LM head x{ROUTER_SCALE:g}. One run.\n" + machine
+                f"preset, random init with router and LM head x{ROUTER_SCALE:g}. One run. Analysis: docs/mismatch.md.\n"
+                + machine
                 + f"Command: `python benchmarks/bench_mismatch.py --prompts {a.prompts} --max-tokens {a.max_tokens}`\n\n"
             )  # fmt: skip
             if not a.no_write:
