@@ -212,8 +212,8 @@ def _with_group_advantages(samples: list[RolloutSample], group: int) -> list[Rol
 
 
 def rl_curve(model_dir: Path, replay: bool, steps: int, num_prompts: int, group: int, max_tokens: int,
-             lr: float, seed: int) -> list[tuple[float, float]]:  # fmt: skip
-    """(mean reward, trainer's mismatch KL) per step; weights go trainer -> engine (bf16) each step."""
+             lr: float, seed: int) -> list[tuple[float, float, float]]:  # fmt: skip
+    """(mean reward, trainer's mismatch KL, masked fraction) per step; weights go trainer -> engine (bf16) each step."""
     torch.manual_seed(seed)
     trainer = load(model_dir, "fp32").train()
     optimizer = build_optimizer(trainer, OptimConfig(lr=lr))
@@ -230,22 +230,24 @@ def rl_curve(model_dir: Path, replay: bool, steps: int, num_prompts: int, group:
             pack_samples(batch, 2048, replay=replay), lambda inp, k: rl_loss(inp, loss_cfg, k), policy_step=n
         )
         engine.load_weights({k: v.detach().to(torch.bfloat16) for k, v in trainer.state_dict().items()}, n)
-        curve.append((float(np.mean([s.reward for s in batch])), result.mismatch_kl))
+        curve.append((float(np.mean([s.reward for s in batch])), result.mismatch_kl, result.masked_fraction))
         print(
             f"  rl R3={'on' if replay else 'off'} step {n}: reward {curve[-1][0]:.3f} kl {curve[-1][1]:.2e}"
         )
     return curve
 
 
-def render_rl(off: list[tuple[float, float]], on: list[tuple[float, float]]) -> str:
+def render_rl(off: list[tuple[float, float, float]], on: list[tuple[float, float, float]]) -> str:
     lines = [
-        "| step | reward R3 off | reward R3 on | mismatch KL R3 off | mismatch KL R3 on |",
-        "|---|---|---|---|---|",
+        "| step | reward R3 off | reward R3 on | mismatch KL R3 off | mismatch KL R3 on | masked off | masked on |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {i + 1} | {a[0]:.3f} | {b[0]:.3f} | {a[1]:.2e} | {b[1]:.2e} |"
+        f"| {i + 1} | {a[0]:.3f} | {b[0]:.3f} | {a[1]:.2e} | {b[1]:.2e} | {a[2]:.4f} | {b[2]:.4f} |"
         for i, (a, b) in enumerate(zip(off, on))
     ]
+    mean = [float(np.mean([c[1] for c in curve])) for curve in (off, on)]
+    lines.append(f"| mean | | | {mean[0]:.2e} | {mean[1]:.2e} | off/on {mean[0] / mean[1]:.2f}x | |")
     return "\n".join(lines)
 
 
