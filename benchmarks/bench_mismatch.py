@@ -295,7 +295,9 @@ def main() -> None:
                 + machine + f"Command: `python benchmarks/bench_mismatch.py --presets --rl-steps {a.rl_steps}`\n\n"
             )  # fmt: skip
             if not a.no_write:
-                _write_section(ROOT / "BENCHMARKS.md", "## Mismatch: short RL run", header + table + "\n")
+                _write_section(
+                    ROOT / "BENCHMARKS.md", "## Mismatch: short RL run, R3 off vs on", header + table + "\n"
+                )
 
 
 def _write_section(path: Path, title: str, body: str) -> None:
