@@ -10,6 +10,7 @@ from asyncrl.config.base import (
 )
 from asyncrl.config.envs import EnvConfig, EnvsConfig, LatencyConfig
 from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.mismatch import FP8Config, MismatchConfig
 from asyncrl.config.parallel import ParallelConfig, SlurmConfig
 from asyncrl.config.trainer import RLTrainerConfig, SFTConfig
 
@@ -18,8 +19,10 @@ __all__ = [
     "ConfigError",
     "EnvConfig",
     "EnvsConfig",
+    "FP8Config",
     "InferenceConfig",
     "LatencyConfig",
+    "MismatchConfig",
     "ParallelConfig",
     "RLTrainerConfig",
     "SFTConfig",

@@ -6,12 +6,18 @@ summed over the k choices in a fixed order (deterministic, no atomics).
 
 Router replay (R3): given the expert ids chosen elsewhere (the inference engine), the block uses
 them instead of its own top-k, but the gate weights are still this router's softmax probabilities
-at those ids, so gradients reach the router.
+at those ids, so gradients reach the router. Under replay the router can also report its own
+top-k ids (`with_router_topk=True`), so that routing agreement can be measured on the same tokens.
+
+`GroupedExperts.expert_linear` is a hook for the per-expert matmul (`fn(x_NK, w_OK) -> x @ w.T`);
+`asyncrl.model.fp8.apply_fp8` sets it to the FP8 block-scale matmul. None keeps the plain path.
 
 Shape legend: N tokens (flattened), D model dim, E experts, I expert hidden dim, K top_k.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +37,25 @@ class Router(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
 
     def forward(
-        self, x_ND: torch.Tensor, replay_ids_NK: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (expert ids [N, K] int64, gate weights [N, K] in x's dtype)."""
+        self, x_ND: torch.Tensor, replay_ids_NK: torch.Tensor | None = None, *, with_router_topk: bool = False
+    ) -> tuple[torch.Tensor, ...]:
+        """Return (expert ids [N, K] int64, gate weights [N, K] in x's dtype).
+
+        with_router_topk: also return this router's own top-k ids [N, K] (equal to the ids used
+        unless replaying).
+        """
         probs_NE = F.softmax(F.linear(x_ND.float(), self.weight.float()), dim=-1)
         if replay_ids_NK is None:
             weights_NK, ids_NK = probs_NE.topk(self.top_k, dim=-1)
+            own_ids_NK = ids_NK
         else:
             ids_NK = replay_ids_NK.long()
             weights_NK = probs_NE.gather(1, ids_NK)
+            own_ids_NK = probs_NE.topk(self.top_k, dim=-1).indices if with_router_topk else None
         if self.norm_topk_prob:
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+        if with_router_topk:
+            return ids_NK, weights_NK.to(x_ND.dtype), own_ids_NK
         return ids_NK, weights_NK.to(x_ND.dtype)
 
 
@@ -54,6 +68,7 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # [E, I, D]
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # [E, I, D]
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))  # [E, D, I]
+        self.expert_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         N, K = ids_NK.shape
@@ -68,7 +83,9 @@ class GroupedExperts(nn.Module):
         return y_NKD.sum(dim=1)
 
     def _grouped_swiglu(self, x_sorted: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(x_sorted, counts_E, self.gate_proj, self.up_proj, self.down_proj)
+        return grouped_swiglu(
+            x_sorted, counts_E, self.gate_proj, self.up_proj, self.down_proj, linear=self.expert_linear
+        )
 
 
 def grouped_swiglu(
@@ -77,28 +94,31 @@ def grouped_swiglu(
     gate_EID: torch.Tensor,
     up_EID: torch.Tensor,
     down_EDI: torch.Tensor,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """SwiGLU of token copies already sorted by expert; counts_E[e] rows belong to expert e.
 
     Module-free so that an expert-parallel wrapper (asyncrl.distributed) computes its local
-    experts with exactly the same arithmetic.
+    experts with exactly the same arithmetic. `linear(x, w)` replaces `x @ w.T` (FP8 hook).
     """
-    if x_sorted.is_cuda and hasattr(F, "grouped_mm") and x_sorted.dtype == torch.bfloat16:
+    if linear is None and hasattr(F, "grouped_mm") and x_sorted.is_cuda and x_sorted.dtype == torch.bfloat16:
         offs = counts_E.cumsum(0).to(torch.int32)
         gate = F.grouped_mm(x_sorted, gate_EID.transpose(1, 2), offs=offs)
         up = F.grouped_mm(x_sorted, up_EID.transpose(1, 2), offs=offs)
         return F.grouped_mm(F.silu(gate) * up, down_EDI.transpose(1, 2), offs=offs)
-    # CPU / fp32: one matmul per expert over its contiguous slice (grouped_mm lacks CPU backward).
+    # CPU / fp32 / hooked: one matmul per expert over its contiguous slice (grouped_mm lacks CPU backward).
+    mm = linear if linear is not None else (lambda x, w: x @ w.T)
     outs = []
     for e, x_e in enumerate(x_sorted.split(counts_E.tolist())):
         if x_e.shape[0]:
-            h = F.silu(x_e @ gate_EID[e].T) * (x_e @ up_EID[e].T)
-            outs.append(h @ down_EDI[e].T)
+            h = F.silu(mm(x_e, gate_EID[e])) * mm(x_e, up_EID[e])
+            outs.append(mm(h, down_EDI[e]))
     return torch.cat(outs) if outs else x_sorted.new_zeros(x_sorted.shape[0], down_EDI.shape[1])
 
 
 class MoE(nn.Module):
-    """Router + grouped experts. Returns the output and the expert ids used (captured or replayed)."""
+    """Router + grouped experts. Returns the output and the expert ids used (captured or replayed),
+    and with `with_router_topk=True` also the router's own top-k ids."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -106,11 +126,16 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
 
     def forward(
-        self, x_BTD: torch.Tensor, replay_ids_BTK: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        x_BTD: torch.Tensor,
+        replay_ids_BTK: torch.Tensor | None = None,
+        *,
+        with_router_topk: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         replay_NK = None if replay_ids_BTK is None else replay_ids_BTK.reshape(B * T, -1)
-        ids_NK, weights_NK = self.gate(x_ND, replay_NK)
+        ids_NK, weights_NK, *own = self.gate(x_ND, replay_NK, with_router_topk=with_router_topk)
         y_ND = self.experts(x_ND, ids_NK, weights_NK)
-        return y_ND.view(B, T, D), ids_NK.view(B, T, -1)
+        out = (y_ND.view(B, T, D), ids_NK.view(B, T, -1))
+        return (*out, own[0].view(B, T, -1)) if with_router_topk else out

@@ -4,6 +4,8 @@
     out = model(input_ids_BT, position_ids_BT, routed_experts=None, return_routing=True)
     out.logits          # [B, T, V]
     out.routed_experts  # int32 [B, T, L, K]; dense layers hold zeros
+    out = model(input_ids_BT, routed_experts=replay_BTLK, return_routing=True)
+    out.router_topk     # int32 [B, T, L, K]: the router's own top-k while replaying (agreement metrics)
 
 Parameter names follow the Hugging Face layout except that each MoE layer's experts are stacked
 (`mlp.experts.gate_proj` is [E, I, D]); `asyncrl.model.hf` converts at load and save.
@@ -37,6 +39,7 @@ class ModelOutput:
     logits: torch.Tensor | None  # [B, T, V]; None when compute_logits=False
     hidden_states: torch.Tensor  # [B, T, D], after the final norm (input of the LM head)
     routed_experts: torch.Tensor | None = None  # int32 [B, T, L, K]
+    router_topk: torch.Tensor | None = None  # int32 [B, T, L, K]; only when replaying with return_routing
 
 
 class DecoderLayer(nn.Module):
@@ -55,14 +58,19 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         replay_ids_BTK: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return the layer output and, for MoE layers, the expert ids used [B, T, K]."""
+        *,
+        with_router_topk: bool = False,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Return the layer output and, for MoE layers, the expert ids used [B, T, K] (else None).
+
+        with_router_topk: append the router's own top-k ids [B, T, K] (None for dense layers).
+        """
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), rope, backend)
         h_BTD = self.post_attention_layernorm(x_BTD)
         if isinstance(self.mlp, MoE):
-            y_BTD, ids_BTK = self.mlp(h_BTD, replay_ids_BTK)
-            return x_BTD + y_BTD, ids_BTK
-        return x_BTD + self.mlp(h_BTD), None
+            y_BTD, ids_BTK, *own = self.mlp(h_BTD, replay_ids_BTK, with_router_topk=with_router_topk)
+            return (x_BTD + y_BTD, ids_BTK, *own)
+        return (x_BTD + self.mlp(h_BTD), None) + ((None,) if with_router_topk else ())
 
 
 class _Backbone(nn.Module):
@@ -118,7 +126,8 @@ class Transformer(nn.Module):
         """Run the decoder.
 
         input_ids: [B, T]. position_ids: [B, T], default 0..T-1 per row; packed rows restart
-        positions at each sequence. routed_experts: [B, T, L, K] expert ids to replay (R3).
+        positions at each sequence. routed_experts: [B, T, L, K] expert ids to replay (R3); with
+        return_routing=True the output then also carries `router_topk`, the routers' own choices.
         attention: a custom attention backend (the inference engine's paged KV cache).
         """
         if input_ids.dim() != 2:
@@ -136,18 +145,23 @@ class Transformer(nn.Module):
 
         x_BTD = self.model.embed_tokens(input_ids)
         rope = self.rotary(position_ids, x_BTD.dtype)
-        captured = []
+        own_topk = return_routing and routed_experts is not None
+        captured, captured_own = [], []
         for layer in self.model.layers:
             replay = (
                 None if routed_experts is None or not layer.is_moe else routed_experts[:, :, layer.layer_idx]
             )
-            x_BTD, ids_BTK = layer(x_BTD, rope, backend, replay)
+            x_BTD, ids_BTK, *own = layer(x_BTD, rope, backend, replay, with_router_topk=own_topk)
             if return_routing:
                 captured.append(ids_BTK)
+                captured_own.extend(own)
         h_BTD = self.model.norm(x_BTD)
         logits = self.lm_head(h_BTD) if compute_logits else None
         routing = self._stack_routing(captured, B, T, input_ids.device) if return_routing else None
-        return ModelOutput(logits=logits, hidden_states=h_BTD, routed_experts=routing)
+        router_topk = self._stack_routing(captured_own, B, T, input_ids.device) if own_topk else None
+        return ModelOutput(
+            logits=logits, hidden_states=h_BTD, routed_experts=routing, router_topk=router_topk
+        )
 
     def _stack_routing(self, captured: list[torch.Tensor | None], B: int, T: int, device) -> torch.Tensor:
         K = self.args.routing_top_k

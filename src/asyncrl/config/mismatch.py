@@ -1,0 +1,58 @@
+"""Trainer-inference mismatch settings: the FP8 block-scale switch and the mismatch gate.
+
+Example (a trainer or inference TOML)::
+
+    [fp8]
+    enabled = true                      # quantize eligible linears and expert stacks (e4m3, 128 blocks)
+    ignore = ["lm_head", "*.mlp.gate", "model.layers.0.*"]
+
+    [mismatch]
+    max_mismatch_kl = 1e-3              # mean k3 KL over sampled tokens of a step
+    gate = "fail"                       # "warn": log and continue; "fail": stop the run
+
+The same `[fp8]` section goes to the inference server (FP8 inference) and the trainer (FP8
+training): set both to match precision, or only one to study the mismatch it causes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.base import BaseConfig
+
+__all__ = ["DEFAULT_FP8_IGNORE", "FP8Config", "MismatchConfig"]
+
+# Mirrors asyncrl.model.fp8.DEFAULT_FP8_IGNORE (config stays torch-free; a unit test keeps them equal).
+DEFAULT_FP8_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate")
+
+
+class FP8Config(BaseConfig):
+    """FP8 block-scale linears (DeepSeek-V3 recipe); see docs/mismatch.md."""
+
+    enabled: bool = False
+    ignore: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_FP8_IGNORE),
+        description="module names or fnmatch patterns kept in high precision (dims not multiple of 128 always are)",
+    )
+    backend: Literal["auto", "emulated", "scaled_mm"] = "auto"
+
+
+class MismatchConfig(BaseConfig):
+    """Per-step mismatch metrics and the gate on mismatch KL."""
+
+    max_mismatch_kl: float | None = Field(
+        None, gt=0, description="gate threshold on the mean k3 KL; None: off"
+    )
+    gate: Literal["warn", "fail"] = "warn"
+    ratio_low: float = Field(0.5, gt=0, description="tokens with pi/mu below this count as outliers")
+    ratio_high: float = Field(2.0, gt=0, description="tokens with pi/mu above this count as outliers")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> MismatchConfig:
+        if self.ratio_low >= self.ratio_high:
+            raise ValueError(
+                f"mismatch.ratio_low ({self.ratio_low}) must be below mismatch.ratio_high ({self.ratio_high})"
+            )
+        return self

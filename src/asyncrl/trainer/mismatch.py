@@ -1,0 +1,193 @@
+"""Trainer-inference mismatch metrics (pure functions over tensors) and the mismatch gate.
+
+    sums = mismatch_sums(logprobs_T, inference_logprobs_T, loss_mask_T)       # per micro-batch
+    split = mismatch_by_staleness(logprobs_T, inference_logprobs_T, loss_mask_T,
+                                  policy_versions_T, trainer_version=n - 1)  # current vs stale
+    agree_L = routing_agreement(replayed_TLK, router_topk_TLK, loss_mask_T, moe_layers)
+    metrics = (sums_a + sums_b).metrics()     # {"mismatch_kl": .., "mismatch_kl_max": .., ...}
+    check_mismatch_gate(metrics["mismatch_kl"], max_kl=1e-3, mode="fail", step=n)
+
+Definitions (mu = the inference engine's distribution, pi = the trainer's, on tokens sampled
+from mu, both under the sampling temperature):
+  r = pi(x) / mu(x) = exp(logprob - inference_logprob)
+  k3 = r - log r - 1 >= 0, an unbiased, always non-negative estimator of KL(mu || pi)
+  outlier fraction = share of tokens with r outside [ratio_low, ratio_high] (default [0.5, 2])
+  routing agreement of a layer = |replayed ids & router's own top-k ids| / K, averaged over tokens
+
+Staleness split: tokens sampled by the trainer's current weights (policy version equal to
+`trainer_version`) measure engine mismatch alone; older tokens add off-policy drift. Comparing
+the two tells the two causes apart.
+
+Shape legend: T tokens, L layers, K top_k.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "MismatchGateError",
+    "MismatchSums",
+    "check_mismatch_gate",
+    "k3_per_token",
+    "mismatch_by_staleness",
+    "mismatch_sums",
+    "routing_agreement",
+]
+
+
+def k3_per_token(logprobs_T: torch.Tensor, inference_logprobs_T: torch.Tensor) -> torch.Tensor:
+    """k3 = r - log r - 1 with r = exp(logprobs - inference_logprobs); float64 [T]."""
+    log_r = logprobs_T.detach().double() - inference_logprobs_T.detach().double()
+    # expm1(x) - x is r - 1 - log r without cancellation when r is close to 1 (the common case).
+    return torch.expm1(log_r) - log_r
+
+
+@dataclass(frozen=True, kw_only=True)
+class MismatchSums:
+    """Additive mismatch statistics, so micro-batches and ranks combine by `+` (or all-reduce:
+    sum every field but `kl_max`, which takes the max).
+
+    Example: MismatchSums(kl_sum=0.02, kl_max=0.01, num_outside=1, num_tokens=100).metrics()
+    == {"mismatch_kl": 2e-4, "mismatch_kl_max": 0.01, "mismatch_ratio_outside": 0.01, ...}.
+    """
+
+    kl_sum: float = 0.0
+    kl_max: float = 0.0
+    num_outside: int = 0
+    num_tokens: int = 0
+
+    def __add__(self, other: MismatchSums) -> MismatchSums:
+        return MismatchSums(
+            kl_sum=self.kl_sum + other.kl_sum,
+            kl_max=max(self.kl_max, other.kl_max),
+            num_outside=self.num_outside + other.num_outside,
+            num_tokens=self.num_tokens + other.num_tokens,
+        )
+
+    def metrics(self, prefix: str = "mismatch") -> dict[str, float]:
+        n = max(self.num_tokens, 1)
+        return {
+            f"{prefix}_kl": self.kl_sum / n,
+            f"{prefix}_kl_max": self.kl_max,
+            f"{prefix}_ratio_outside": self.num_outside / n,
+            f"{prefix}_tokens": float(self.num_tokens),
+        }
+
+
+def _check_shapes(logprobs_T: torch.Tensor, inference_logprobs_T: torch.Tensor, mask_T: torch.Tensor) -> None:
+    if not (logprobs_T.shape == inference_logprobs_T.shape == mask_T.shape):
+        raise ValueError(
+            f"mismatch: logprobs {tuple(logprobs_T.shape)}, inference_logprobs "
+            f"{tuple(inference_logprobs_T.shape)} and mask {tuple(mask_T.shape)} must have the same shape"
+        )
+    if mask_T.dtype != torch.bool:
+        raise ValueError(f"mismatch: mask must be a bool tensor, got {mask_T.dtype}")
+
+
+def mismatch_sums(
+    logprobs_T: torch.Tensor,
+    inference_logprobs_T: torch.Tensor,
+    mask_T: torch.Tensor,
+    *,
+    ratio_low: float = 0.5,
+    ratio_high: float = 2.0,
+) -> MismatchSums:
+    """k3 KL sum and max, and the count of ratios outside [ratio_low, ratio_high], over mask_T."""
+    _check_shapes(logprobs_T, inference_logprobs_T, mask_T)
+    if not 0 < ratio_low < ratio_high:
+        raise ValueError(f"mismatch: need 0 < ratio_low < ratio_high, got [{ratio_low}, {ratio_high}]")
+    k3 = k3_per_token(logprobs_T, inference_logprobs_T)[mask_T]
+    if k3.numel() == 0:
+        return MismatchSums()
+    log_r = logprobs_T.detach().double()[mask_T] - inference_logprobs_T.detach().double()[mask_T]
+    outside = (log_r < torch.tensor(ratio_low).log()) | (log_r > torch.tensor(ratio_high).log())
+    return MismatchSums(
+        kl_sum=float(k3.sum()),
+        kl_max=float(k3.max()),
+        num_outside=int(outside.sum()),
+        num_tokens=int(k3.numel()),
+    )
+
+
+def mismatch_by_staleness(
+    logprobs_T: torch.Tensor,
+    inference_logprobs_T: torch.Tensor,
+    mask_T: torch.Tensor,
+    policy_versions_T: torch.Tensor,
+    *,
+    trainer_version: int,
+    ratio_low: float = 0.5,
+    ratio_high: float = 2.0,
+) -> dict[str, MismatchSums]:
+    """{"current": tokens of version == trainer_version, "stale": older tokens} as MismatchSums.
+
+    trainer_version is the version of the weights that computed `logprobs_T` (at trainer step n,
+    before the optimizer step, that is n - 1).
+    """
+    if policy_versions_T.shape != mask_T.shape:
+        raise ValueError(
+            f"mismatch: policy_versions {tuple(policy_versions_T.shape)} must match mask {tuple(mask_T.shape)}"
+        )
+    current_T = policy_versions_T == trainer_version
+    kw = {"ratio_low": ratio_low, "ratio_high": ratio_high}
+    return {
+        "current": mismatch_sums(logprobs_T, inference_logprobs_T, mask_T & current_T, **kw),
+        "stale": mismatch_sums(logprobs_T, inference_logprobs_T, mask_T & ~current_T, **kw),
+    }
+
+
+def routing_agreement(
+    replayed_TLK: torch.Tensor,
+    router_topk_TLK: torch.Tensor,
+    mask_T: torch.Tensor,
+    layers: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Per-layer mean overlap |replayed & own| / K over masked tokens; float64 [len(layers)].
+
+    Order within the K ids does not matter. `layers` selects the MoE layers (dense layers carry
+    zeros); default all. A layer gets NaN when mask_T selects no token.
+    """
+    if replayed_TLK.shape != router_topk_TLK.shape or replayed_TLK.dim() != 3:
+        raise ValueError(
+            f"routing_agreement: replayed {tuple(replayed_TLK.shape)} and router_topk "
+            f"{tuple(router_topk_TLK.shape)} must both be [tokens, layers, top_k]"
+        )
+    if mask_T.shape != replayed_TLK.shape[:1]:
+        raise ValueError(f"routing_agreement: mask {tuple(mask_T.shape)} must be [{replayed_TLK.shape[0]}]")
+    sel = list(range(replayed_TLK.shape[1])) if layers is None else list(layers)
+    a_TLK = replayed_TLK[mask_T][:, sel].long()
+    b_TLK = router_topk_TLK[mask_T][:, sel].long()
+    # Top-k ids within one token are distinct, so pairwise equality counts the set intersection.
+    overlap_TL = (a_TLK.unsqueeze(-1) == b_TLK.unsqueeze(-2)).sum(dim=(-1, -2)).double()
+    K = replayed_TLK.shape[-1]
+    return (overlap_TL / K).mean(dim=0)
+
+
+class MismatchGateError(RuntimeError):
+    """Mismatch KL exceeded `mismatch.max_mismatch_kl` with `mismatch.gate = "fail"`."""
+
+
+def check_mismatch_gate(
+    kl_mean: float, *, max_kl: float | None, mode: Literal["warn", "fail"], step: int
+) -> str | None:
+    """Return None when within the limit (or no limit); else warn (mode "warn") and return the
+    message, or raise MismatchGateError (mode "fail"). A NaN KL always trips the gate."""
+    if mode not in ("warn", "fail"):
+        raise ValueError(f"mismatch.gate must be 'warn' or 'fail', got {mode!r}")
+    if max_kl is None or kl_mean <= max_kl:
+        return None
+    message = (
+        f"step {step}: mismatch KL {kl_mean:.3e} exceeds mismatch.max_mismatch_kl = {max_kl:.3e}; "
+        f"inference and trainer disagree (precision, routing, or stale weights): match their dtype / "
+        f"fp8 settings, enable router replay, or raise the limit"
+    )
+    if mode == "fail":
+        raise MismatchGateError(message)
+    warnings.warn(message, stacklevel=2)
+    return message
