@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from asyncrl.inference.request import Request
 
 __all__ = ["KVCache", "PagedAttention", "SeqSlice"]
 
@@ -43,11 +46,15 @@ class KVCache:
         self.v_LPGd = torch.zeros_like(self.k_LPGd)
         self.routing_PLK = torch.zeros(P, num_layers, routing_top_k, dtype=torch.int16, device=device)
 
-    def slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        """Flat slot index of token positions [start, end) of a sequence with this block table."""
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(block_ids, dtype=torch.long)[pos // self.block_size]
-        return (blocks * self.block_size + pos % self.block_size).to(self.k_LPGd.device)
+    def slots(self, req: Request, end: int) -> torch.Tensor:
+        """Flat slot index of token positions [0, end) of `req`, from its (incrementally kept) slot table."""
+        bs = self.block_size
+        have = 0 if req.slot_table is None else req.slot_table.numel() // bs
+        if have < len(req.block_ids):
+            blocks = torch.tensor(req.block_ids[have:], dtype=torch.long, device=self.k_LPGd.device)
+            new = (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)).flatten()
+            req.slot_table = new if req.slot_table is None else torch.cat([req.slot_table, new])
+        return req.slot_table[:end]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_LPGd, self.v_LPGd, self.routing_PLK))
@@ -74,13 +81,13 @@ class PagedAttention:
         if decodes:
             device = slots_N.device
             self.decode_rows_S = torch.tensor([s.q_start for s in decodes], device=device)
-            C = max(len(s.key_slots) for s in decodes)
-            self.decode_slots_SC = torch.zeros(len(decodes), C, dtype=torch.long, device=device)
-            mask_SC = torch.zeros(len(decodes), C, dtype=torch.bool, device=device)
-            for i, s in enumerate(decodes):
-                self.decode_slots_SC[i, : len(s.key_slots)] = s.key_slots
-                mask_SC[i, : len(s.key_slots)] = True
-            self.decode_mask_S11C = None if bool(mask_SC.all()) else mask_SC[:, None, None, :]
+            lengths = [len(s.key_slots) for s in decodes]
+            self.decode_slots_SC = pad_sequence([s.key_slots for s in decodes], batch_first=True)
+            self.decode_mask_S11C = None
+            if min(lengths) != max(lengths):
+                lengths_S = torch.tensor(lengths, device=device)
+                mask_SC = torch.arange(max(lengths), device=device)[None, :] < lengths_S[:, None]
+                self.decode_mask_S11C = mask_SC[:, None, None, :]
 
     def __call__(
         self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
