@@ -1,6 +1,6 @@
 """Generation throughput of the embedded engine vs transformers `generate()`, same model and prompts.
 
-    PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/bench_inference.py --preset tiny-moe [--write]
+    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_inference.py --preset tiny-moe [--write]
 
 At concurrency c the engine keeps at most c sequences in flight (continuous batching: a finished
 sequence is replaced at once); `generate()` runs the same requests in static batches of c, each
@@ -98,8 +98,13 @@ def main() -> None:
 
 
 def render(rows, args) -> str:
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
-    cmd = "PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/bench_inference.py " + " ".join(sys.argv[1:])
+    machine = (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+    )
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    cmd = f"PYTHONPATH=src OMP_NUM_THREADS={threads} python benchmarks/bench_inference.py " + " ".join(
+        sys.argv[1:]
+    )
     lines = [
         SECTION, "",
         f"Machine: {machine} (shared, noisy; ratios are measured in the same run). Model: `{args.preset}` "

@@ -92,28 +92,34 @@ class PagedAttention:
     def __call__(
         self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
     ) -> torch.Tensor:
-        k_PGd, v_PGd = self.cache.k_LPGd[layer_idx], self.cache.v_LPGd[layer_idx]
-        k_PGd[self.slots_N] = k_BGTd[0].transpose(0, 1)
-        v_PGd[self.slots_N] = v_BGTd[0].transpose(0, 1)
+        # Flat [P, G * Dh] views: index_select / index_copy_ on rows are far faster than fancy indexing.
+        G, Dh = k_BGTd.shape[1], k_BGTd.shape[3]
+        k_PF = self.cache.k_LPGd[layer_idx].view(-1, G * Dh)
+        v_PF = self.cache.v_LPGd[layer_idx].view(-1, G * Dh)
+        k_PF.index_copy_(0, self.slots_N, k_BGTd[0].transpose(0, 1).reshape(-1, G * Dh))
+        v_PF.index_copy_(0, self.slots_N, v_BGTd[0].transpose(0, 1).reshape(-1, G * Dh))
         o_BHTd = torch.empty_like(q_BHTd)
-        gqa = q_BHTd.shape[1] != k_BGTd.shape[1]
+        gqa = q_BHTd.shape[1] != G
         if self.decode_rows_S is not None:
+            S, C = self.decode_slots_SC.shape
+            flat = self.decode_slots_SC.flatten()
             q_SH1d = q_BHTd[0][:, self.decode_rows_S].transpose(0, 1).unsqueeze(2)
-            k_SGCd = k_PGd[self.decode_slots_SC].transpose(1, 2)
-            v_SGCd = v_PGd[self.decode_slots_SC].transpose(1, 2)
+            k_SGCd = k_PF.index_select(0, flat).view(S, C, G, Dh).transpose(1, 2)
+            v_SGCd = v_PF.index_select(0, flat).view(S, C, G, Dh).transpose(1, 2)
             o_SH1d = F.scaled_dot_product_attention(
                 q_SH1d, k_SGCd, v_SGCd, attn_mask=self.decode_mask_S11C, enable_gqa=gqa
             )
             o_BHTd[0][:, self.decode_rows_S] = o_SH1d.squeeze(2).transpose(0, 1)
         for s in self.prefills:
+            C = len(s.key_slots)
             q_1HTd = q_BHTd[:, :, s.q_start : s.q_start + s.q_len]
-            k_1GCd = k_PGd[s.key_slots].transpose(0, 1).unsqueeze(0)
-            v_1GCd = v_PGd[s.key_slots].transpose(0, 1).unsqueeze(0)
+            k_1GCd = k_PF.index_select(0, s.key_slots).view(1, C, G, Dh).transpose(1, 2)
+            v_1GCd = v_PF.index_select(0, s.key_slots).view(1, C, G, Dh).transpose(1, 2)
             o_BHTd[:, :, s.q_start : s.q_start + s.q_len] = _causal_sdpa(q_1HTd, k_1GCd, v_1GCd, gqa)
         return o_BHTd
 
     def write_routing(self, routed_N_LK: torch.Tensor) -> None:
-        self.cache.routing_PLK[self.slots_N] = routed_N_LK.to(torch.int16)
+        self.cache.routing_PLK.index_copy_(0, self.slots_N, routed_N_LK.to(torch.int16))
 
 
 def _causal_sdpa(q_1HTd: torch.Tensor, k_1GCd: torch.Tensor, v_1GCd: torch.Tensor, gqa: bool) -> torch.Tensor:
