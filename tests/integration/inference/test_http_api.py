@@ -113,11 +113,23 @@ def test_client_disconnect_frees_its_request(server):
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/generate", json={"prompt_token_ids": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True},
                    timeout=1.0)  # fmt: skip
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 8  # generating 4000 tokens takes far longer
         while _metric(c, "asyncrl_requests_running") > 0:
             assert time.monotonic() < deadline, "the abandoned request was not freed"
             time.sleep(0.1)
         assert _metric(c, "asyncrl_kv_blocks_used") == 0
+
+
+def test_streaming_client_disconnect_frees_its_request(server):
+    body = {"model": server.name, "prompt": "abc", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with server.client() as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        deadline = time.monotonic() + 8  # generating 4000 tokens takes far longer
+        while _metric(c, "asyncrl_requests_running") > 0:
+            assert time.monotonic() < deadline, "the abandoned stream was not freed"
+            time.sleep(0.1)
 
 
 def test_metrics_exports_the_required_series(server):
