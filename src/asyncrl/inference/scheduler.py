@@ -117,7 +117,8 @@ class Scheduler:
         tokens = req.all_token_ids
         req.block_hashes = hash_blocks(tokens, bs, req.cache_salt, req.block_hashes)
         # At least the last token must run through the model to produce logits.
-        cached = self.pool.match_prefix(req.block_hashes[: (len(tokens) - 1) // bs])
+        lookup = req.block_hashes[: (len(tokens) - 1) // bs]
+        cached = self.pool.match_prefix(lookup)
         n = min(len(tokens) - len(cached) * bs, budget)
         fresh = self.pool.allocate(-(-(len(cached) * bs + n) // bs) - len(cached))
         if fresh is None:
@@ -128,4 +129,5 @@ class Scheduler:
         req.num_hashed_blocks = len(cached)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = req.num_computed_tokens
+            self.pool.record_lookup(len(lookup), len(cached))
         return n
