@@ -189,11 +189,10 @@ class Engine:
             end = start + s.num_new_tokens
             ids_N += _token_slice(req, start, end)
             pos_N += range(start, end)
-            key_slots = self.cache.slots(req, end)
-            seqs.append(
-                SeqSlice(q_start=len(ids_N) - s.num_new_tokens, q_len=s.num_new_tokens, key_slots=key_slots)
-            )
-            slots.append(key_slots[start:])
+            block_ids = self.cache.block_table(req)
+            q_start = len(ids_N) - s.num_new_tokens
+            seqs.append(SeqSlice(q_start=q_start, q_len=s.num_new_tokens, num_ctx=end, block_ids=block_ids))
+            slots.append(self.cache.slots(req, end)[start:])
         backend = PagedAttention(self.cache, seqs, torch.cat(slots))
         out = self.model(
             torch.tensor([ids_N], device=self.device),
