@@ -101,6 +101,7 @@ def main() -> None:
 
 
 def render(rows, args) -> str:
+    """The `### <preset>` subsection of this run."""
     machine = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
     )
@@ -109,10 +110,11 @@ def render(rows, args) -> str:
         sys.argv[1:]
     )
     lines = [
-        SECTION, "",
-        f"Machine: {machine} (shared, noisy; ratios are measured in the same run). Model: `{args.preset}` "
-        f"(random init), fp32, greedy, CPU, best of {args.repeats} interleaved repeats. Prompts 16-64 tokens, outputs uniform in "
-        f"[{args.min_new}, {args.max_new}] tokens, EOS ignored.",
+        f"### {args.preset}", "",
+        f"Machine: {machine}; shared with other jobs, so timings are noisy and only the ratios (same "
+        f"process, interleaved, best of {args.repeats}) are meaningful. Model `{args.preset}` (random init), "
+        f"fp32, greedy, CPU. Prompts 16-64 tokens; outputs uniform in [{args.min_new}, {args.max_new}] "
+        f"tokens, EOS ignored.",
         "", f"Command: `{cmd.strip()}`", "",
         "| concurrency | requests | generated tokens | engine tok/s | generate() tok/s | engine / generate() |",
         "|---:|---:|---:|---:|---:|---:|",
@@ -122,11 +124,27 @@ def render(rows, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+INTRO = (
+    "Throughput of the embedded engine (continuous batching, at most c sequences in flight) vs "
+    "transformers `generate()` on the same requests in static batches of c (left-padded, each batch "
+    "decoded until its longest request is done). Written by `benchmarks/bench_inference.py --write`.\n"
+)
+
+
 def write_section(path: Path, table: str) -> None:
+    """Replace this preset's subsection inside `## Inference engine`, creating either as needed."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    text = pattern.sub(table + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + table
-    path.write_text(text)
+    section_re = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    match = section_re.search(text)
+    body = match.group(0) if match else f"{SECTION}\n\n{INTRO}"
+    preset = table.splitlines()[0]
+    sub_re = re.compile(rf"^{re.escape(preset)}\n.*?(?=^### |\Z)", re.S | re.M)
+    body = sub_re.sub(table + "\n", body) if sub_re.search(body) else body.rstrip() + "\n\n" + table + "\n"
+    if match:
+        text = text[: match.start()] + body + text[match.end() :]
+    else:
+        text = text.rstrip() + "\n\n" + body
+    path.write_text(text.rstrip() + "\n")
 
 
 if __name__ == "__main__":
