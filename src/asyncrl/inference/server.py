@@ -1,6 +1,6 @@
 """The inference HTTP server: FastAPI app over an `AsyncEngine` (contract: ARCHITECTURE.md).
 
-    app = build_app(AsyncEngine(engine), tokenizer, config)   # then: uvicorn.run(app, ...)
+    app = build_app(AsyncEngine(engine), tokenizer, config, model_name)   # then uvicorn.run(app, ...)
 
 Token-in/token-out `/v1/generate` for the orchestrator, admin endpoints for weight updates,
 `/metrics` in Prometheus text, and the OpenAI endpoints from `openai_api`. Every bad input gets a

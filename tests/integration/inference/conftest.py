@@ -25,6 +25,7 @@ class LiveServer:
     model_dir: Path
     name: str
     app: object
+    api_key: str = API_KEY
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(

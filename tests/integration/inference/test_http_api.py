@@ -3,6 +3,7 @@
 Tests run in file order: the weight-update tests come last because they change the served weights.
 """
 
+import asyncio
 import copy
 import threading
 import time
@@ -207,12 +208,10 @@ def test_update_weights_abort_and_pause_resume(server):
 
 
 def test_load_500_requests_at_concurrency_64(server):
-    import asyncio
-
     async def main() -> list[int]:
         sem = asyncio.Semaphore(64)
         rng = np.random.default_rng(0)
-        headers = {"Authorization": "Bearer test-key"}
+        headers = {"Authorization": f"Bearer {server.api_key}"}
         async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as c:
 
             async def one(i: int) -> int:

@@ -2,13 +2,12 @@
 
 import openai
 import pytest
-from conftest import API_KEY
 from transformers import AutoTokenizer
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0)
 
 
 @pytest.fixture(scope="module")
