@@ -73,9 +73,12 @@ class BlockPool:
                 break
             self._ref(block)
             blocks.append(block)
-        self.num_queries += len(hashes)
-        self.num_hits += len(blocks)
         return blocks
+
+    def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count an admitted request's prefix lookup in the hit-rate statistics."""
+        self.num_queries += num_queried
+        self.num_hits += num_hit
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh blocks (refcount 1), evicting cached ones if needed; None when there are too few."""

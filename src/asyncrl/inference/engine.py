@@ -187,13 +187,12 @@ class Engine:
         for s in batch:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
-            ids_N += req.all_token_ids[start:end]
+            ids_N += _token_slice(req, start, end)
             pos_N += range(start, end)
-            key_slots = self.cache.slots(req.block_ids, 0, end)
-            seqs.append(
-                SeqSlice(q_start=len(ids_N) - s.num_new_tokens, q_len=s.num_new_tokens, key_slots=key_slots)
-            )
-            slots.append(key_slots[start:])
+            block_ids = self.cache.block_table(req)
+            q_start = len(ids_N) - s.num_new_tokens
+            seqs.append(SeqSlice(q_start=q_start, q_len=s.num_new_tokens, num_ctx=end, block_ids=block_ids))
+            slots.append(self.cache.slots(req, end)[start:])
         backend = PagedAttention(self.cache, seqs, torch.cat(slots))
         out = self.model(
             torch.tensor([ids_N], device=self.device),
@@ -263,7 +262,7 @@ class Engine:
 
     def _routing(self, req: Request) -> np.ndarray:
         """Expert ids of every computed token [T, L, K]; uint8, or uint16 past 256 experts."""
-        slots = self.cache.slots(req.block_ids, 0, req.num_computed_tokens)
+        slots = self.cache.slots(req, req.num_computed_tokens)
         routing = self.cache.routing_PLK[slots].cpu().numpy()
         return routing.astype(np.uint8 if self.model.args.num_experts <= 256 else np.uint16)
 
@@ -283,3 +282,11 @@ class Engine:
             "steps": self.num_steps,
             "weight_version": self.version,
         }
+
+
+def _token_slice(req: Request, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output without copying the whole sequence (decode: one token)."""
+    num_prompt = len(req.prompt_token_ids)
+    if start >= num_prompt:
+        return req.output_token_ids[start - num_prompt : end - num_prompt]
+    return req.all_token_ids[start:end]

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from asyncrl.inference.request import Request
 
 __all__ = ["KVCache", "PagedAttention", "SeqSlice"]
 
@@ -43,11 +46,21 @@ class KVCache:
         self.v_LPGd = torch.zeros_like(self.k_LPGd)
         self.routing_PLK = torch.zeros(P, num_layers, routing_top_k, dtype=torch.int16, device=device)
 
-    def slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        """Flat slot index of token positions [start, end) of a sequence with this block table."""
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(block_ids, dtype=torch.long)[pos // self.block_size]
-        return (blocks * self.block_size + pos % self.block_size).to(self.k_LPGd.device)
+    def slots(self, req: Request, end: int) -> torch.Tensor:
+        """Flat slot index of token positions [0, end) of `req`, from its (incrementally kept) slot table."""
+        bs = self.block_size
+        have = 0 if req.slot_table is None else req.slot_table.numel() // bs
+        if have < len(req.block_ids):
+            blocks = torch.tensor(req.block_ids[have:], dtype=torch.long, device=self.k_LPGd.device)
+            new = (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)).flatten()
+            req.slot_table = new if req.slot_table is None else torch.cat([req.slot_table, new])
+        return req.slot_table[:end]
+
+    def block_table(self, req: Request) -> torch.Tensor:
+        """`req.block_ids` as a device tensor, rebuilt only when the sequence gained blocks."""
+        if req.block_table is None or req.block_table.numel() != len(req.block_ids):
+            req.block_table = torch.tensor(req.block_ids, dtype=torch.long, device=self.k_LPGd.device)
+        return req.block_table
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_LPGd, self.v_LPGd, self.routing_PLK))
@@ -56,11 +69,12 @@ class KVCache:
 @dataclass(frozen=True, kw_only=True)
 class SeqSlice:
     """One sequence's share of a step: new tokens [q_start, q_start + q_len) of the flattened row,
-    attending over `key_slots` (its C = num_computed + q_len context slots, in position order)."""
+    attending over its first `num_ctx` = num_computed + q_len positions, held in `block_ids`."""
 
     q_start: int
     q_len: int
-    key_slots: torch.Tensor  # long [C]
+    num_ctx: int
+    block_ids: torch.Tensor  # long [>= ceil(num_ctx / block_size)]
 
 
 class PagedAttention:
@@ -74,39 +88,51 @@ class PagedAttention:
         if decodes:
             device = slots_N.device
             self.decode_rows_S = torch.tensor([s.q_start for s in decodes], device=device)
-            C = max(len(s.key_slots) for s in decodes)
-            self.decode_slots_SC = torch.zeros(len(decodes), C, dtype=torch.long, device=device)
-            mask_SC = torch.zeros(len(decodes), C, dtype=torch.bool, device=device)
-            for i, s in enumerate(decodes):
-                self.decode_slots_SC[i, : len(s.key_slots)] = s.key_slots
-                mask_SC[i, : len(s.key_slots)] = True
+            bs = cache.block_size
+            lengths = [s.num_ctx for s in decodes]
+            num_blocks = -(-max(lengths) // bs)
+            self.decode_blocks_SB = pad_sequence(
+                [s.block_ids[:num_blocks] for s in decodes], batch_first=True
+            )
+            lengths_S = torch.tensor(lengths, device=device)
+            mask_SC = torch.arange(num_blocks * bs, device=device)[None, :] < lengths_S[:, None]
             self.decode_mask_S11C = None if bool(mask_SC.all()) else mask_SC[:, None, None, :]
 
     def __call__(
         self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
     ) -> torch.Tensor:
-        k_PGd, v_PGd = self.cache.k_LPGd[layer_idx], self.cache.v_LPGd[layer_idx]
-        k_PGd[self.slots_N] = k_BGTd[0].transpose(0, 1)
-        v_PGd[self.slots_N] = v_BGTd[0].transpose(0, 1)
+        # Flat [P, G * Dh] views: index_select / index_copy_ on rows are far faster than fancy indexing.
+        G, Dh = k_BGTd.shape[1], k_BGTd.shape[3]
+        k_PF = self.cache.k_LPGd[layer_idx].view(-1, G * Dh)
+        v_PF = self.cache.v_LPGd[layer_idx].view(-1, G * Dh)
+        k_PF.index_copy_(0, self.slots_N, k_BGTd[0].transpose(0, 1).reshape(-1, G * Dh))
+        v_PF.index_copy_(0, self.slots_N, v_BGTd[0].transpose(0, 1).reshape(-1, G * Dh))
         o_BHTd = torch.empty_like(q_BHTd)
-        gqa = q_BHTd.shape[1] != k_BGTd.shape[1]
+        gqa = q_BHTd.shape[1] != G
+        # Gathers read whole blocks (rows of block_size * G * Dh); padding positions are masked out.
+        k_NbF = k_PF.view(-1, self.cache.block_size * G * Dh)
+        v_NbF = v_PF.view(-1, self.cache.block_size * G * Dh)
         if self.decode_rows_S is not None:
-            q_SH1d = q_BHTd[0][:, self.decode_rows_S].transpose(0, 1).unsqueeze(2)
-            k_SGCd = k_PGd[self.decode_slots_SC].transpose(1, 2)
-            v_SGCd = v_PGd[self.decode_slots_SC].transpose(1, 2)
-            o_SH1d = F.scaled_dot_product_attention(
-                q_SH1d, k_SGCd, v_SGCd, attn_mask=self.decode_mask_S11C, enable_gqa=gqa
-            )
-            o_BHTd[0][:, self.decode_rows_S] = o_SH1d.squeeze(2).transpose(0, 1)
+            # One query per sequence: fold each kv group's query heads into the query axis
+            # ([S, G, H/G, Dh]), which avoids expanding k/v to H heads.
+            S, H = len(self.decode_rows_S), q_BHTd.shape[1]
+            flat = self.decode_blocks_SB.flatten()
+            q_SGrd = q_BHTd[0][:, self.decode_rows_S].transpose(0, 1).reshape(S, G, H // G, Dh)
+            k_SGCd = k_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
+            v_SGCd = v_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
+            o_SGrd = F.scaled_dot_product_attention(q_SGrd, k_SGCd, v_SGCd, attn_mask=self.decode_mask_S11C)
+            o_BHTd[0][:, self.decode_rows_S] = o_SGrd.reshape(S, H, Dh).transpose(0, 1)
         for s in self.prefills:
+            C = s.num_ctx
+            blocks = s.block_ids[: -(-C // self.cache.block_size)]
             q_1HTd = q_BHTd[:, :, s.q_start : s.q_start + s.q_len]
-            k_1GCd = k_PGd[s.key_slots].transpose(0, 1).unsqueeze(0)
-            v_1GCd = v_PGd[s.key_slots].transpose(0, 1).unsqueeze(0)
+            k_1GCd = k_NbF.index_select(0, blocks).view(1, -1, G, Dh)[:, :C].transpose(1, 2)
+            v_1GCd = v_NbF.index_select(0, blocks).view(1, -1, G, Dh)[:, :C].transpose(1, 2)
             o_BHTd[:, :, s.q_start : s.q_start + s.q_len] = _causal_sdpa(q_1HTd, k_1GCd, v_1GCd, gqa)
         return o_BHTd
 
     def write_routing(self, routed_N_LK: torch.Tensor) -> None:
-        self.cache.routing_PLK[self.slots_N] = routed_N_LK.to(torch.int16)
+        self.cache.routing_PLK.index_copy_(0, self.slots_N, routed_N_LK.to(torch.int16))
 
 
 def _causal_sdpa(q_1HTd: torch.Tensor, k_1GCd: torch.Tensor, v_1GCd: torch.Tensor, gqa: bool) -> torch.Tensor:

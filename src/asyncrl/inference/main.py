@@ -18,6 +18,7 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.async_engine import AsyncEngine
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.server import build_app
+from asyncrl.model import ModelConfigError
 
 __all__ = ["build_server_app", "main"]
 
@@ -26,6 +27,8 @@ log = logging.getLogger("asyncrl.inference")
 
 def build_server_app(config: InferenceConfig) -> FastAPI:
     """Load the model and tokenizer from `config.model` and wire up the FastAPI app (not started)."""
+    if not Path(config.model).is_dir():
+        raise ModelConfigError(f"model directory not found: {config.model}")
     tokenizer = AutoTokenizer.from_pretrained(config.model)
 
     def detokenize(ids: list[int]) -> str:
@@ -48,7 +51,10 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = build_server_app(config)
+    try:
+        app = build_server_app(config)
+    except (ModelConfigError, OSError) as e:  # a missing or malformed model directory
+        raise SystemExit(f"asyncrl inference: cannot load model '{config.model}': {e}") from None
     engine = app.state.server.engine.engine
     log.info(
         "serving %s on http://%s:%d (%s, %s, KV pool %d blocks x %d tokens, %.1f MiB)",

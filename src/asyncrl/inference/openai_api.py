@@ -52,7 +52,7 @@ def add_openai_routes(app: FastAPI) -> None:
 def _check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
         raise InvalidRequestError(
-            "model", f"unknown model {model!r}; this server serves {state.model_name!r}"
+            "model", f"unknown model {model!r}; this server serves {state.model_name!r}", status=404
         )
 
 

@@ -76,11 +76,16 @@ class Request:
 
     # KV-cache state
     block_ids: list[int] = field(default_factory=list)
+    slot_table: torch.Tensor | None = None  # long [len(block_ids) * block_size]; cache of flat KV slots
+    block_table: torch.Tensor | None = None  # long [len(block_ids)]; cache of block_ids on the device
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hits at first admission; -1 until admitted
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
+
+    def set_blocks(self, block_ids: list[int]) -> None:
+        self.block_ids, self.slot_table, self.block_table = block_ids, None, None
 
     @property
     def all_token_ids(self) -> list[int]:

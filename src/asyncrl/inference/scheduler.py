@@ -81,7 +81,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.pool.release(req.block_ids)
-        req.block_ids = []
+        req.set_blocks([])
 
     def _reserve(self, req: Request, n: int) -> bool:
         """Grow `req`'s blocks to hold n more tokens, preempting from the back. False if `req` was."""
@@ -105,7 +105,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.pool.release(req.block_ids)
-        req.block_ids, req.num_computed_tokens, req.num_hashed_blocks = [], 0, 0
+        req.set_blocks([])
+        req.num_computed_tokens, req.num_hashed_blocks = 0, 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -116,15 +117,17 @@ class Scheduler:
         tokens = req.all_token_ids
         req.block_hashes = hash_blocks(tokens, bs, req.cache_salt, req.block_hashes)
         # At least the last token must run through the model to produce logits.
-        cached = self.pool.match_prefix(req.block_hashes[: (len(tokens) - 1) // bs])
+        lookup = req.block_hashes[: (len(tokens) - 1) // bs]
+        cached = self.pool.match_prefix(lookup)
         n = min(len(tokens) - len(cached) * bs, budget)
         fresh = self.pool.allocate(-(-(len(cached) * bs + n) // bs) - len(cached))
         if fresh is None:
             self.pool.release(cached)
             return 0
-        req.block_ids = cached + fresh
+        req.set_blocks(cached + fresh)
         req.num_computed_tokens = len(cached) * bs
         req.num_hashed_blocks = len(cached)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = req.num_computed_tokens
+            self.pool.record_lookup(len(lookup), len(cached))
         return n

@@ -1,6 +1,6 @@
 """The inference HTTP server: FastAPI app over an `AsyncEngine` (contract: ARCHITECTURE.md).
 
-    app = build_app(AsyncEngine(engine), tokenizer, config)   # then: uvicorn.run(app, ...)
+    app = build_app(AsyncEngine(engine), tokenizer, config, model_name)   # then uvicorn.run(app, ...)
 
 Token-in/token-out `/v1/generate` for the orchestrator, admin endpoints for weight updates,
 `/metrics` in Prometheus text, and the OpenAI endpoints from `openai_api`. Every bad input gets a
@@ -82,19 +82,30 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _install_api_key(app: FastAPI, api_key: str | None) -> None:
-    if not api_key:
-        return
-    expected = f"Bearer {api_key}"
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), expected.encode()):
-                return error_response(
+
+class ApiKeyMiddleware:
+    """Checks `Authorization: Bearer KEY` on every path but /health.
+
+    A plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide client disconnects from
+    the handlers, and a disconnected client must free its request.
+    """
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(
                     401, "missing or wrong API key", "Authorization", "authentication_error"
                 )
-        return await call_next(request)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _add_core_routes(app: FastAPI) -> None:

@@ -32,8 +32,6 @@ class ServerState:
     tokenizer: Any  # a transformers tokenizer; only the OpenAI endpoints use it
     config: InferenceConfig
     model_name: str
-    num_requests: int = 0
-    num_request_errors: int = 0
 
 
 @dataclass(kw_only=True)
