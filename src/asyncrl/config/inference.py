@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field
 
 from asyncrl.config.base import BaseConfig
+from asyncrl.config.mismatch import FP8Config
 
 __all__ = ["InferenceConfig"]
 
@@ -38,3 +39,6 @@ class InferenceConfig(BaseConfig):
     enable_prefix_caching: bool = True
     seed: int = Field(0, description="seed of the engine's generator for requests without a seed")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    fp8: FP8Config = Field(
+        default_factory=FP8Config, description="FP8 block-scale inference (docs/mismatch.md)"
+    )

@@ -16,6 +16,7 @@ Shape legend: N scheduled tokens, S sampled sequences, V vocab, D model dim, L l
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -35,9 +36,12 @@ from asyncrl.inference.sampler import sample
 from asyncrl.inference.scheduler import ScheduledSeq, Scheduler
 from asyncrl.inference.stopping import check_stop
 from asyncrl.model import Transformer, from_pretrained
+from asyncrl.model.fp8 import apply_fp8
 from asyncrl.model.hf import load_into, load_state_dict
 
 __all__ = ["Engine", "resolve_device"]
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -93,6 +97,13 @@ class Engine:
     def from_config(cls, config: InferenceConfig, **kwargs) -> Engine:
         dtype = getattr(torch, config.dtype)
         model = from_pretrained(config.model, dtype=dtype, device=str(resolve_device(config.device)))
+        if config.fp8.enabled:
+            report = apply_fp8(model, config.fp8.ignore, config.fp8.backend)
+            log.info(
+                "FP8 inference: %d modules quantized, %d kept in high precision",
+                len(report.converted),
+                len(report.kept),
+            )
         return cls(model, config, **kwargs)
 
     # -- requests ---------------------------------------------------------------------------------
