@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
+from asyncrl.config.mismatch import FP8Config, MismatchConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -116,6 +117,7 @@ class CommonTrainConfig(BaseConfig):
     publish: PublishConfig = PublishConfig()
     peak_flops: float | None = Field(None, gt=0)  # per device, for MFU; None = measure a matmul at start
     logits_chunk_size: int = Field(1024, gt=0)  # tokens per LM-head chunk (bounds [chunk, vocab] memory)
+    fp8: FP8Config = FP8Config()  # block-scale FP8 training (match an FP8 inference server)
 
 
 class RLTrainerConfig(CommonTrainConfig):
@@ -124,6 +126,7 @@ class RLTrainerConfig(CommonTrainConfig):
     loss: LossConfig = LossConfig()
     router_replay: bool = True  # replay the inference engine's expert choices when a sample carries them
     batch_timeout_s: float = Field(600.0, gt=0)  # how long to wait for rollouts/step_n
+    mismatch: MismatchConfig = MismatchConfig()  # per-step mismatch metrics and the max_mismatch_kl gate
 
 
 class SFTDataConfig(BaseConfig):

@@ -23,6 +23,7 @@ import torch
 from asyncrl.model import Transformer
 from asyncrl.trainer.logprobs import chunked_logprobs
 from asyncrl.trainer.loss import LossInputs, LossResult
+from asyncrl.trainer.mismatch import MismatchAccumulator
 from asyncrl.trainer.packing import MicroBatch
 from asyncrl.trainer.parallel import DistInfo, all_reduce_, all_reduce_grads_
 
@@ -51,6 +52,9 @@ class StepResult:
     staleness_max: int
     mean_context: float  # keys each token attends to, averaged over all tokens (for FLOP counts)
     seconds: float
+    mismatch: dict[
+        str, float
+    ]  # MismatchAccumulator.metrics(): max, outliers, current/stale, routing agreement
 
 
 class StepEngine:
@@ -63,20 +67,29 @@ class StepEngine:
         *,
         max_grad_norm: float,
         chunk_size: int,
+        ratio_bounds: tuple[float, float] = (0.5, 2.0),
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.info = model, optimizer, scheduler, info
-        self.max_grad_norm, self.chunk_size = max_grad_norm, chunk_size
+        self.max_grad_norm, self.chunk_size, self.ratio_bounds = max_grad_norm, chunk_size, ratio_bounds
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def forward_micro_batch(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs of the targets under the current weights [T] (with grad) and entropies [T]."""
+        logprobs_T, entropy_T, _ = self._forward(mb)
+        return logprobs_T, entropy_T
+
+    def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Also returns the router's own top-k [T, L, K] when routing is replayed (for agreement)."""
+        replay = mb.routed_experts is not None
         out = self.model(
-            mb.input_ids, mb.position_ids, routed_experts=mb.routed_experts, compute_logits=False
-        )
+            mb.input_ids, mb.position_ids, routed_experts=mb.routed_experts, return_routing=replay,
+            compute_logits=False,
+        )  # fmt: skip
         h_TD = out.hidden_states[0]
-        return chunked_logprobs(
+        logprobs_T, entropy_T = chunked_logprobs(
             h_TD, self.model.lm_head.weight, mb.target_ids, mb.temperatures, self.chunk_size
         )
+        return logprobs_T, entropy_T, (out.router_topk[0] if replay else None)
 
     def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, trained_version: int) -> StepResult:
         start = time.perf_counter()
@@ -87,11 +100,13 @@ class StepEngine:
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
         staleness_max = torch.zeros(1, dtype=torch.float64, device=device)
+        mm = MismatchAccumulator(self.model.args.moe_layers, *self.ratio_bounds, device=device)
         if num_loss_tokens > 0:
             for mb in micro_batches:
-                self._accumulate(mb, loss_fn, num_loss_tokens, trained_version, sums, staleness_max)
+                self._accumulate(mb, loss_fn, num_loss_tokens, trained_version, sums, staleness_max, mm)
         all_reduce_(sums, self.info)
         all_reduce_(staleness_max, self.info, op="max")
+        mm.all_reduce(lambda t: all_reduce_(t, self.info), lambda t: all_reduce_(t, self.info, op="max"))
         all_reduce_grads_(self.params, self.info)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True))
         stats = dict(zip(_SUMS, sums.tolist()))
@@ -120,6 +135,7 @@ class StepEngine:
             staleness_max=int(staleness_max[0]),
             mean_context=stats["context"] / max(stats["num_tokens"], 1.0),
             seconds=time.perf_counter() - start,
+            mismatch=mm.metrics(),
         )
 
     def _accumulate(
@@ -130,8 +146,9 @@ class StepEngine:
         trained_version: int,
         sums: torch.Tensor,
         staleness_max: torch.Tensor,
+        mm: MismatchAccumulator,
     ) -> None:
-        logprobs_T, entropy_T = self.forward_micro_batch(mb)
+        logprobs_T, entropy_T, router_topk_TLK = self._forward(mb)
         inputs = LossInputs(
             logprobs=logprobs_T,
             inference_logprobs=mb.inference_logprobs,
@@ -158,3 +175,6 @@ class StepEngine:
             )
             if mask_T.any():
                 staleness_max.copy_(torch.maximum(staleness_max, staleness_T[mask_T].max().reshape(1)))
+            replayed = None if mb.routed_experts is None else mb.routed_experts[0]
+            mm.add(logprobs_T, mb.inference_logprobs, mask_T, mb.policy_versions, trainer_version=trained_version,
+                   replayed_TLK=replayed, router_topk_TLK=router_topk_TLK)  # fmt: skip

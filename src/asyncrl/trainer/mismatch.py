@@ -24,13 +24,14 @@ Shape legend: T tokens, L layers, K top_k.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 __all__ = [
+    "MismatchAccumulator",
     "MismatchGateError",
     "MismatchSums",
     "check_mismatch_gate",
@@ -191,3 +192,78 @@ def check_mismatch_gate(
         raise MismatchGateError(message)
     warnings.warn(message, stacklevel=2)
     return message
+
+
+class MismatchAccumulator:
+    """Per-step mismatch statistics over micro-batches and ranks, as tensors ready to all-reduce.
+
+    acc = MismatchAccumulator(moe_layers=[0, 1], ratio_low=0.5, ratio_high=2.0, device=dev)
+    acc.add(logprobs_T, inference_logprobs_T, mask_T, versions_T, trainer_version=n - 1,
+            replayed_TLK=..., router_topk_TLK=...)          # per micro-batch
+    acc.all_reduce(sum_fn, max_fn); acc.metrics()           # once per step
+
+    Metrics: mismatch_kl_max, mismatch_ratio_outside, mismatch_kl_current / _stale (tokens sampled by
+    the weights being trained versus older ones: engine mismatch versus off-policy drift), and
+    routing_agreement (mean, and per MoE layer) when the batch carried replayed routing.
+    """
+
+    _SUMS = ("current_kl", "current_outside", "current_n", "stale_kl", "stale_outside", "stale_n")
+
+    def __init__(self, moe_layers: Sequence[int], ratio_low: float, ratio_high: float, device) -> None:
+        self.moe_layers, self.ratio_low, self.ratio_high = list(moe_layers), ratio_low, ratio_high
+        self.sums = torch.zeros(len(self._SUMS), dtype=torch.float64, device=device)
+        self.kl_max = torch.zeros(1, dtype=torch.float64, device=device)
+        self.agree_sum_L = torch.zeros(len(self.moe_layers), dtype=torch.float64, device=device)
+        self.agree_n = torch.zeros(1, dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def add(
+        self,
+        logprobs_T: torch.Tensor,
+        inference_logprobs_T: torch.Tensor,
+        mask_T: torch.Tensor,
+        policy_versions_T: torch.Tensor,
+        *,
+        trainer_version: int,
+        replayed_TLK: torch.Tensor | None = None,
+        router_topk_TLK: torch.Tensor | None = None,
+    ) -> None:
+        split = mismatch_by_staleness(
+            logprobs_T, inference_logprobs_T, mask_T, policy_versions_T,
+            trainer_version=trainer_version, ratio_low=self.ratio_low, ratio_high=self.ratio_high,
+        )  # fmt: skip
+        cur, old = split["current"], split["stale"]
+        values = [cur.kl_sum, cur.num_outside, cur.num_tokens, old.kl_sum, old.num_outside, old.num_tokens]
+        self.sums += torch.tensor(values, dtype=torch.float64, device=self.sums.device)
+        self.kl_max.fill_(max(float(self.kl_max), cur.kl_max, old.kl_max))
+        n = int(mask_T.sum())
+        if replayed_TLK is not None and router_topk_TLK is not None and self.moe_layers and n:
+            agree_L = routing_agreement(replayed_TLK, router_topk_TLK, mask_T, self.moe_layers)
+            self.agree_sum_L += agree_L.to(self.agree_sum_L.device) * n
+            self.agree_n += n
+
+    def all_reduce(
+        self, sum_: Callable[[torch.Tensor], object], max_: Callable[[torch.Tensor], object]
+    ) -> None:
+        for t in (self.sums, self.agree_sum_L, self.agree_n):
+            sum_(t)
+        max_(self.kl_max)
+
+    def metrics(self) -> dict[str, float]:
+        s = dict(zip(self._SUMS, self.sums.tolist(), strict=True))
+        n = s["current_n"] + s["stale_n"]
+        out = {
+            "mismatch_kl_max": float(self.kl_max[0]),
+            "mismatch_ratio_outside": (s["current_outside"] + s["stale_outside"]) / max(n, 1.0),
+            "mismatch_kl_current": s["current_kl"] / max(s["current_n"], 1.0),
+            "mismatch_kl_stale": s["stale_kl"] / max(s["stale_n"], 1.0),
+            "mismatch_tokens_stale_fraction": s["stale_n"] / max(n, 1.0),
+        }
+        if float(self.agree_n[0]) > 0:
+            per_layer = (self.agree_sum_L / self.agree_n).tolist()
+            out["routing_agreement"] = sum(per_layer) / len(per_layer)
+            out |= {
+                f"routing_agreement/layer_{layer}": a
+                for layer, a in zip(self.moe_layers, per_layer, strict=True)
+            }
+        return out

@@ -21,6 +21,7 @@ from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.model import ModelArgs
 from asyncrl.trainer.loss import LossInputs, LossResult, rl_loss
+from asyncrl.trainer.mismatch import check_mismatch_gate
 from asyncrl.trainer.packing import pack_samples, shard_samples
 from asyncrl.trainer.session import TrainSession
 from asyncrl.transport import batch_dir, read_batch
@@ -89,6 +90,9 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
             micro_batches = pack_samples(mine, cfg.seq_len, replay=replay)
             result = session.engine.step(micro_batches, loss_fn, trained_version=step - 1)
             records.append(session.end_step(step, result, batch_metrics(batch) | {"wait_s": wait_s}))
+            check_mismatch_gate(
+                result.mismatch_kl, max_kl=cfg.mismatch.max_mismatch_kl, mode=cfg.mismatch.gate, step=step
+            )
     finally:
         session.close()
     return records

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from asyncrl.config.trainer import CommonTrainConfig
 from asyncrl.model import Transformer, from_pretrained
+from asyncrl.model.fp8 import apply_fp8
 from asyncrl.trainer.checkpoint import (
     CheckpointNotFoundError,
     latest_checkpoint_step,
@@ -65,6 +66,8 @@ class TrainSession:
         torch.manual_seed(cfg.seed)
         dtype = _DTYPES[cfg.model.dtype]
         model = from_pretrained(cfg.model.path, dtype=dtype, device=str(info.device))
+        if cfg.fp8.enabled:
+            apply_fp8(model, cfg.fp8.ignore, cfg.fp8.backend)
         model.train()
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
@@ -79,6 +82,7 @@ class TrainSession:
             info,
             max_grad_norm=cfg.optim.max_grad_norm,
             chunk_size=cfg.logits_chunk_size,
+            ratio_bounds=_ratio_bounds(cfg),
         )
         peak = cfg.peak_flops or measure_matmul_peak(info.device, dtype)
         return cls(
@@ -97,6 +101,7 @@ class TrainSession:
         tokens_per_s = result.num_tokens / max(result.seconds, 1e-9)
         flops = flops_per_token(self.model.args, result.mean_context)
         record: dict[str, Any] = {"step": step} | asdict(result)
+        record |= record.pop("mismatch")
         record["tokens_per_s"] = tokens_per_s
         record["mfu"] = flops * tokens_per_s / (self.peak_flops * self.info.world_size)
         record["peak_memory_gb"] = peak_memory_bytes(self.info.device) / 1e9
@@ -133,3 +138,8 @@ class TrainSession:
     def close(self) -> None:
         if self.info.is_distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _ratio_bounds(cfg: CommonTrainConfig) -> tuple[float, float]:
+    mismatch = getattr(cfg, "mismatch", None)  # RL only; SFT has no inference logprobs
+    return (mismatch.ratio_low, mismatch.ratio_high) if mismatch is not None else (0.5, 2.0)

@@ -14,6 +14,8 @@ from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.launcher.init_model import init_model
 from asyncrl.model import from_pretrained
+from asyncrl.model.fp8 import apply_fp8
+from asyncrl.trainer.mismatch import MismatchGateError
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
 from asyncrl.transport import (
@@ -148,3 +150,36 @@ def test_cli_entry_point(model_dir, tmp_path):
     assert main(["trainer", "@", str(toml), "--seq-len", "64", "--peak-flops", "1e11"]) == 0
     assert stable_steps(tmp_path) == [1]
     shutil.rmtree(tmp_path / "weights")
+
+
+def test_mismatch_gate_fails_the_run_and_metrics_are_logged(model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    (batch,) = _batches(model_dir, 1)
+    shifted = [
+        dataclasses.replace(
+            s, inference_logprobs=np.where(s.loss_mask, s.inference_logprobs - 1.0, 0.0).astype(np.float32)
+        )
+        for s in batch.samples
+    ]
+    write_batch(run_dir, RolloutBatch(step=1, samples=shifted))
+    cfg = _cfg(model_dir, run_dir, max_steps=2, mismatch={"max_mismatch_kl": 0.1, "gate": "fail"})
+    with pytest.raises(MismatchGateError, match=r"step 1: mismatch KL 7\.18\de-01 exceeds"):
+        run_rl(cfg)
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["mismatch_kl"] == pytest.approx(np.e - 2, rel=1e-3)  # k3 at log r = 1: e - 1 - 1
+    assert record["routing_agreement"] == pytest.approx(1.0)
+
+
+def test_fp8_training_matches_fp8_inference_logprobs(model_dir, tmp_path):
+    """[fp8] on the trainer: logprobs of a batch sampled by the same FP8 model show no mismatch,
+    while an fp32 trainer on the same batch does see the precision gap."""
+    fp8_model = from_pretrained(model_dir)
+    assert apply_fp8(fp8_model, backend="emulated").converted
+    batch = synthetic_batch(fp8_model, step=1, num_samples=4, prompt_len=8, completion_len=12, seed=7)
+    kl = {}
+    for name, fp8 in (("fp8", {"enabled": True, "backend": "emulated"}), ("fp32", {"enabled": False})):
+        write_batch(tmp_path / name, batch)
+        (record,) = run_rl(_cfg(model_dir, tmp_path / name, max_steps=1, fp8=fp8))
+        kl[name] = record["mismatch_kl"]
+    assert kl["fp8"] < 1e-6
+    assert kl["fp32"] > 100 * max(kl["fp8"], 1e-12)
