@@ -11,7 +11,8 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${OUT:-outputs/reverse_text}"
 PORT="${PORT:-8400}"
-ENV_ARGS="${ENV_ARGS:-{\"min_len\": 3, \"max_len\": 5\}}"
+# Must match [[orchestrator.envs.envs]] args in rl.toml: SFT data, RL tasks and eval share one env.
+ENV_ARGS='{"min_len": 3, "max_len": 5}'
 SFT_ROWS="${SFT_ROWS:-20000}"
 CORRUPT_PROB="${CORRUPT_PROB:-0.3}"
 EVAL_TASKS="${EVAL_TASKS:-128}"
@@ -35,12 +36,12 @@ $ASYNCRL sft-data --env reverse-text --num "$SFT_ROWS" --out "$OUT/data/sft.json
 
 stage "3/6 sft: imperfect demonstrations -> the RL start point"
 $ASYNCRL sft @ "$HERE/sft.toml" --model.path "$OUT/base" --data.path "$OUT/data/sft.jsonl" \
-    --run-dir "$OUT/sft" "$@"
+    --run-dir "$OUT/sft"
 SFT_MODEL="$(last_weights "$OUT/sft")"
 
 evaluate() {  # $1 label, $2 model
     $ASYNCRL eval --model "$2" --label "$1" --env reverse-text --env-args "$ENV_ARGS" \
-        --num "$EVAL_TASKS" --max-tokens "$MAX_TOKENS" --json-out "$OUT/eval.jsonl"
+        --num "$EVAL_TASKS" --max-tokens "$MAX_TOKENS" --temperature 0 1 --json-out "$OUT/eval.jsonl"
 }
 
 stage "4/6 eval of the SFT model ($EVAL_TASKS held-out tasks, greedy)"
@@ -56,12 +57,14 @@ evaluate rl "$RL_MODEL"
 stage "done in $((SECONDS - t0)) s"
 python - "$OUT" <<'PY'
 import json, sys
-rows = {r["label"]: r for r in map(json.loads, open(f"{sys.argv[1]}/eval.jsonl"))}
+rows = {(r["label"], r["temperature"]): r for r in map(json.loads, open(f"{sys.argv[1]}/eval.jsonl"))}
 orch = [r for r in map(json.loads, open(f"{sys.argv[1]}/rl/metrics.jsonl")) if r.get("role") == "orchestrator"]
 k = max(1, len(orch) // 4)
 first = sum(r["reward/mean"] for r in orch[:k]) / k
 last = sum(r["reward/mean"] for r in orch[-k:]) / k
-print(f"eval reward (greedy, held-out): SFT {rows['sft']['reward']:.3f} -> RL {rows['rl']['reward']:.3f} "
-      f"(exact match {rows['sft']['rewards'].get('exact', 0):.3f} -> {rows['rl']['rewards'].get('exact', 0):.3f})")
+for t, name in ((0.0, "greedy"), (1.0, "sampled, temperature 1")):
+    sft, rl = rows[("sft", t)], rows[("rl", t)]
+    print(f"eval reward ({name}, {sft['num_tasks']} held-out tasks): SFT {sft['reward']:.3f} -> RL {rl['reward']:.3f}"
+          f"  (exact match {sft['rewards'].get('exact', 0):.3f} -> {rl['rewards'].get('exact', 0):.3f})")
 print(f"training reward (sampled): first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
 PY
