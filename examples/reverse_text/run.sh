@@ -21,7 +21,7 @@ ASYNCRL="${ASYNCRL:-python -m asyncrl}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 stage() { printf '\n=== [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
-last_weights() { ls -d "$1"/weights/step_* | sort -t_ -k2 -n | tail -1; }
+last_weights() { ls -d "$1"/weights/step_* | sort -V | tail -1; }
 
 t0=$SECONDS
 rm -rf "$OUT/base" "$OUT/data" "$OUT/sft" "$OUT/rl" "$OUT/eval.jsonl"
@@ -44,7 +44,7 @@ evaluate() {  # $1 label, $2 model
         --num "$EVAL_TASKS" --max-tokens "$MAX_TOKENS" --temperature 0 1 --json-out "$OUT/eval.jsonl"
 }
 
-stage "4/6 eval of the SFT model ($EVAL_TASKS held-out tasks, greedy)"
+stage "4/6 eval of the SFT model ($EVAL_TASKS held-out tasks, greedy and at temperature 1)"
 evaluate sft "$SFT_MODEL"
 
 stage "5/6 rl: inference server + orchestrator + trainer, asynchronous"
