@@ -11,9 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from asyncrl.launcher.init_model import init_model
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc"
+)
 
 
 def free_port() -> int:
