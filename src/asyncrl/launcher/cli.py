@@ -19,6 +19,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "trainer": ("asyncrl.trainer.rl:main", "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)"),
     "orchestrator": ("asyncrl.orchestrator.main:main", "rollouts over HTTP -> RUN/rollouts/step_n (asyncio)"),
+    "sft-data": (
+        "asyncrl.launcher.sft_data:main",
+        "write an env's reference answers as SFT JSONL (optionally corrupted)",
+    ),
+    "eval": (
+        "asyncrl.launcher.evaluate:main",
+        "mean reward of a model on an env's eval tasks (in-process engine, no server)",
+    ),
     "sft": ("asyncrl.trainer.sft:main", "supervised fine-tuning on chat / prompt-completion JSONL"),
     "rl": ("asyncrl.launcher.rl:main", "asynchronous RL: inference + orchestrator + trainer, supervised"),
     "plan": ("asyncrl.launcher.plan:main", "per-GPU memory and step time of a trainer layout (FSDP/EP/CP)"),
