@@ -89,27 +89,38 @@ class PackedCausalAttention:
     """Causal attention within each packed sequence of a row, none across sequence boundaries.
 
     Sequence boundaries are read from the position ids: each packed sequence restarts its positions.
-    Rows holding a single sequence take the plain causal path (no mask tensor).
+    A row holding one sequence takes one causal SDPA call. A packed row runs one causal call per
+    sequence, so the cost is the sum of each sequence's length squared rather than the row's (a
+    dense [T, T] block-diagonal mask made SFT on many short sequences 16-20x slower on CPU).
     """
 
     def __init__(self, position_ids_BT: torch.Tensor) -> None:
         segments_BT = segment_ids_from_positions(position_ids_BT)
-        self.mask_B1TT: torch.Tensor | None = None
+        self.bounds: list[list[tuple[int, int]]] | None = None
         if bool((segments_BT[:, -1] > 1).any()):
             T = position_ids_BT.shape[1]
-            causal_TT = torch.ones(T, T, dtype=torch.bool, device=position_ids_BT.device).tril()
-            same_BTT = segments_BT[:, :, None] == segments_BT[:, None, :]
-            self.mask_B1TT = (same_BTT & causal_TT).unsqueeze(1)
+            starts = [
+                torch.nonzero(torch.diff(row, prepend=row[:1] - 1)).flatten().tolist() for row in segments_BT
+            ]
+            self.bounds = [list(zip(st, [*st[1:], T], strict=True)) for st in starts]
 
     def __call__(
         self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
     ) -> torch.Tensor:
         gqa = q_BHTd.shape[1] != k_BGTd.shape[1]
-        if self.mask_B1TT is None:
+        if self.bounds is None:
             return F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BGTd, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(
-            q_BHTd, k_BGTd, v_BGTd, attn_mask=self.mask_B1TT, enable_gqa=gqa
-        )
+        rows = []
+        for b, segments in enumerate(self.bounds):
+            q, k, v = q_BHTd[b : b + 1], k_BGTd[b : b + 1], v_BGTd[b : b + 1]
+            parts = [
+                F.scaled_dot_product_attention(
+                    q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=gqa
+                )
+                for s, e in segments
+            ]
+            rows.append(torch.cat(parts, dim=2))
+        return torch.cat(rows, dim=0)
 
 
 class Attention(nn.Module):
