@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
+from asyncrl.config.parallel import ParallelConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -116,6 +117,7 @@ class CommonTrainConfig(BaseConfig):
     publish: PublishConfig = PublishConfig()
     peak_flops: float | None = Field(None, gt=0)  # per device, for MFU; None = measure a matmul at start
     logits_chunk_size: int = Field(1024, gt=0)  # tokens per LM-head chunk (bounds [chunk, vocab] memory)
+    parallel: ParallelConfig = ParallelConfig()  # FSDP2 / EP / CP degrees under torchrun (docs/scaling.md)
 
 
 class RLTrainerConfig(CommonTrainConfig):
@@ -124,6 +126,15 @@ class RLTrainerConfig(CommonTrainConfig):
     loss: LossConfig = LossConfig()
     router_replay: bool = True  # replay the inference engine's expert choices when a sample carries them
     batch_timeout_s: float = Field(600.0, gt=0)  # how long to wait for rollouts/step_n
+
+    @model_validator(mode="after")
+    def _check_cp_loss(self) -> RLTrainerConfig:
+        if self.parallel.cp > 1 and self.loss.variant == "sequence":
+            raise ValueError(
+                f"loss.variant = 'sequence' needs whole sequences on one rank, but parallel.cp = "
+                f"{self.parallel.cp} splits them; use another variant or parallel.cp = 1"
+            )
+        return self
 
 
 class SFTDataConfig(BaseConfig):

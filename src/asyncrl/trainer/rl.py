@@ -85,7 +85,7 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
             check_batch_fits_model(batch, session.model.args, str(batch_dir(cfg.run_dir, step)))
             if step == session.start_step + 1:
                 _warn_if_replay_is_idle(cfg, session.model.args, batch)
-            mine = shard_samples(batch.samples, session.info.rank, session.info.world_size)
+            mine = shard_samples(batch.samples, session.data_rank, session.data_size)
             micro_batches = pack_samples(mine, cfg.seq_len, replay=replay)
             result = session.engine.step(micro_batches, loss_fn, trained_version=step - 1)
             records.append(session.end_step(step, result, batch_metrics(batch) | {"wait_s": wait_s}))
