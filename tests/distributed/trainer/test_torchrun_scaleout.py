@@ -46,7 +46,7 @@ def _free_port() -> int:
 
 def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int, parallel: str = "") -> Path:
     path.write_text(
-        f'run_dir = "{run_dir}"\nmax_steps = {max_steps}\nseq_len = 64\npeak_flops = 1e11\n'
+        f'run_dir = "{run_dir}"\nmax_steps = {max_steps}\nseq_len = 32\npeak_flops = 1e11\n'
         f'[model]\npath = "{model_dir}"\n[optim]\nlr = 2e-3\n[checkpoint]\ninterval = 2\n'
         f"[parallel]\n{parallel}"
     )
@@ -86,7 +86,7 @@ def test_parallel_layouts_match_one_process_and_resume_at_world_size_one(tmp_pat
     model_dir = tmp_path / "model"
     init_model("tiny-moe", model_dir, seed=0)
     model = from_pretrained(model_dir)
-    # 5 samples of 17-24 tokens in rows of 64: ranks get different micro-batch counts (padding).
+    # 5 samples of 17-24 tokens, one per row of 32: 2 data ranks get 3 and 2 rows (one all-masked pad row).
     batches = [
         synthetic_batch(model, step=s, num_samples=5, prompt_len=8, completion_len=16, seed=s)
         for s in (1, 2, 3)
