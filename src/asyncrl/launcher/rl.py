@@ -30,6 +30,7 @@ import tomli_w
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.rl import ResolvedRL, RLConfig
+from asyncrl.launcher.parallel_check import check_trainer_parallel
 from asyncrl.launcher.supervisor import ChildSpec, Supervisor
 
 __all__ = ["build_children", "main", "write_configs"]
@@ -141,6 +142,10 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(slurm.SlurmRLConfig, argv)  # a [slurm] table is allowed and unused here
         resolved = cfg.resolve()
+        nproc = cfg.deployment.trainer_nproc
+        check_trainer_parallel(
+            resolved.trainer, world_size=nproc, where=f"deployment.trainer_nproc = {nproc}"
+        )
     except ConfigError as e:
         print(f"asyncrl rl: {e}", file=sys.stderr)
         return 2

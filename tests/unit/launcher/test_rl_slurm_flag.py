@@ -1,4 +1,4 @@
-"""`asyncrl rl --slurm --dry-run` writes the sbatch job; `[trainer.parallel]` reaches the trainer's config."""
+"""`asyncrl rl --slurm --dry-run` writes the sbatch job; `[trainer.parallel]` reaches the trainer and is checked."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ activation_checkpointing = true
 [slurm]
 inference_nodes = 1
 trainer_nodes = 2
-gpus_per_node = 4
+gpus_per_node = 2
 servers_per_inference_node = 2
 """
 
@@ -53,7 +53,7 @@ def test_rl_slurm_dry_run_writes_sbatch_and_passes_parallel_to_trainer(tmp_path,
     run = tmp_path / "run"
     script = (run / "slurm.sbatch").read_text()
     assert "#SBATCH --nodes=3" in script
-    assert "--nnodes=2 --nproc-per-node=4" in script
+    assert "--nnodes=2 --nproc-per-node=2" in script
     assert f'-m asyncrl trainer @ "{run}/configs/trainer.toml"' in script
     assert _trainer_parallel(run)["activation_checkpointing"] is True
     assert "wrote" in capsys.readouterr().out
@@ -72,3 +72,35 @@ def test_rl_slurm_config_error_is_reported(tmp_path, capsys):
     cfg.write_text(cfg.read_text().replace("num_inference_servers = 2", "num_inference_servers = 3"))
     assert rl.main(["@", str(cfg), "--slurm", "--dry-run"]) == 2
     assert "num_inference_servers (3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "edit", "message"),
+    [
+        (
+            [],
+            ("trainer_nproc = 4", "trainer_nproc = 6"),
+            "deployment.trainer_nproc = 6: dp_replicate * dp_shard",
+        ),
+        (["--slurm"], ("gpus_per_node = 2", "gpus_per_node = 4"), "= 2 * 4: dp_replicate * dp_shard * cp"),
+    ],
+)
+def test_parallel_dims_that_do_not_fit_the_trainer_world_fail_before_launch(
+    tmp_path, capsys, flags, edit, message
+):
+    cfg = _write(tmp_path)
+    cfg.write_text(cfg.read_text().replace(*edit))
+    assert rl.main(["@", str(cfg), *flags, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "[trainer.parallel]" in err and message in err
+    assert not (tmp_path / "run" / "configs").exists()
+
+
+def test_expert_parallel_is_checked_against_the_model_config(tmp_path, capsys):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 6}')
+    cfg = _write(tmp_path)
+    cfg.write_text(cfg.read_text().replace('"models/m"', f'"{model}"').replace("ep = 2", "ep = 4"))
+    assert rl.main(["@", str(cfg), "--dry-run"]) == 2
+    assert "ep (4) must divide num_experts (6)" in capsys.readouterr().err
