@@ -1,10 +1,11 @@
 """`asyncrl trainer @ rl.toml [--dotted.key value]`: the RL trainer process.
 
     asyncrl trainer @ rl.toml --run-dir outputs/demo --max-steps 100
-    torchrun --nproc-per-node 2 -m asyncrl.trainer.rl @ rl.toml      # data parallel
+    torchrun --nproc-per-node 2 -m asyncrl.trainer.rl @ rl.toml      # FSDP2 over 2 ranks
+    torchrun --nproc-per-node 4 -m asyncrl.trainer.rl @ rl.toml --parallel.ep 2 --parallel.cp 2
 
-Step n reads `RUN/rollouts/step_n/` (waiting up to batch_timeout_s), takes this rank's share of
-the samples, packs them into rows of at most seq_len tokens, runs one optimizer step with the
+Step n reads `RUN/rollouts/step_n/` (waiting up to batch_timeout_s), takes this data rank's share
+of the samples, packs them into rows of at most seq_len tokens, runs one optimizer step with the
 configured off-policy loss (router replay on when samples carry routed experts), publishes
 `RUN/weights/step_n/` and appends a line to `RUN/metrics.jsonl`. `--resume` (or `--resume-step N`) continues
 from the latest checkpoint with the same step numbering.
