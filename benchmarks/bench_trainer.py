@@ -54,12 +54,12 @@ def time_rl_step(engine: StepEngine, mbs: list[MicroBatch], steps: int) -> float
     def loss_fn(inputs, n):
         return rl_loss(inputs, cfg, n)
 
-    engine.step(mbs, loss_fn, policy_step=1)  # warm-up
+    engine.step(mbs, loss_fn, trained_version=1)  # warm-up
     times = []
     for i in range(steps):
         _sync(engine.info.device)
         start = time.perf_counter()
-        engine.step(mbs, loss_fn, policy_step=2 + i)
+        engine.step(mbs, loss_fn, trained_version=2 + i)
         _sync(engine.info.device)
         times.append(time.perf_counter() - start)
     return min(times)  # best of N: the least disturbed by other processes on a shared machine

@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
 from asyncrl.config.mismatch import FP8Config, MismatchConfig
+from asyncrl.config.parallel import ParallelConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -118,6 +119,7 @@ class CommonTrainConfig(BaseConfig):
     peak_flops: float | None = Field(None, gt=0)  # per device, for MFU; None = measure a matmul at start
     logits_chunk_size: int = Field(1024, gt=0)  # tokens per LM-head chunk (bounds [chunk, vocab] memory)
     fp8: FP8Config = FP8Config()  # block-scale FP8 training (match an FP8 inference server)
+    parallel: ParallelConfig = ParallelConfig()  # FSDP2 / EP / CP degrees under torchrun (docs/scaling.md)
 
 
 class RLTrainerConfig(CommonTrainConfig):
@@ -127,6 +129,15 @@ class RLTrainerConfig(CommonTrainConfig):
     router_replay: bool = True  # replay the inference engine's expert choices when a sample carries them
     batch_timeout_s: float = Field(600.0, gt=0)  # how long to wait for rollouts/step_n
     mismatch: MismatchConfig = MismatchConfig()  # per-step mismatch metrics and the max_mismatch_kl gate
+
+    @model_validator(mode="after")
+    def _check_cp_loss(self) -> RLTrainerConfig:
+        if self.parallel.cp > 1 and self.loss.variant == "sequence":
+            raise ValueError(
+                f"loss.variant = 'sequence' needs whole sequences on one rank, but parallel.cp = "
+                f"{self.parallel.cp} splits them; use another variant or parallel.cp = 1"
+            )
+        return self
 
 
 class SFTDataConfig(BaseConfig):

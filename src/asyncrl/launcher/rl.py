@@ -12,6 +12,12 @@ the command line: `--orchestrator.batch_size 32 --trainer.optim.lr 1e-4`.
 
 Other flags:
   --dry-run     resolve and write the configs, print the commands, start nothing
+  --slurm       render RUN/slurm.sbatch from the `[slurm]` table and submit it with sbatch
+                (with --dry-run: only write it); same as `asyncrl slurm`, see asyncrl.launcher.slurm
+
+The trainer's `[trainer.parallel]` table (FSDP2 / EP / CP degrees, docs/scaling.md) is passed
+through to RUN/configs/trainer.toml; set `[deployment] trainer_nproc` (one node) or
+`[slurm] trainer_nodes` x `gpus_per_node` (several nodes) to the world size it expects.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import tomli_w
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.rl import ResolvedRL, RLConfig
+from asyncrl.launcher.parallel_check import check_trainer_parallel
 from asyncrl.launcher.supervisor import ChildSpec, Supervisor
 
 __all__ = ["build_children", "main", "write_configs"]
@@ -125,11 +132,20 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         print(_keys_help())
         return 0
+    # Imported here: asyncrl.launcher.slurm builds on this module's write_configs.
+    from asyncrl.launcher import slurm
+
+    if "--slurm" in argv:
+        return slurm.main([a for a in argv if a != "--slurm"])
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     try:
-        cfg = load_config(RLConfig, argv)
+        cfg = load_config(slurm.SlurmRLConfig, argv)  # a [slurm] table is allowed and unused here
         resolved = cfg.resolve()
+        nproc = cfg.deployment.trainer_nproc
+        check_trainer_parallel(
+            resolved.trainer, world_size=nproc, where=f"deployment.trainer_nproc = {nproc}"
+        )
     except ConfigError as e:
         print(f"asyncrl rl: {e}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ from pydantic import Field
 
 from asyncrl.config import ConfigError, SlurmConfig, load_config
 from asyncrl.config.rl import RLConfig
+from asyncrl.launcher.parallel_check import check_trainer_parallel
 from asyncrl.launcher.rl import write_configs
 
 __all__ = ["SlurmRLConfig", "main", "render_sbatch"]
@@ -146,6 +147,12 @@ def main(argv: list[str]) -> int:
         cfg = load_config(SlurmRLConfig, argv)
         script = render_sbatch(cfg, Path(cfg.run_dir))
         resolved = cfg.resolve()
+        s = cfg.slurm
+        check_trainer_parallel(
+            resolved.trainer,
+            world_size=s.trainer_nodes * s.gpus_per_node,
+            where=f"slurm.trainer_nodes * gpus_per_node = {s.trainer_nodes} * {s.gpus_per_node}",
+        )
     except ConfigError as e:
         print(f"asyncrl slurm: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,11 @@ model (replaying routed experts when present), recompute sampled-token logprobs 
 chunked LM head, compute the loss (already divided by the global count) and backpropagate;
 all-reduce gradients; clip; then either step the optimizer or, if the loss or the gradient norm
 is not finite, drop the gradients and leave the weights untouched.
+
+With a `ParallelState` (FSDP2 / EP / CP under torchrun, see scaleout.py) every rank first pads
+its micro-batch list to the same length, runs its CP chunk of each row with the context-parallel
+attention backend, lets FSDP reduce-scatter the gradients, and clips with
+`asyncrl.distributed.clip_grad_norm_` (dense and expert gradients live on different meshes).
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.model import Transformer
+from asyncrl.distributed import clip_grad_norm_
+from asyncrl.model import AttentionBackend, Transformer
 from asyncrl.trainer.logprobs import chunked_logprobs
 from asyncrl.trainer.loss import LossInputs, LossResult
 from asyncrl.trainer.mismatch import MismatchAccumulator
 from asyncrl.trainer.packing import MicroBatch
 from asyncrl.trainer.parallel import DistInfo, all_reduce_, all_reduce_grads_
+from asyncrl.trainer.scaleout import LocalMicroBatch, ParallelState, equalize_micro_batches, split_for_rank
 
 __all__ = ["LossFn", "StepEngine", "StepResult"]
 
@@ -68,23 +75,33 @@ class StepEngine:
         max_grad_norm: float,
         chunk_size: int,
         ratio_bounds: tuple[float, float] = (0.5, 2.0),
+        parallel: ParallelState | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.info = model, optimizer, scheduler, info
+        self.parallel = parallel
         self.max_grad_norm, self.chunk_size, self.ratio_bounds = max_grad_norm, chunk_size, ratio_bounds
         self.params = [p for p in model.parameters() if p.requires_grad]
 
-    def forward_micro_batch(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_micro_batch(
+        self, mb: MicroBatch, attention: AttentionBackend | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs of the targets under the current weights [T] (with grad) and entropies [T]."""
-        logprobs_T, entropy_T, _ = self._forward(mb)
+        logprobs_T, entropy_T, _ = self._forward(mb, attention)
         return logprobs_T, entropy_T
 
-    def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, mb: MicroBatch, attention: AttentionBackend | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Also returns the router's own top-k [T, L, K] when routing is replayed (for agreement)."""
         replay = mb.routed_experts is not None
         out = self.model(
-            mb.input_ids, mb.position_ids, routed_experts=mb.routed_experts, return_routing=replay,
+            mb.input_ids,
+            mb.position_ids,
+            routed_experts=mb.routed_experts,
+            return_routing=replay,
+            attention=attention,
             compute_logits=False,
-        )  # fmt: skip
+        )
         h_TD = out.hidden_states[0]
         logprobs_T, entropy_T = chunked_logprobs(
             h_TD, self.model.lm_head.weight, mb.target_ids, mb.temperatures, self.chunk_size
@@ -94,21 +111,20 @@ class StepEngine:
     def step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, trained_version: int) -> StepResult:
         start = time.perf_counter()
         device = self.info.device
-        micro_batches = [mb.to(device) for mb in micro_batches]
-        count = torch.tensor([float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))], device=device)
+        local = self._local_micro_batches([mb.to(device) for mb in micro_batches])
+        count = torch.tensor([float(sum(int(lm.mb.loss_mask.sum()) for lm in local))], device=device)
         num_loss_tokens = float(all_reduce_(count, self.info)[0])
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
         staleness_max = torch.zeros(1, dtype=torch.float64, device=device)
         mm = MismatchAccumulator(self.model.args.moe_layers, *self.ratio_bounds, device=device)
         if num_loss_tokens > 0:
-            for mb in micro_batches:
-                self._accumulate(mb, loss_fn, num_loss_tokens, trained_version, sums, staleness_max, mm)
+            for lm in local:
+                self._accumulate(lm, loss_fn, num_loss_tokens, trained_version, sums, staleness_max, mm)
         all_reduce_(sums, self.info)
         all_reduce_(staleness_max, self.info, op="max")
         mm.all_reduce(lambda t: all_reduce_(t, self.info), lambda t: all_reduce_(t, self.info, op="max"))
-        all_reduce_grads_(self.params, self.info)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True))
+        grad_norm = self._reduce_and_clip()
         stats = dict(zip(_SUMS, sums.tolist()))
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = num_loss_tokens == 0 or not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm))
@@ -138,9 +154,30 @@ class StepEngine:
             mismatch=mm.metrics(),
         )
 
+    def _local_micro_batches(self, micro_batches: list[MicroBatch]) -> list[LocalMicroBatch]:
+        if self.parallel is None:
+            return [
+                LocalMicroBatch(
+                    mb=mb,
+                    attention=None,
+                    num_tokens=mb.num_tokens,
+                    context=float((mb.position_ids + 1).sum()),
+                )
+                for mb in micro_batches
+            ]
+        micro_batches = equalize_micro_batches(micro_batches, self.parallel, self.info.device)
+        return [split_for_rank(mb, self.parallel) for mb in micro_batches]
+
+    def _reduce_and_clip(self) -> float:
+        """Sum gradients over ranks (FSDP already did under a ParallelState) and clip; the norm."""
+        if self.parallel is not None:
+            return float(clip_grad_norm_(self.params, self.max_grad_norm))
+        all_reduce_grads_(self.params, self.info)
+        return float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True))
+
     def _accumulate(
         self,
-        mb: MicroBatch,
+        lm: LocalMicroBatch,
         loss_fn: LossFn,
         num_loss_tokens: float,
         trained_version: int,
@@ -148,7 +185,8 @@ class StepEngine:
         staleness_max: torch.Tensor,
         mm: MismatchAccumulator,
     ) -> None:
-        logprobs_T, entropy_T, router_topk_TLK = self._forward(mb)
+        mb = lm.mb
+        logprobs_T, entropy_T, router_topk_TLK = self._forward(mb, lm.attention)
         inputs = LossInputs(
             logprobs=logprobs_T,
             inference_logprobs=mb.inference_logprobs,
@@ -169,8 +207,8 @@ class StepEngine:
                     result.mismatch_kl_sum.double(),
                     entropy_T.double()[mask_T].sum(),
                     staleness_T[mask_T].sum(),
-                    torch.tensor(float(mb.num_tokens), dtype=torch.float64, device=sums.device),
-                    (mb.position_ids + 1).double().sum(),
+                    torch.tensor(float(lm.num_tokens), dtype=torch.float64, device=sums.device),
+                    torch.tensor(lm.context, dtype=torch.float64, device=sums.device),
                 ]
             )
             if mask_T.any():

@@ -3,8 +3,9 @@
 Launched by torchrun, each process reads RANK / WORLD_SIZE / LOCAL_RANK from the environment;
 a plain `python -m` run is world size 1 and never touches torch.distributed. Gradients are
 all-reduced with a sum (not a mean): the loss is already divided by the global count of loss
-tokens, so the sum over ranks is the gradient of the global token mean. FSDP2 / expert / context
-parallelism replace this module's gradient all-reduce later; nothing else assumes world size 1.
+tokens, so the sum over ranks is the gradient of the global token mean. Under torchrun the
+trainer shards the model with FSDP2 / EP / CP (scaleout.py) and FSDP reduces the gradients, so
+`all_reduce_grads_` only runs at world size 1 (where it just fills missing gradients with zeros).
 """
 
 from __future__ import annotations

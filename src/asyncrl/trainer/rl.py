@@ -1,10 +1,11 @@
 """`asyncrl trainer @ rl.toml [--dotted.key value]`: the RL trainer process.
 
     asyncrl trainer @ rl.toml --run-dir outputs/demo --max-steps 100
-    torchrun --nproc-per-node 2 -m asyncrl.trainer.rl @ rl.toml      # data parallel
+    torchrun --nproc-per-node 2 -m asyncrl.trainer.rl @ rl.toml      # FSDP2 over 2 ranks
+    torchrun --nproc-per-node 4 -m asyncrl.trainer.rl @ rl.toml --parallel.ep 2 --parallel.cp 2
 
-Step n reads `RUN/rollouts/step_n/` (waiting up to batch_timeout_s), takes this rank's share of
-the samples, packs them into rows of at most seq_len tokens, runs one optimizer step with the
+Step n reads `RUN/rollouts/step_n/` (waiting up to batch_timeout_s), takes this data rank's share
+of the samples, packs them into rows of at most seq_len tokens, runs one optimizer step with the
 configured off-policy loss (router replay on when samples carry routed experts), publishes
 `RUN/weights/step_n/` and appends a line to `RUN/metrics.jsonl`. `--resume` (or `--resume-step N`) continues
 from the latest checkpoint with the same step numbering.
@@ -86,7 +87,7 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
             check_batch_fits_model(batch, session.model.args, str(batch_dir(cfg.run_dir, step)))
             if step == session.start_step + 1:
                 _warn_if_replay_is_idle(cfg, session.model.args, batch)
-            mine = shard_samples(batch.samples, session.info.rank, session.info.world_size)
+            mine = shard_samples(batch.samples, session.data_rank, session.data_size)
             micro_batches = pack_samples(mine, cfg.seq_len, replay=replay)
             result = session.engine.step(micro_batches, loss_fn, trained_version=step - 1)
             records.append(session.end_step(step, result, batch_metrics(batch) | {"wait_s": wait_s}))

@@ -29,6 +29,7 @@ from asyncrl.trainer.metrics import MetricsLogger, flops_per_token, measure_matm
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.parallel import DistInfo, init_distributed
 from asyncrl.trainer.publish import FilesystemWeightPublisher, WeightPublisher
+from asyncrl.trainer.scaleout import ParallelState, build_parallel_model, resolve_dims
 
 __all__ = ["TrainSession", "resolve_resume_step"]
 
@@ -59,15 +60,35 @@ class TrainSession:
     logger: MetricsLogger
     peak_flops: float  # per device
     start_step: int  # the last completed step (0 for a fresh run)
+    parallel: ParallelState | None = None  # None at world size 1 (a plain model)
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of a batch this rank trains on (CP ranks of one group share theirs)."""
+        return self.parallel.dp_rank if self.parallel is not None else self.info.rank
+
+    @property
+    def data_size(self) -> int:
+        return self.parallel.dims.dp_size if self.parallel is not None else self.info.world_size
 
     @classmethod
     def build(cls, cfg: CommonTrainConfig, publisher: WeightPublisher | None = None) -> TrainSession:
+        dims = resolve_dims(cfg.parallel, cfg.model.path)  # before any process group: fails early
         info = init_distributed(cfg.model.device)
         torch.manual_seed(cfg.seed)
         dtype = _DTYPES[cfg.model.dtype]
-        model = from_pretrained(cfg.model.path, dtype=dtype, device=str(info.device))
-        if cfg.fp8.enabled:
-            apply_fp8(model, cfg.fp8.ignore, cfg.fp8.backend)
+        parallel = None
+        if info.is_distributed:
+            if cfg.fp8.enabled:
+                raise ValueError(
+                    "fp8.enabled with world size > 1 is not supported yet: FP8 modules are not wired "
+                    "into the FSDP2/EP build (train with FP8 on one process)"
+                )
+            model, parallel = build_parallel_model(cfg, dims, info)
+        else:
+            model = from_pretrained(cfg.model.path, dtype=dtype, device=str(info.device))
+            if cfg.fp8.enabled:
+                apply_fp8(model, cfg.fp8.ignore, cfg.fp8.backend)
         model.train()
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
@@ -83,6 +104,7 @@ class TrainSession:
             max_grad_norm=cfg.optim.max_grad_norm,
             chunk_size=cfg.logits_chunk_size,
             ratio_bounds=_ratio_bounds(cfg),
+            parallel=parallel,
         )
         peak = cfg.peak_flops or measure_matmul_peak(info.device, dtype)
         return cls(
@@ -95,6 +117,7 @@ class TrainSession:
             logger=MetricsLogger(cfg.run_dir / "metrics.jsonl", enabled=info.is_main),
             peak_flops=peak,
             start_step=start_step,
+            parallel=parallel,
         )
 
     def step_metrics(self, step: int, result: StepResult) -> dict[str, Any]:
