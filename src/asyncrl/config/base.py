@@ -5,13 +5,15 @@ Every process reads its config the same way::
     asyncrl trainer @ base.toml @ small.toml --optim.lr 3e-4 --max-steps 20
 
 Files are merged left to right (tables merge key by key), then `--dotted.key value` overrides apply.
-Values on the command line are parsed as TOML scalars or arrays (`3e-4`, `true`, `[1, 2]`), and
-fall back to plain strings. Unknown keys are errors that name the key and the nearest valid name.
+Values on the command line are parsed as TOML values (`3e-4`, `true`, `[1, 2]`,
+`[{name = "calculator"}]`), then as JSON (`'[{"name": "calculator"}]'`), and fall back to plain
+strings. Unknown keys are errors that name the key and the nearest valid name.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,10 +48,17 @@ def merge_dicts(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
 
 
 def _parse_value(text: str) -> Any:
+    """TOML scalar/array/inline table first; then JSON (`'[{"name": "x"}]'`); else the plain string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        return text
+        pass
+    if text[:1] in "[{":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"cannot parse {text!r} as a TOML or JSON value: {e}") from None
+    return text
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

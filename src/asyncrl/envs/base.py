@@ -20,7 +20,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from asyncrl.envs.tools import Tool
 
@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 Split = Literal["train", "eval"]
+T = TypeVar("T")
 Message = dict[str, Any]
 
 
@@ -98,6 +99,24 @@ def task_rng(seed: int, env: str, split: Split, index: int) -> random.Random:
 def split_of(key: str) -> Split:
     """The split a task's content belongs to (1 in 8 to eval), so the splits never share a task."""
     return "eval" if hashlib.sha256(key.encode()).digest()[0] % 8 == 0 else "train"
+
+
+def draw_in_split(
+    draw: Callable[[], T], key: Callable[[T], str], split: Split, *, env: str, max_draws: int = 10_000
+) -> T:
+    """Redraw until the content belongs to `split` (rejection keeps the splits disjoint).
+
+    A task space too small to give both splits content (say one letter from 8) would loop forever;
+    after `max_draws` this raises a ValueError that tells the user to widen the env's arguments.
+    """
+    for _ in range(max_draws):
+        value = draw()
+        if split_of(key(value)) == split:
+            return value
+    raise ValueError(
+        f"{env}: no task of the '{split}' split in {max_draws} draws; the task space is too small to "
+        "split into disjoint train and eval sets: widen the environment's arguments"
+    )
 
 
 class Environment(ABC):

@@ -60,12 +60,22 @@ def sft_sample(token_ids: list[int], loss_mask: list[bool]) -> RolloutSample:
     )
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, tools: list[dict] | None = None
+) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+    )
 
 
-def tokenize_chat(tokenizer: Any, messages: list[dict[str, Any]], where: str) -> tuple[list[int], list[bool]]:
-    """Token ids and loss mask for a conversation; the loss covers assistant turns."""
+def tokenize_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], where: str, tools: list[dict] | None = None
+) -> tuple[list[int], list[bool]]:
+    """Token ids and loss mask for a conversation; the loss covers assistant turns.
+
+    `tools` (JSON schemas) are rendered by the chat template as in RL prompts, so an SFT'd tool
+    environment sees the same tool block it will see during rollouts.
+    """
     if not isinstance(messages, list) or not messages:
         raise SFTDataError(f"{where}: field 'messages' must be a non-empty list")
     if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
@@ -87,9 +97,9 @@ def tokenize_chat(tokenizer: Any, messages: list[dict[str, Any]], where: str) ->
         if not isinstance(m, dict) or "role" not in m:
             raise SFTDataError(f"{where}: messages[{i}] needs a 'role'")
         if m["role"] == "assistant":
-            extend(_render(tokenizer, messages[:i], True) if i else _render(tokenizer, [], True), False)
-            extend(_render(tokenizer, messages[: i + 1], False), True)
-    extend(_render(tokenizer, messages, False), False)
+            extend(_render(tokenizer, messages[:i], True, tools), False)
+            extend(_render(tokenizer, messages[: i + 1], False, tools), True)
+    extend(_render(tokenizer, messages, False, tools), False)
     return ids, mask
 
 
@@ -110,7 +120,10 @@ def _tokenize_row(tokenizer: Any, row: Any, where: str) -> tuple[list[int], list
     if not isinstance(row, dict):
         raise SFTDataError(f"{where}: each line must be a JSON object")
     if "messages" in row:
-        return tokenize_chat(tokenizer, row["messages"], where)
+        tools = row.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise SFTDataError(f"{where}: field 'tools' must be a list of JSON schemas")
+        return tokenize_chat(tokenizer, row["messages"], where, tools)
     if "prompt" in row and "completion" in row:
         return tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"], where)
     raise SFTDataError(

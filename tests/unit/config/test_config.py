@@ -47,3 +47,23 @@ def test_bad_values_and_files(tmp_path):
         load_config(Demo, ["@", str(tmp_path / "bad.toml")])
     with pytest.raises(ConfigError, match="unexpected argument 'stray'"):
         load_config(Demo, ["stray"])
+
+
+class Env(BaseConfig):
+    name: str
+    weight: float = 1.0
+
+
+class WithList(BaseConfig):
+    envs: list[Env] = []
+
+
+def test_lists_of_tables_from_the_command_line():
+    toml_style = load_config(WithList, ["--envs", '[{name = "calculator", weight = 2.0}]'])
+    json_style = load_config(
+        WithList, ["--envs", '[{"name": "calculator", "weight": 2.0}, {"name": "sort-words"}]']
+    )
+    assert toml_style.envs == [Env(name="calculator", weight=2.0)]
+    assert [e.name for e in json_style.envs] == ["calculator", "sort-words"]
+    with pytest.raises(ConfigError, match="cannot parse .* as a TOML or JSON value"):
+        load_config(WithList, ["--envs", "[{broken"])

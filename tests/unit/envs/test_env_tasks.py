@@ -52,3 +52,13 @@ def test_reference_examples(name):
 
 def test_builtins_are_registered():
     assert set(BUILTINS) <= set(available_envs())
+
+
+def test_a_task_space_too_small_for_both_splits_is_a_clear_error():
+    env = build_env("reverse-text", {"min_len": 1, "max_len": 1, "alphabet": "ab"}, seed=0)
+    splits = {env.task("train", 0).answer, env.task("train", 1).answer}
+    assert splits <= {"a", "b"}
+    with pytest.raises(
+        ValueError, match=r"reverse-text \(min_len=1, max_len=1, alphabet='ab'\): no task of the 'eval' split"
+    ):
+        env.task("eval", 0)

@@ -66,3 +66,17 @@ def test_batches_depend_only_on_the_step_and_cover_each_epoch(tokenizer, tmp_pat
     ]
     assert len(set(first_epoch)) == 5
     assert [tuple(s.token_ids) for s in again.batch(7)] == [tuple(s.token_ids) for s in src.batch(7)]
+
+
+def test_rows_with_tools_render_the_tool_block_like_rl_prompts():
+    from asyncrl.model.tokenizer import build_byte_tokenizer
+    from asyncrl.trainer.sft_data import tokenize_chat
+
+    tok = build_byte_tokenizer()
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {}}}]
+    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    ids, mask = tokenize_chat(tok, msgs, "row 1", tools)
+    prompt = tok.apply_chat_template(msgs[:1], tools=tools, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(ids).startswith(prompt) and '"name": "calc"' in prompt
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert trained == "4<|im_end|>\n"  # the template ends an assistant turn with a newline

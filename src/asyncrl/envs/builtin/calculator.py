@@ -11,7 +11,7 @@ import json
 import operator
 from collections.abc import Callable
 
-from asyncrl.envs.base import Environment, EpisodeState, Reward, Rubric, Split, Task, split_of, task_rng
+from asyncrl.envs.base import Environment, EpisodeState, Reward, Rubric, Split, Task, draw_in_split, task_rng
 from asyncrl.envs.builtin.scoring import last_number
 from asyncrl.envs.tools import Tool, ToolError
 
@@ -95,14 +95,16 @@ class CalculatorEnv(Environment):
 
     def task(self, split: Split, index: int) -> Task:
         rng = task_rng(self.seed, self.name, split, index)
-        while True:
+
+        def draw() -> str:
             nums = [rng.randint(2, self.max_operand) for _ in range(self.num_operands)]
             ops = [rng.choice("+-*") for _ in range(self.num_operands - 1)]
             expr = str(nums[0]) + "".join(f" {op} {n}" for op, n in zip(ops, nums[1:]))
             if rng.random() < 0.5:
                 expr = f"({expr.rsplit(' ', 2)[0]}) {expr.rsplit(' ', 2)[1]} {nums[-1]}"
-            if split_of(f"{self.name}/{expr}") == split:
-                break
+            return expr
+
+        expr = draw_in_split(draw, lambda e: f"{self.name}/{e}", split, env=self.name)
         question = f"What is {expr}? You may use the calc tool. Answer with just the number."
         return Task(
             id=f"{self.name}/{split}/{index}",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import string
 
-from asyncrl.envs.base import Environment, EpisodeState, Reward, Rubric, Split, Task, split_of, task_rng
+from asyncrl.envs.base import Environment, EpisodeState, Reward, Rubric, Split, Task, draw_in_split, task_rng
 from asyncrl.envs.builtin.scoring import lcs_ratio
 
 __all__ = ["ReverseTextEnv"]
@@ -39,10 +39,14 @@ class ReverseTextEnv(Environment):
 
     def task(self, split: Split, index: int) -> Task:
         rng = task_rng(self.seed, self.name, split, index)
-        while True:  # rejection keeps the splits disjoint: a string belongs to exactly one split
-            text = "".join(rng.choice(self.alphabet) for _ in range(rng.randint(self.min_len, self.max_len)))
-            if split_of(f"{self.name}/{text}") == split:
-                break
+        text = draw_in_split(
+            lambda: "".join(
+                rng.choice(self.alphabet) for _ in range(rng.randint(self.min_len, self.max_len))
+            ),
+            lambda t: f"{self.name}/{t}",
+            split,
+            env=f"{self.name} (min_len={self.min_len}, max_len={self.max_len}, alphabet={self.alphabet!r})",
+        )
         prompt = [{"role": "user", "content": f"reverse: {text}"}]
         return Task(id=f"{self.name}/{split}/{index}", prompt=prompt, answer=text[::-1])
 

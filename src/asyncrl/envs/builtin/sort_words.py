@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.envs.base import Environment, EpisodeState, Reward, Rubric, Split, Task, split_of, task_rng
+from asyncrl.envs.base import Environment, EpisodeState, Reward, Rubric, Split, Task, draw_in_split, task_rng
 from asyncrl.envs.builtin.scoring import lcs_ratio
 
 __all__ = ["WORDS", "SortWordsEnv"]
@@ -80,10 +80,12 @@ class SortWordsEnv(Environment):
 
     def task(self, split: Split, index: int) -> Task:
         rng = task_rng(self.seed, self.name, split, index)
-        while True:
-            words = rng.sample(WORDS, rng.randint(self.min_words, self.max_words))
-            if split_of(f"{self.name}/{' '.join(sorted(words))}") == split:
-                break
+        words = draw_in_split(
+            lambda: rng.sample(WORDS, rng.randint(self.min_words, self.max_words)),
+            lambda w: f"{self.name}/{' '.join(sorted(w))}",
+            split,
+            env=self.name,
+        )
         prompt = [{"role": "user", "content": f"sort: {' '.join(words)}"}]
         return Task(id=f"{self.name}/{split}/{index}", prompt=prompt, answer=sorted(words))
 

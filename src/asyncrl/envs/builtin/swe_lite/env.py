@@ -12,7 +12,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from asyncrl.envs.base import Environment, EpisodeState, Reward, Rubric, Split, Task, split_of, task_rng
+from asyncrl.envs.base import Environment, EpisodeState, Reward, Rubric, Split, Task, draw_in_split, task_rng
 from asyncrl.envs.builtin.swe_lite.templates import TEMPLATES, RenderedRepo
 from asyncrl.envs.sandbox import Sandbox, SandboxLimits
 from asyncrl.envs.tools import Tool, ToolError
@@ -69,11 +69,14 @@ class SweLiteEnv(Environment):
 
     def task(self, split: Split, index: int) -> Task:
         rng = task_rng(self.seed, self.name, split, index)
-        while True:
+
+        def draw() -> tuple[int, str, str]:
             t = rng.randrange(len(TEMPLATES))
-            fn, module = rng.choice(TEMPLATES[t].names), rng.choice(TEMPLATES[t].modules)
-            if split_of(f"{self.name}/{t}/{fn}/{module}") == split:
-                break
+            return t, rng.choice(TEMPLATES[t].names), rng.choice(TEMPLATES[t].modules)
+
+        t, fn, module = draw_in_split(
+            draw, lambda x: f"{self.name}/{x[0]}/{x[1]}/{x[2]}", split, env=self.name
+        )
         content = (
             f"The tests in test_{module}.py fail. Find and fix the bug in {module}.py using the tools. "
             "When the tests pass, reply with a short summary and no tool call."
