@@ -111,10 +111,16 @@ def test_demo_reward_rises_with_small_mismatch_and_in_flight_updates(tmp_path):
     first, last = float(np.mean(rewards[:6])), float(np.mean(rewards[-6:]))
     assert last > first + 0.03, f"reward did not rise: {[round(x, 3) for x in rewards]}"
 
-    # The samples are up to two versions old (max_off_policy_steps = 1), so the KL between the
-    # trainer's logprobs and the sampling ones includes one or two optimizer steps of drift.
+    # Tokens sampled by the weights being trained (v_{n-1}) measure the engine mismatch alone: an fp32
+    # engine and trainer agree, up to completions that span a weight update (their later tokens attend
+    # over KV computed by the older weights).
+    current = [r["mismatch_kl_current"] for r in trainer]
+    print("mismatch_kl_current", current)
+    print("mismatch_kl", [r["mismatch_kl"] for r in trainer])
+    assert max(current) < 1e-3, current
+    # Older tokens (max_off_policy_steps = 1) add an optimizer step of drift: bounded, not zero.
     kl = [r["mismatch_kl"] for r in trainer]
-    assert float(np.mean(kl)) < 0.02 and max(kl) < 0.1, kl
+    assert float(np.mean(kl)) < 0.1 and max(kl) < 0.5, kl
 
     versions = set()
     for step in range(1, RL_STEPS + 1):

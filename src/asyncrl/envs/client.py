@@ -67,9 +67,9 @@ class HttpInferenceClient:
         return_routed_experts: bool = False,
         routed_experts_start: int = 0,
     ) -> GenerateResponse:
-        request = GenerateRequest(
-            **sampling.model_dump(),
-            prompt_token_ids=prompt_token_ids,
+        request = GenerateRequest.build(
+            prompt_token_ids,
+            sampling,
             cache_salt=cache_salt,
             return_routed_experts=return_routed_experts,
             routed_experts_start=routed_experts_start,

@@ -39,6 +39,11 @@ class GenerateRequest(SamplingParams):
         0, ge=0, description="skip routing for the first N (already known) tokens"
     )
 
+    @classmethod
+    def build(cls, prompt_token_ids: list[int], sampling: SamplingParams, **fields) -> GenerateRequest:
+        """The request of an `InferenceClient.generate` call: its sampling params plus the rest."""
+        return cls(**sampling.model_dump(), prompt_token_ids=prompt_token_ids, **fields)
+
 
 class RoutedExperts(_Message):
     """Expert ids per token, [tokens, layers, top_k], as base64 of the raw little-endian array."""
