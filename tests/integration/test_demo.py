@@ -115,12 +115,10 @@ def test_demo_reward_rises_with_small_mismatch_and_in_flight_updates(tmp_path):
     # engine and trainer agree, up to completions that span a weight update (their later tokens attend
     # over KV computed by the older weights).
     current = [r["mismatch_kl_current"] for r in trainer]
-    print("mismatch_kl_current", current)
-    print("mismatch_kl", [r["mismatch_kl"] for r in trainer])
-    assert max(current) < 1e-3, current
+    assert max(current) < 5e-3, current  # seen: <= 6e-4 (0 where a batch holds no v_{n-1} token)
     # Older tokens (max_off_policy_steps = 1) add an optimizer step of drift: bounded, not zero.
     kl = [r["mismatch_kl"] for r in trainer]
-    assert float(np.mean(kl)) < 0.1 and max(kl) < 0.5, kl
+    assert float(np.mean(kl)) < 0.1 and max(kl) < 0.5, kl  # seen: means 0.009-0.033, max 0.065
 
     versions = set()
     for step in range(1, RL_STEPS + 1):
