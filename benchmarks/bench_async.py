@@ -21,10 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from report import write_section
 
-from bench_model import _write_section  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _free_port() -> int:
@@ -131,7 +130,7 @@ def main() -> None:
             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs. Command: "
             f"`python benchmarks/bench_async.py --steps {a.steps} --median-s {a.median_s} --sigma {a.sigma}`\n\n"
         )
-        _write_section(ROOT / "BENCHMARKS.md", "## Async vs sync", header + table + "\n")
+        write_section("## Async vs sync", header + table + "\n")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from asyncrl.distributed import ContextParallelAttention, ParallelDims, apply_parallelism, split_for_cp
 from asyncrl.model import Transformer, preset_args
+from report import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {
@@ -122,21 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{os.getloadavg()[0]:.1f} at the end: expect run-to-run swings of 2x), torch {torch.__version__}.\n"
             f"Command: `python benchmarks/bench_distributed.py --steps {ns.steps} --tokens {ns.tokens}`\n\n"
         )
-        _write_section(ROOT / "BENCHMARKS.md", "## Distributed", header + table + "\n")
+        write_section("## Distributed", f"## Distributed\n\n{header}{table}\n")
     return 0
-
-
-def _write_section(path: Path, title: str, body: str) -> None:
-    """Replace (or append) the section starting with `title` up to the next '## ' heading."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find(title + "\n")
-    section = f"{title}\n\n{body}"
-    if start < 0:
-        path.write_text(text.rstrip("\n") + "\n\n" + section)
-        return
-    end = text.find("\n## ", start + len(title))
-    rest = "" if end < 0 else text[end:]
-    path.write_text(text[:start] + section.rstrip("\n") + "\n" + rest)
 
 
 if __name__ == "__main__":

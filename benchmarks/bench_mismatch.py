@@ -43,6 +43,7 @@ from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.packing import pack_samples
 from asyncrl.trainer.parallel import DistInfo
 from asyncrl.wire import RolloutSample
+from report import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ("tiny-moe", "moe-50m")
@@ -282,7 +283,7 @@ def main() -> None:
                 + f"Command: `python benchmarks/bench_mismatch.py --prompts {a.prompts} --max-tokens {a.max_tokens}`\n\n"
             )  # fmt: skip
             if not a.no_write:
-                _write_section(ROOT / "BENCHMARKS.md", "## Mismatch", header + table + "\n")
+                write_section("## Mismatch", header + table + "\n")
         if a.rl_steps:
             model_dir = build_model_dir("tiny-moe", Path(tmp) / "rl", a.seed)
             kw = dict(steps=a.rl_steps, num_prompts=4, group=4, max_tokens=24, lr=a.rl_lr, seed=a.seed)
@@ -295,21 +296,7 @@ def main() -> None:
                 + machine + f"Command: `python benchmarks/bench_mismatch.py --presets --rl-steps {a.rl_steps}`\n\n"
             )  # fmt: skip
             if not a.no_write:
-                _write_section(
-                    ROOT / "BENCHMARKS.md", "## Mismatch: short RL run, R3 off vs on", header + table + "\n"
-                )
-
-
-def _write_section(path: Path, title: str, body: str) -> None:
-    """Replace (or append) the section starting with `title` up to the next '## ' heading."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find(title + "\n")
-    if start < 0:
-        text = text.rstrip() + "\n\n" + body
-    else:
-        end = text.find("\n## ", start + len(title))
-        text = text[:start] + body + (text[end + 1 :] if end >= 0 else "")
-    path.write_text(text)
+                write_section("## Mismatch: short RL run, R3 off vs on", header + table + "\n")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from asyncrl.model import Transformer, preset_args, to_hf_state_dict
 from asyncrl.model.moe import MoE
+from report import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,23 +131,7 @@ def main() -> None:
         f"Machine: {platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}.\n"
         f"Command: `python benchmarks/bench_model.py --steps {a.steps}`\n\n"
     )
-    _write_section(ROOT / "BENCHMARKS.md", "## Model", header + table + "\n")
-
-
-def _write_section(path: Path, title: str, body: str) -> None:
-    """Replace (or append) the section starting with `title` up to the next '## ' heading."""
-    text = (
-        path.read_text()
-        if path.exists()
-        else "# Benchmarks\n\nNumbers from this repository's benchmark scripts.\n"
-    )
-    start = text.find(title + "\n")
-    if start < 0:
-        text = text.rstrip() + "\n\n" + body
-    else:
-        end = text.find("\n## ", start + len(title))
-        text = text[:start] + body + (text[end + 1 :] if end >= 0 else "")
-    path.write_text(text)
+    write_section("## Model", header + table + "\n")
 
 
 if __name__ == "__main__":

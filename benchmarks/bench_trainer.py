@@ -31,6 +31,7 @@ from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.packing import MicroBatch, pack_samples
 from asyncrl.trainer.parallel import DistInfo
 from asyncrl.trainer.synthetic import synthetic_batch
+from report import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,17 +155,6 @@ def render(rows: list[dict[str, float | str]], args: argparse.Namespace, peak: f
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path) -> None:
-    old = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = old.find("## Trainer")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = old.find("\n## ", start + 1)
-        new = old[:start] + text + (old[end + 1 :] if end >= 0 else "")
-    path.write_text(new)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["tiny-moe", "moe-50m"])
@@ -182,7 +172,7 @@ def main() -> None:
     text = render(rows, args, peak)
     print(text)
     if args.write:
-        write_section(text, ROOT / "BENCHMARKS.md")
+        write_section("## Trainer", text)
 
 
 if __name__ == "__main__":
