@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from asyncrl.wire import GenerateRequest, GenerateResponse, SamplingParams
 
-__all__ = ["HttpInferenceClient", "InferenceClient", "InferenceError"]
+__all__ = ["HttpInferenceClient", "InferenceClient", "InferenceError", "parse_generate_response"]
 
 
 class InferenceError(RuntimeError):
@@ -82,14 +82,7 @@ class HttpInferenceClient:
             raise InferenceError(
                 f"POST {self.base_url}/v1/generate -> {response.status_code}: {response.text[:500]}"
             )
-        try:
-            out = GenerateResponse.model_validate_json(response.content)
-        except ValidationError as e:
-            raise InferenceError(
-                f"POST {self.base_url}/v1/generate: response breaks the contract: {e}"
-            ) from None
-        _check_lengths(out)
-        return out
+        return parse_generate_response(response.content, f"POST {self.base_url}/v1/generate")
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -99,6 +92,16 @@ class HttpInferenceClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def parse_generate_response(content: bytes, where: str) -> GenerateResponse:
+    """Decode a 200 answer of /v1/generate, checking the schema and the per-token list lengths."""
+    try:
+        out = GenerateResponse.model_validate_json(content)
+    except ValidationError as e:
+        raise InferenceError(f"{where}: response breaks the contract: {e}") from None
+    _check_lengths(out)
+    return out
 
 
 def _check_lengths(out: GenerateResponse) -> None:

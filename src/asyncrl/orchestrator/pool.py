@@ -20,9 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
-from pydantic import ValidationError
 
-from asyncrl.envs.client import InferenceError
+from asyncrl.envs.client import InferenceError, parse_generate_response
 from asyncrl.wire import GenerateRequest, GenerateResponse, SamplingParams
 
 __all__ = ["NoHealthyServer", "ServerPool", "ServerUnavailable", "SessionClient"]
@@ -128,10 +127,7 @@ class ServerPool:
             )
         if response.status_code != 200:
             raise InferenceError(f"{server.url}/v1/generate -> {response.status_code}: {response.text[:300]}")
-        try:
-            out = GenerateResponse.model_validate_json(response.content)
-        except ValidationError as e:
-            raise InferenceError(f"{server.url}/v1/generate: response breaks the contract: {e}") from None
+        out = parse_generate_response(response.content, f"{server.url}/v1/generate")
         self.stats.requests += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.stats.cached_tokens += out.num_cached_tokens
