@@ -14,6 +14,10 @@ Example (TOML)::
     name = "calculator"
     max_turns = 4
     latency = { median_s = 0.5, sigma = 1.5 }   # heavy-tailed (lognormal) delay on every env step
+
+    [[envs.envs]]
+    name = "swe-lite"                # runs model-written code in the bubblewrap sandbox
+    args = { wall_s = 20.0, allow_weak_isolation = false }   # true: accept the guard alone where bwrap cannot run
 """
 
 from __future__ import annotations
