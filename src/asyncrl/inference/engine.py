@@ -35,7 +35,7 @@ from asyncrl.inference.request import (
 from asyncrl.inference.sampler import sample
 from asyncrl.inference.scheduler import ScheduledSeq, Scheduler
 from asyncrl.inference.stopping import check_stop
-from asyncrl.model import Transformer, from_pretrained
+from asyncrl.model import Transformer, from_pretrained, torch_dtype
 from asyncrl.model.fp8 import apply_fp8
 from asyncrl.model.hf import load_into, load_state_dict
 
@@ -95,7 +95,7 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: InferenceConfig, **kwargs) -> Engine:
-        dtype = getattr(torch, config.dtype)
+        dtype = torch_dtype(config.dtype)
         model = from_pretrained(config.model, dtype=dtype, device=str(resolve_device(config.device)))
         if config.fp8.enabled:
             report = apply_fp8(model, config.fp8.ignore, config.fp8.backend)

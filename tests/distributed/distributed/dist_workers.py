@@ -26,9 +26,9 @@ from asyncrl.distributed import (
     gather_from_cp,
     gather_to_rank0,
     iter_hf_tensors,
+    load_dcp,
     load_full_state_dict,
-    load_model_dcp,
-    save_model_dcp,
+    save_dcp,
     split_for_cp,
 )
 from asyncrl.model import Transformer
@@ -267,7 +267,7 @@ def worker_dcp_save(rank: int, world_size: int, path: str) -> None:
     load_full_state_dict(model, make_model().state_dict() if rank == 0 else None)  # HF-style weights
     opt = make_optimizer(model)
     parallel_train_step(model, opt, dims, meshes, rank)
-    save_model_dcp(model, path, opt)
+    save_dcp(path, model, opt)
 
 
 def worker_dcp_resume(rank: int, world_size: int, path: str) -> None:
@@ -280,7 +280,7 @@ def worker_dcp_resume(rank: int, world_size: int, path: str) -> None:
     model.to_empty(device="cpu")
     model.tie_weights()
     opt = make_optimizer(model)
-    load_model_dcp(model, path, opt)
+    load_dcp(path, model, opt)
     parallel_train_step(model, opt, dims, meshes, rank)
     ref = reference_two_steps()
     ref_params = dict(ref.named_parameters())
