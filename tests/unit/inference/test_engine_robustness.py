@@ -60,7 +60,9 @@ def test_a_request_the_sampler_cannot_compute_fails_alone(make_engine, temperatu
     for rid, prompt in PROMPTS.items():
         engine.add_request(rid, prompt, GREEDY)
     engine.add_request("bad", [5, 6, 7], SamplingOptions(max_tokens=6))
-    engine.requests["bad"].options = dataclasses.replace(engine.requests["bad"].options, temperature=temperature)
+    engine.requests["bad"].options = dataclasses.replace(
+        engine.requests["bad"].options, temperature=temperature
+    )
     got = drain(engine)
     assert got["bad"].final.error is not None and got["bad"].final.finish_reason == "abort"
     assert engine.stats()["failed_requests"] == 1 and engine.stats()["kv_blocks_used"] == 0
@@ -119,7 +121,9 @@ def _corrupt(kind: str, model_dir) -> str:
         (model_dir / "model.safetensors.index.json").write_text("{not json")
         return "index.json"
     if kind == "index_escapes":
-        (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../x.safetensors"}}))
+        (model_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"a": "../x.safetensors"}})
+        )
         return "inside"
     raise AssertionError(kind)
 
