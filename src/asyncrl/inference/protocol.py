@@ -7,10 +7,10 @@ Unknown fields are rejected with an error naming them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from asyncrl.inference.request import MAX_SEED, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingOptions
 from asyncrl.wire import SamplingParams
@@ -30,7 +30,7 @@ class _OpenAIRequest(ValidUnicode):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED - 64)  # choice i of n samples with seed + i
     n: int = Field(1, ge=1, le=64)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS, description="a string or a list")
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
@@ -42,6 +42,11 @@ class _OpenAIRequest(ValidUnicode):
     cache_salt: str | None = None
     return_token_ids: bool = False
     return_routed_experts: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
 
 class CompletionRequest(_OpenAIRequest):

@@ -8,13 +8,13 @@ import json
 
 import pytest
 import torch
+from inference_helpers import drain
 
 from asyncrl.inference import InvalidRequestError, SamplingOptions
 from asyncrl.inference.async_engine import AsyncEngine
 from asyncrl.inference.request import RequestFailedError
 from asyncrl.model import ModelConfigError
 from asyncrl.model.hf import load_into, save_pretrained
-from inference_helpers import drain
 
 PROMPTS = {"a": [1, 2, 3, 4, 5], "b": [9, 8, 7], "c": [20, 21, 22, 23]}
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=6, ignore_eos=True)
