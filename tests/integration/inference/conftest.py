@@ -71,3 +71,14 @@ def server(tmp_path_factory):
     init_model("tiny-moe", model_dir, seed=0)
     with live_server(model_dir) as live:
         yield live
+
+
+@pytest.fixture(scope="module")
+def hardened(tmp_path_factory):
+    """A server with weight roots (`.roots`) and a 64 KiB body limit."""
+    model_dir = tmp_path_factory.mktemp("tiny-moe")
+    init_model("tiny-moe", model_dir, seed=0)
+    roots = tmp_path_factory.mktemp("weights")
+    with live_server(model_dir, update_weights_roots=[str(roots)], max_request_bytes=64 * 1024) as live:
+        live.roots = roots
+        yield live

@@ -10,20 +10,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model.hf import from_pretrained, save_pretrained
-from conftest import API_KEY, live_server
-
-
-@pytest.fixture(scope="module")
-def hardened(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("tiny-moe")
-    init_model("tiny-moe", model_dir, seed=0)
-    roots = tmp_path_factory.mktemp("weights")
-    with live_server(model_dir, update_weights_roots=[str(roots)], max_request_bytes=64 * 1024) as live:
-        live.roots = roots
-        yield live
-
 
 S = "\ud800"  # a lone surrogate: valid JSON ("\\ud800"), not valid Unicode
 BAD = [
@@ -109,9 +96,10 @@ def test_malformed_input_is_a_4xx_naming_the_field_and_keeps_the_connection(
 
 def test_bearer_scheme_is_case_insensitive(hardened):
     for scheme in ("Bearer", "bearer", "BEARER"):
-        r = httpx.get(f"{hardened.url}/weights", headers={"Authorization": f"{scheme} {API_KEY}"})
+        r = httpx.get(f"{hardened.url}/weights", headers={"Authorization": f"{scheme} {hardened.api_key}"})
         assert r.status_code == 200, scheme
-    for header in (f"Basic {API_KEY}", API_KEY, f"Bearer {API_KEY}x", "Bearer"):
+    key = hardened.api_key
+    for header in (f"Basic {key}", key, f"Bearer {key}x", "Bearer"):
         assert httpx.get(f"{hardened.url}/weights", headers={"Authorization": header}).status_code == 401
 
 
@@ -158,7 +146,7 @@ def test_good_requests_are_unaffected_by_bad_ones_beside_them(hardened):
     bad = [_body(hardened, {"path": p, **b}) | {"_path": p} for p, b, *_ in BAD[:-6]] * 2
 
     async def run(with_bad: bool) -> list[list[int]]:
-        headers = {"Authorization": f"Bearer {API_KEY}"}
+        headers = {"Authorization": f"Bearer {hardened.api_key}"}
         async with httpx.AsyncClient(base_url=hardened.url, headers=headers, timeout=120) as c:
 
             async def one_good(prompt: list[int]) -> list[int]:
