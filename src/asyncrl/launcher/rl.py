@@ -43,14 +43,14 @@ def _dump(model) -> dict:
 def write_configs(cfg: RLConfig, resolved: ResolvedRL) -> dict[str, Path]:
     configs = Path(cfg.run_dir) / "configs"
     configs.mkdir(parents=True, exist_ok=True)
-    files = {"rl": configs / "rl.toml"}
-    files["rl"].write_text(tomli_w.dumps(_dump(cfg)))
-    for i, inf in enumerate(resolved.inference):
-        files[f"inference-{i}"] = configs / f"inference-{i}.toml"
-        files[f"inference-{i}"].write_text(tomli_w.dumps(_dump(inf)))
-    for name in ("orchestrator", "trainer"):
+    models = {"rl": cfg} | {f"inference-{i}": inf for i, inf in enumerate(resolved.inference)}
+    models |= {name: getattr(resolved, name) for name in ("orchestrator", "trainer")}
+    files = {}
+    for name, model in models.items():
         files[name] = configs / f"{name}.toml"
-        files[name].write_text(tomli_w.dumps(_dump(getattr(resolved, name))))
+        files[name].touch(mode=0o600)  # they may hold the run's API key: owner only
+        files[name].chmod(0o600)
+        files[name].write_text(tomli_w.dumps(_dump(model)))
     return files
 
 
@@ -140,7 +140,8 @@ def main(argv: list[str]) -> int:
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     try:
-        cfg = load_config(slurm.SlurmRLConfig, argv)  # a [slurm] table is allowed and unused here
+        # a [slurm] table is allowed and unused here; servers off loopback get a per-run API key
+        cfg = load_config(slurm.SlurmRLConfig, argv).with_run_api_key(exposed=False)
         resolved = cfg.resolve()
         nproc = cfg.deployment.trainer_nproc
         check_trainer_parallel(

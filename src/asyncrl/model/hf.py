@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from asyncrl.model.args import ModelArgs, ModelConfigError
@@ -29,9 +29,11 @@ from asyncrl.model.transformer import Transformer
 
 __all__ = [
     "HFCheckpointWriter",
+    "check_state_dict",
     "from_pretrained",
     "is_hf_tensor",
     "load_args",
+    "load_into",
     "load_state_dict",
     "save_pretrained",
     "to_hf_state_dict",
@@ -64,10 +66,22 @@ def load_args(path: str | os.PathLike) -> ModelArgs:
 
 
 def _safetensors_files(path: Path) -> list[Path]:
+    if not path.is_dir():
+        raise ModelConfigError(f"weights directory not found: {path}")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelConfigError(
+                f"{index}: not a valid safetensors index ({type(e).__name__}: {e})"
+            ) from None
+        files = [path / name for name in names if isinstance(name, str)]
+        outside = [f for f in files if f.resolve().parent != path.resolve()]
+        if len(files) != len(names) or outside:
+            raise ModelConfigError(f"{index}: weight_map must name files inside {path}")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         extra = (
@@ -84,10 +98,27 @@ def load_state_dict(path: str | os.PathLike, args: ModelArgs, dtype: torch.dtype
     path = Path(path)
     flat: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
+        flat |= _read_file(file, dtype)
+    return _stack_experts(flat, args)
+
+
+def _read_file(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, fully read; a truncated or corrupt file names itself."""
+    out: dict[str, torch.Tensor] = {}
+    try:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                flat[key] = f.get_tensor(key).to(dtype)
-    return _stack_experts(flat, args)
+                t = f.get_tensor(key)
+                if not t.is_floating_point():
+                    raise ModelConfigError(
+                        f"{file}: tensor '{key}' has dtype {t.dtype}; weights must be floating point"
+                    )
+                out[key] = t.to(dtype)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        if isinstance(e, ModelConfigError):
+            raise
+        raise ModelConfigError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})") from None
+    return out
 
 
 def _stack_experts(flat: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -125,27 +156,37 @@ def from_pretrained(
     return model.to(dtype)
 
 
-def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
-    """Copy `state` (our names) into `model`, checking names and shapes with clear errors."""
+def check_state_dict(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+    """Raise ModelConfigError unless `state` (our names) has exactly `model`'s names, shapes and dtypes.
+
+    `load_into` calls it before the first copy, so a rejected state leaves the model untouched.
+    """
     params = dict(model.named_parameters())
-    if model.args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing = sorted(set(params) - set(state))
-    unexpected = sorted(set(state) - set(params))
+    names = set(state) - ({"lm_head.weight"} if model.args.tie_word_embeddings else set())
+    missing = sorted(set(params) - names)
+    unexpected = sorted(names - set(params))
     if missing:
         raise ModelConfigError(f"{where}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if unexpected:
         raise ModelConfigError(
             f"{where}: unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
+    for name, p in params.items():
+        t = state[name]
+        if t.shape != p.shape:
+            raise ModelConfigError(
+                f"{where}: tensor '{name}' has shape {list(t.shape)}, expected {list(p.shape)}"
+            )
+        if t.dtype != p.dtype:
+            raise ModelConfigError(f"{where}: tensor '{name}' has dtype {t.dtype}, expected {p.dtype}")
+
+
+def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+    """Copy `state` (our names) into `model`; every name, shape and dtype is checked before any copy."""
+    check_state_dict(model, state, where)
     with torch.no_grad():
-        for name, p in params.items():
-            t = state[name]
-            if t.shape != p.shape:
-                raise ModelConfigError(
-                    f"{where}: tensor '{name}' has shape {list(t.shape)}, expected {list(p.shape)}"
-                )
-            p.copy_(t)
+        for name, p in model.named_parameters():
+            p.copy_(state[name])
 
 
 def is_hf_tensor(name: str, args: ModelArgs) -> bool:
