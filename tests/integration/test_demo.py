@@ -23,7 +23,7 @@ import tomli_w
 from asyncrl.config import load_config
 from asyncrl.config.trainer import SFTConfig
 from asyncrl.launcher.init_model import init_model
-from asyncrl.launcher.sft_data import write_sft_data
+from asyncrl.launcher.sft_export import write_sft_data
 from asyncrl.trainer.sft import run_sft
 from asyncrl.transport import weights_dir
 from asyncrl.transport.rollouts import read_batch
