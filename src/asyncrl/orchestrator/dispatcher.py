@@ -21,15 +21,15 @@ from dataclasses import dataclass
 
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
+from asyncrl.envs.backend import InferenceError, ServerUnavailable
 from asyncrl.envs.base import Environment, Task
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.client import InferenceError
 from asyncrl.envs.policy import TokenPolicy
 from asyncrl.envs.rollout import Episode, run_episode
 from asyncrl.orchestrator.advantages import group_advantages, with_advantage
 from asyncrl.orchestrator.buffer import Group, GroupBuffer, oldest_allowed_version
 from asyncrl.orchestrator.metrics import Counters, StepMetrics, batch_metrics
-from asyncrl.orchestrator.pool import ServerPool, ServerUnavailable
+from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.transport.rollouts import write_batch
 from asyncrl.wire import RolloutBatch
 
