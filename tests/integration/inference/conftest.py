@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import uvicorn
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.main import build_server_app
 from asyncrl.launcher.init_model import init_model
+from helpers import free_port
 
 API_KEY = "test-key"
 
@@ -33,18 +33,12 @@ class LiveServer:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tiny-moe")
     init_model("tiny-moe", model_dir, seed=0)
     cfg = InferenceConfig(
-        model=str(model_dir), port=_free_port(), api_key=API_KEY, max_num_seqs=64, kv_cache_tokens=8192,
+        model=str(model_dir), port=free_port(), api_key=API_KEY, max_num_seqs=64, kv_cache_tokens=8192,
         device="cpu", log_level="warning",
     )  # fmt: skip
     app = build_server_app(cfg)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import threading
 import time
 
@@ -27,15 +26,10 @@ from asyncrl.wire import (
     UpdateWeightsResponse,
     WeightsInfo,
 )
+from helpers import free_port
 
 EOS = 258
 NUM_LAYERS, TOP_K = 2, 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeServer:
