@@ -32,9 +32,12 @@ from asyncrl.wire import (
     GenerateRequest,
     GenerateResponse,
     PauseRequest,
+    PauseResponse,
+    ResumeResponse,
     RoutedExperts,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
+    WeightsInfo,
 )
 from asyncrl.wire.http import FieldValueError
 
@@ -221,19 +224,19 @@ def _add_admin_routes(app: FastAPI) -> None:
     state: ServerState = app.state.server
 
     @app.post("/pause")
-    async def pause(body: PauseRequest | None = None) -> dict[str, Any]:
+    async def pause(body: PauseRequest | None = None) -> PauseResponse:
         mode = body.mode if body is not None else "keep"
         aborted = await state.engine.pause(mode)
-        return {"paused": True, "mode": mode, "num_aborted": aborted}
+        return PauseResponse(paused=True, mode=mode, num_aborted=aborted)
 
     @app.post("/resume")
-    async def resume() -> dict[str, Any]:
+    async def resume() -> ResumeResponse:
         await state.engine.resume()
-        return {"paused": False}
+        return ResumeResponse(paused=False)
 
     @app.get("/weights")
-    async def weights() -> dict[str, Any]:
-        return {"version": state.engine.engine.version, "path": state.engine.weights_path}
+    async def weights() -> WeightsInfo:
+        return WeightsInfo(version=state.engine.engine.version, path=state.engine.weights_path)
 
     @app.post("/update_weights")
     async def update_weights(body: UpdateWeightsRequest) -> UpdateWeightsResponse:

@@ -29,7 +29,7 @@ from pydantic import Field
 from asyncrl.config import ConfigError, SlurmConfig, load_config
 from asyncrl.config.rl import RLConfig
 from asyncrl.launcher.parallel_check import check_trainer_parallel
-from asyncrl.launcher.rl import write_configs
+from asyncrl.launcher.run_configs import write_configs
 
 __all__ = ["SlurmRLConfig", "main", "render_sbatch"]
 

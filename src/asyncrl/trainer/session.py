@@ -112,7 +112,7 @@ class TrainSession:
             engine=engine,
             publisher=publisher
             or FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish.keep_last, info),
-            logger=MetricsLogger(cfg.run_dir / "metrics.jsonl", enabled=info.is_main),
+            logger=MetricsLogger(cfg.run_dir, enabled=info.is_main),
             peak_flops=peak,
             start_step=start_step,
             parallel=parallel,

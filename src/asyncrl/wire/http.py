@@ -19,11 +19,14 @@ __all__ = [
     "GenerateRequest",
     "GenerateResponse",
     "PauseRequest",
+    "PauseResponse",
+    "ResumeResponse",
     "RoutedExperts",
     "SamplingParams",
     "UpdateWeightsRequest",
     "UpdateWeightsResponse",
     "ValidUnicode",
+    "WeightsInfo",
     "find_lone_surrogate",
 ]
 
@@ -124,9 +127,38 @@ class GenerateResponse(_Message):
     prompt_token_ids: list[int] | None = None
     routed_experts: RoutedExperts | None = None
 
+    @model_validator(mode="after")
+    def _one_entry_per_token(self) -> GenerateResponse:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.policy_versions) != n:
+            raise ValueError(
+                f"{n} token_ids but {len(self.logprobs)} logprobs and {len(self.policy_versions)} "
+                "policy_versions (one of each per token)"
+            )
+        return self
+
 
 class PauseRequest(_Message, ValidUnicode):
+    """`POST /pause`: keep (running requests hold their KV cache) or abort them."""
+
     mode: Literal["keep", "abort"] = "keep"
+
+
+class PauseResponse(_Message):
+    paused: Literal[True]
+    mode: Literal["keep", "abort"]
+    num_aborted: int = Field(ge=0)
+
+
+class ResumeResponse(_Message):
+    paused: Literal[False]
+
+
+class WeightsInfo(_Message):
+    """`GET /weights`: the policy version a server holds, and where it was loaded from (None: v0)."""
+
+    version: int = Field(ge=0)
+    path: str | None = None
 
 
 class UpdateWeightsRequest(_Message, ValidUnicode):

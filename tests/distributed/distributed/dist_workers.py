@@ -8,7 +8,6 @@ through torch.multiprocessing.spawn with its traceback.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, replace
 
 import torch
@@ -35,6 +34,7 @@ from asyncrl.model import Transformer
 from asyncrl.model.hf import to_hf_state_dict
 from asyncrl.model.presets import preset_args
 from asyncrl.trainer.logprobs import chunked_logprobs
+from helpers import free_port
 
 ARGS = replace(preset_args("tiny-moe"), num_hidden_layers=2)  # 2 MoE layers of 8 experts, top-2
 T = 32  # tokens per packed row
@@ -42,12 +42,6 @@ NUM_ROWS = 4
 ATOL = 2e-5  # fp32: loss, gradients, weights and logprobs agree to this absolute tolerance
 RTOL = 1e-4
 AC_PREFIX = "_checkpoint_wrapped_module."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import uvicorn
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.main import build_server_app
 from asyncrl.launcher.init_model import init_model
+from helpers import free_port
 
 API_KEY = "test-key"
 
@@ -35,17 +35,11 @@ class LiveServer:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def live_server(model_dir: Path, **overrides) -> Iterator[LiveServer]:
     """A uvicorn server on 127.0.0.1 over `model_dir`, with InferenceConfig `overrides`."""
     cfg = InferenceConfig(**{
-        "model": str(model_dir), "port": _free_port(), "api_key": API_KEY, "max_num_seqs": 64,
+        "model": str(model_dir), "port": free_port(), "api_key": API_KEY, "max_num_seqs": 64,
         "kv_cache_tokens": 8192, "device": "cpu", "log_level": "warning",
     } | overrides)  # fmt: skip
     app = build_server_app(cfg)
