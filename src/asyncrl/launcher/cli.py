@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "serve a model: embedded engine, OpenAI-compatible HTTP API",
     ),
     "eval-env": ("asyncrl.envs.evaluate:main", "evaluate an OpenAI-compatible endpoint on an environment"),
+    "report": ("asyncrl.launcher.report:main", "PNG plots and one HTML page of a run's metrics (matplotlib)"),
 }
 
 
