@@ -58,7 +58,8 @@ def _usage() -> str:
     width = max(len(c) for c in COMMANDS)
     rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items())
     return (
-        f"usage: asyncrl <command> [args...]\n\ncommands:\n{rows}\n\n`asyncrl <command> --help` for details."
+        f"usage: asyncrl <command> [args...]\n\ncommands:\n{rows}\n\n"
+        "`asyncrl <command> --help` lists its options with their defaults and descriptions."
     )
 
 
