@@ -21,6 +21,7 @@ import tomli_w
 from asyncrl.config import load_config
 from asyncrl.config.trainer import SFTConfig
 from asyncrl.launcher.init_model import init_model
+from asyncrl.launcher.report import write_report
 from asyncrl.launcher.sft_export import write_sft_data
 from asyncrl.trainer.sft import run_sft
 from asyncrl.transport import weights_dir
@@ -112,3 +113,9 @@ def test_demo_reward_rises_with_small_mismatch_and_in_flight_updates(tmp_path):
         batch = read_batch(run_dir, step, timeout_s=1.0)
         versions |= {int(v) for s in batch.samples for v in s.policy_versions[s.loss_mask]}
     assert max(versions) > 0 and max(versions) >= RL_STEPS // 2, sorted(versions)
+
+    # `asyncrl report` on the real run: every figure drawn (eval results are not part of this run)
+    index = write_report(run_dir)
+    for name in ("reward", "mismatch", "dropped", "inference", "trainer", "prefix_cache", "staleness"):
+        assert (index.parent / f"{name}.png").stat().st_size > 5000, name
+    assert "not logged" not in index.read_text()

@@ -27,8 +27,8 @@ class InferenceConfig(BaseConfig):
 
     model: str = Field(description="Hugging Face model directory (config.json, safetensors, tokenizer)")
     served_model_name: str | None = Field(None, description="name clients pass as `model`; default: dir name")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 serves other machines")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     api_key: str | None = Field(
         None, description="when set, requests need `Authorization: Bearer KEY`; required off loopback"
     )
@@ -45,16 +45,18 @@ class InferenceConfig(BaseConfig):
     chat_template_max_chars: int = Field(
         1_000_000, ge=1, description="size bound of a rendered chat template"
     )
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="weights and compute; float32 with a float32 trainer is exactly on-policy"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     max_num_seqs: int = Field(64, ge=1, description="most sequences in the running batch")
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
     kv_cache_tokens: int = Field(32768, ge=16, description="KV pool capacity in tokens")
     max_model_len: int | None = Field(None, ge=2, description="context limit; default: the model's")
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     seed: int = Field(0, description="seed of the engine's generator for requests without a seed")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="server log level")
     fp8: FP8Config = Field(
         default_factory=FP8Config, description="FP8 block-scale inference (docs/mismatch.md)"
     )

@@ -31,12 +31,15 @@ DEFAULT_FP8_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate")
 class FP8Config(BaseConfig):
     """FP8 block-scale linears (DeepSeek-V3 recipe); see docs/mismatch.md."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="quantize eligible linears and expert stacks (e4m3, 128 blocks)")
     ignore: list[str] = Field(
         default_factory=lambda: list(DEFAULT_FP8_IGNORE),
         description="module names or fnmatch patterns kept in high precision (dims not multiple of 128 always are)",
     )
-    backend: Literal["auto", "emulated", "scaled_mm"] = "auto"
+    backend: Literal["auto", "emulated", "scaled_mm"] = Field(
+        "auto",
+        description="scaled_mm: blockwise F.scaled_mm (CUDA); emulated: dequantize, fp32 matmul; auto: scaled_mm where a probe shows it works",
+    )
 
 
 class MismatchConfig(BaseConfig):
@@ -45,7 +48,7 @@ class MismatchConfig(BaseConfig):
     max_mismatch_kl: float | None = Field(
         None, gt=0, description="gate threshold on the mean k3 KL; None: off"
     )
-    gate: Literal["warn", "fail"] = "warn"
+    gate: Literal["warn", "fail"] = Field("warn", description="over the threshold: log, or stop the run")
     ratio_low: float = Field(0.5, gt=0, description="tokens with pi/mu below this count as outliers")
     ratio_high: float = Field(2.0, gt=0, description="tokens with pi/mu above this count as outliers")
 

@@ -32,8 +32,8 @@ __all__ = ["AdvantageConfig", "OrchestratorConfig"]
 class AdvantageConfig(BaseConfig):
     """Group-relative advantages: A = r - mean(group) [/ (std(group) + eps)]."""
 
-    normalize_std: bool = False
-    std_eps: float = Field(1e-6, gt=0.0)
+    normalize_std: bool = Field(False, description="divide by the group's reward std (GRPO) as well")
+    std_eps: float = Field(1e-6, gt=0.0, description="added to the std before dividing")
     filter_zero_advantage: bool = Field(True, description="drop groups whose rewards are all equal")
     failed_episodes: Literal["zero", "exclude"] = Field(
         "zero", description="'zero': keep failed episodes with reward 0; 'exclude': drop them"
@@ -43,10 +43,16 @@ class AdvantageConfig(BaseConfig):
 class OrchestratorConfig(BaseConfig):
     run_dir: str = Field("outputs/run", description="run directory shared with the trainer")
     model: str = Field(description="model directory whose tokenizer and chat template render prompts")
-    servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
-    api_key: str | None = None
-    envs: EnvsConfig = Field(default_factory=EnvsConfig)
-    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=64))
+    servers: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"],
+        min_length=1,
+        description="base URLs of the inference servers",
+    )
+    api_key: str | None = Field(None, description="sent as `Authorization: Bearer KEY` to the servers")
+    envs: EnvsConfig = Field(default_factory=EnvsConfig, description="the environment mixture")
+    sampling: SamplingParams = Field(
+        default_factory=lambda: SamplingParams(max_tokens=64), description="sampling of every rollout request"
+    )
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     max_steps: int = Field(10, ge=1, description="last trainer step to produce a batch for")
     start_step: int = Field(1, ge=1, description="first batch to write (resume: the trainer's next step)")
@@ -61,13 +67,13 @@ class OrchestratorConfig(BaseConfig):
     )
     return_routed_experts: bool = Field(True, description="ask inference for routing (router replay)")
     max_episode_retries: int = Field(3, ge=0, description="re-runs of an episode whose server failed")
-    weights_poll_s: float = Field(0.2, gt=0.0)
-    health_poll_s: float = Field(1.0, gt=0.0)
-    request_timeout_s: float = Field(600.0, gt=0.0)
+    weights_poll_s: float = Field(0.2, gt=0.0, description="how often to look for new RUN/weights/step_n")
+    health_poll_s: float = Field(1.0, gt=0.0, description="how often to probe each server's /health")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="HTTP timeout of one inference request")
     server_ready_timeout_s: float = Field(
         600.0, gt=0.0, description="wait at start for every server's /health"
     )
-    seed: int = 0
+    seed: int = Field(0, description="seed of the environment choice per group")
 
     @model_validator(mode="after")
     def _check(self) -> OrchestratorConfig:

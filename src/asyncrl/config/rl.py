@@ -49,9 +49,9 @@ _SHARED = {
 class DeploymentConfig(BaseConfig):
     """Where the processes run. On one machine: servers on consecutive ports from `base_port`."""
 
-    num_inference_servers: int = Field(1, ge=1)
-    host: str = "127.0.0.1"
-    base_port: int = Field(8000, ge=1, le=65535)
+    num_inference_servers: int = Field(1, ge=1, description="inference servers to start")
+    host: str = Field("127.0.0.1", description="address the servers bind and the orchestrator calls")
+    base_port: int = Field(8000, ge=1, le=65535, description="port of server 0; server i uses base_port + i")
     trainer_nproc: int = Field(1, ge=1, description="trainer processes; > 1 launches through torchrun")
     inference_devices: list[str] = Field(
         default_factory=list, description="CUDA_VISIBLE_DEVICES per server, e.g. ['0', '1']; empty = inherit"
@@ -80,10 +80,10 @@ class ResolvedRL:
 
 class RLConfig(BaseConfig):
     model: str = Field(description="HF model directory: served by inference, trained by the trainer")
-    run_dir: str = "outputs/rl"
-    max_steps: int = Field(10, ge=1)
-    seq_len: int = Field(2048, gt=0)
-    seed: int = 0
+    run_dir: str = Field("outputs/rl", description="run directory: configs, logs, rollouts, weights, metrics")
+    max_steps: int = Field(10, ge=1, description="trainer steps (= rollout batches = policy versions)")
+    seq_len: int = Field(2048, gt=0, description="trainer: max tokens in one packed micro-batch row")
+    seed: int = Field(0, description="base seed; inference server i gets seed + i")
     api_key: str | None = Field(
         None,
         description="key of the inference servers, handed to the orchestrator; the launcher generates "

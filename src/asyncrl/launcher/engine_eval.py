@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--temperature", type=float, nargs="+", default=[0.0], help="one or more; 0 = greedy, 1 = as in RL"
     )
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="most tokens sampled per model turn")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
     p.add_argument("--seed", type=int, default=0, help="env seed (must match training) and sampling seed")
     p.add_argument("--label", default=None, help="name printed with the result (default: the model path)")

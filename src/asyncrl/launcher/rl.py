@@ -27,7 +27,11 @@ import sys
 from pathlib import Path
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.config.rl import ResolvedRL, RLConfig
+from asyncrl.config.base import config_help
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.config.rl import _SHARED, ResolvedRL, RLConfig
+from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.launcher.parallel_check import check_trainer_parallel
 from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm import SlurmRLConfig
@@ -91,29 +95,24 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
     return children
 
 
-def _keys_help() -> str:
-    from asyncrl.config.inference import InferenceConfig
-    from asyncrl.config.orchestrator import OrchestratorConfig
-    from asyncrl.config.rl import DeploymentConfig
-    from asyncrl.config.trainer import RLTrainerConfig
-
-    sections = {
-        "(top level)": RLConfig,
-        "[deployment]": DeploymentConfig,
-        "[inference]": InferenceConfig,
-        "[orchestrator]": OrchestratorConfig,
-        "[trainer]": RLTrainerConfig,
-    }
-    lines = ["Keys:"]
-    for title, cls in sections.items():
-        lines.append(f"  {title}: " + ", ".join(cls.model_fields))
-    return "\n".join(lines)
+def keys_help() -> str:
+    """Every key of an `asyncrl rl` config, section by section, with its default and description."""
+    sections = [config_help(RLConfig, exclude=("inference", "orchestrator", "trainer"))]
+    for name, cls in (
+        ("inference", InferenceConfig),
+        ("orchestrator", OrchestratorConfig),
+        ("trainer", RLTrainerConfig),
+    ):
+        shared = _SHARED[name] + (("model.path",) if name == "trainer" else ())
+        about = f"{cls.__name__}; {', '.join(shared)} come from the top level"
+        sections.append(config_help(cls, name, exclude=shared, about=about))
+    return "Keys (TOML, or `--dotted.key value` on the command line):\n\n" + "\n\n".join(sections)
 
 
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
-        print(_keys_help())
+        print(keys_help())
         return 0
     if "--slurm" in argv:
         return slurm_main([a for a in argv if a != "--slurm"])

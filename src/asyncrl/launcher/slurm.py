@@ -27,6 +27,7 @@ from pathlib import Path
 from pydantic import Field
 
 from asyncrl.config import ConfigError, SlurmConfig, load_config
+from asyncrl.config.base import config_help
 from asyncrl.config.rl import RLConfig
 from asyncrl.launcher.parallel_check import check_trainer_parallel
 from asyncrl.launcher.run_configs import write_configs
@@ -140,6 +141,8 @@ def render_sbatch(cfg: SlurmRLConfig, run_dir: Path) -> str:
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
+        print(config_help(SlurmConfig, "slurm"))
+        print("\nAll other keys are those of `asyncrl rl --help`.")
         return 0
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
