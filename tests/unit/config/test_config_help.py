@@ -105,8 +105,12 @@ def test_rl_help_shows_descriptions_and_leaves_out_the_shared_keys(capsys):
         "most tokens sampled per request (turn)"
     )  # the orchestrator's default
     orchestrator = out.split("\n[orchestrator]  ")[1].split("[orchestrator.envs]")[0]
-    assert "model, run_dir, max_steps, servers, seed come from the top level" in orchestrator
-    assert "run_dir =" not in orchestrator and "servers =" not in orchestrator
+    assert "model, run_dir, max_steps, servers, seed, api_key come from the top level" in orchestrator
+    assert (
+        "run_dir =" not in orchestrator
+        and "servers =" not in orchestrator
+        and "api_key =" not in orchestrator
+    )
     assert "path (required)" not in out.split("[trainer.model]")[1].split("[trainer.optim]")[0]
 
 
