@@ -7,7 +7,7 @@ Example (a trainer or inference TOML)::
     ignore = ["lm_head", "*.mlp.gate", "model.layers.0.*"]
 
     [mismatch]
-    max_mismatch_kl = 1e-3              # mean k3 KL over sampled tokens of a step
+    max_mismatch_kl = 1e-3              # mean k3 KL over a step's current-version tokens
     gate = "fail"                       # "warn": log and continue; "fail": stop the run
 
 The same `[fp8]` section goes to the inference server (FP8 inference) and the trainer (FP8
@@ -46,7 +46,7 @@ class MismatchConfig(BaseConfig):
     """Per-step mismatch metrics and the gate on mismatch KL."""
 
     max_mismatch_kl: float | None = Field(
-        None, gt=0, description="gate threshold on the mean k3 KL; None: off"
+        None, gt=0, description="gate threshold on the mean k3 KL of current-version tokens; None: off"
     )
     gate: Literal["warn", "fail"] = Field("warn", description="over the threshold: log, or stop the run")
     ratio_low: float = Field(0.5, gt=0, description="tokens with pi/mu below this count as outliers")

@@ -11,7 +11,7 @@ Example (TOML)::
     max_async_steps = 1                  # 0 = synchronous on-policy RL
     max_off_policy_steps = 1
 
-    [sampling]
+    [sampling]                           # RL rollouts: temperature > 0, no top_p / top_k / min_p
     temperature = 1.0
     max_tokens = 32
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import BaseConfig
 from asyncrl.config.envs import EnvsConfig
@@ -74,6 +74,34 @@ class OrchestratorConfig(BaseConfig):
         600.0, gt=0.0, description="wait at start for every server's /health"
     )
     seed: int = Field(0, description="seed of the environment choice per group")
+
+    @field_validator("sampling")
+    @classmethod
+    def _check_sampling(cls, sampling: SamplingParams) -> SamplingParams:
+        """Reject sampling the RL loss cannot honour (eval keeps greedy / top-p: asyncrl eval)."""
+        if sampling.temperature == 0:
+            raise ValueError(
+                "temperature = 0 (greedy) cannot train: the trainer scores each token under "
+                "softmax(logits / temperature), which is undefined at 0, so every loss is NaN and every "
+                "step is skipped; use a temperature > 0 (e.g. 1.0) for RL rollouts"
+            )
+        truncating = [
+            f"{name} = {value}"
+            for name, value, off in (
+                ("top_p", sampling.top_p, sampling.top_p == 1.0),
+                ("top_k", sampling.top_k, sampling.top_k <= 0),
+                ("min_p", sampling.min_p, sampling.min_p == 0.0),
+            )
+            if not off
+        ]
+        if truncating:
+            raise ValueError(
+                f"{', '.join(truncating)} would truncate the distribution tokens are sampled from, but the "
+                "engine reports (and the trainer recomputes) logprobs of the full temperature-scaled "
+                "distribution, so the importance ratios would be wrong; RL rollouts need top_p = 1, "
+                "top_k = -1 and min_p = 0 (shape sampling with temperature only)"
+            )
+        return sampling
 
     @model_validator(mode="after")
     def _check(self) -> OrchestratorConfig:

@@ -49,6 +49,10 @@ class LossConfig(BaseConfig):
       tis           truncated importance sampling: weight min(r, tis_cap), detached
       mis           mask tokens with r outside [mis_low, mis_high] (IcePop style)
       sequence      mask whole sequences whose geometric-mean ratio lies outside [seq_low, seq_high]
+
+    ratio_cap bounds the importance weight r of every token in the -r * A variants (trust_region,
+    mis, sequence); tis has its own tis_cap. Inside the trust region's probability band a token the
+    engine sampled at mu = 1e-4 that the trainer gives pi = 0.15 would otherwise weigh r = 1500.
     """
 
     variant: Literal["trust_region", "tis", "mis", "sequence"] = Field(
@@ -63,6 +67,17 @@ class LossConfig(BaseConfig):
         0.2, gt=0, description="trust_region: allowed rise of pi above mu where the advantage is positive"
     )
     kl_coef: float = Field(1e-3, ge=0, description="weight of the (log r)^2 penalty (every variant)")
+    ratio_cap: float = Field(
+        2.0,
+        ge=1,
+        description="cap C on the token importance weight r = pi/mu in trust_region, mis and sequence; "
+        "inf: uncapped",
+    )
+    ratio_cap_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="tokens with r > ratio_cap: 'truncate' weighs them C (gradient -C * A * grad log pi, "
+        "as TIS); 'mask' drops their policy-gradient term (as IcePop)",
+    )
     tis_cap: float = Field(2.0, gt=0, description="tis: importance weights are capped at this")
     mis_low: float = Field(0.5, gt=0, description="mis: tokens with r below this are masked")
     mis_high: float = Field(2.0, gt=0, description="mis: tokens with r above this are masked")

@@ -92,7 +92,11 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
             result = session.engine.step(micro_batches, loss_fn, trained_version=step - 1)
             records.append(session.end_step(step, result, batch_metrics(batch) | {"wait_s": wait_s}))
             check_mismatch_gate(
-                result.mismatch_kl, max_kl=cfg.mismatch.max_mismatch_kl, mode=cfg.mismatch.gate, step=step
+                result.mismatch["mismatch_kl_current"],
+                max_kl=cfg.mismatch.max_mismatch_kl,
+                mode=cfg.mismatch.gate,
+                step=step,
+                kl_stale=result.mismatch["mismatch_kl_stale"],
             )
     finally:
         session.close()

@@ -56,6 +56,39 @@ def test_buffer_drops_groups_older_than_allowed():
     assert buf.cut(5) is None
 
 
+def _spanning_sample(sampled_versions: list[int]) -> RolloutSample:
+    # Two prompt tokens at version 0 (not sampled: never count), then the sampled tokens, whose
+    # versions rise where a weight update landed mid-rollout.
+    return _sample([0, 0, *sampled_versions], [False, False] + [True] * len(sampled_versions))
+
+
+def test_buffer_uses_the_oldest_sampled_token_version_not_the_dispatch_version():
+    """Step 4 with k = 1 trains only samples whose every sampled token is from v2 or newer."""
+    groups = {
+        # dispatched at v0, but the first update landed before its first sampled token: fresh
+        "late_start": ([[2, 3], [2, 2, 3]], 0),
+        # dispatched at v1 and still decoding at v3: one v1 token is one too old
+        "spans_1_to_3": ([[1, 2, 3], [2, 3]], 1),
+        # its second sample alone reaches back to v1
+        "second_sample_old": ([[3, 3], [1, 3]], 1),
+        # dispatched at v2, tokens from v2 and v3
+        "fresh": ([[2, 3], [3]], 2),
+    }
+    buf = GroupBuffer(batch_size=4, max_off_policy_steps=1)
+    for name, (versions, dispatch) in groups.items():
+        buf.add(Group(task_id=name, env="e", dispatch_version=dispatch, rewards=[0.0, 0.0],
+                      samples=[_spanning_sample(v) for v in versions], episode_metrics=[{}, {}]))  # fmt: skip
+    batch, taken = buf.cut(4)
+    assert [g.task_id for g in taken] == ["late_start", "fresh"]
+    assert buf.num_dropped_groups == 2 and buf.num_dropped_samples == 4
+    assert [s.policy_versions.tolist() for s in batch.samples] == [
+        [0, 0, 2, 3],
+        [0, 0, 2, 2, 3],
+        [0, 0, 2, 3],
+        [0, 0, 3],
+    ]
+
+
 def test_config_rejects_impossible_combinations():
     with pytest.raises(ValueError, match=r"batch_size \(10\) must be a multiple of group_size \(4\)"):
         OrchestratorConfig(model="m", batch_size=10, group_size=4)
