@@ -74,6 +74,15 @@ class OrchestratorConfig(BaseConfig):
         600.0, gt=0.0, description="wait at start for every server's /health"
     )
     seed: int = Field(0, description="seed of the environment choice per group")
+    fill_status_interval_s: float = Field(
+        10.0, gt=0.0, description="while a batch fills, print how full it is and why groups drop this often"
+    )
+    max_fill_groups: int | None = Field(
+        None,
+        ge=1,
+        description="groups that may finish (or go stale) while one batch fills before the run stops "
+        "with an error naming why they were dropped; default 50 x (batch_size / group_size)",
+    )
 
     @field_validator("sampling")
     @classmethod
@@ -121,6 +130,10 @@ class OrchestratorConfig(BaseConfig):
     @property
     def groups_per_batch(self) -> int:
         return self.batch_size // self.group_size
+
+    @property
+    def fill_group_limit(self) -> int:
+        return self.max_fill_groups or 50 * self.groups_per_batch
 
     @property
     def concurrent_groups(self) -> int:

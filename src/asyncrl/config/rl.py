@@ -34,6 +34,7 @@ from pydantic import Field, model_validator
 from asyncrl.config.base import BaseConfig, ConfigError, load_config
 from asyncrl.config.inference import InferenceConfig, is_loopback
 from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.config.sinks import SinksConfig
 from asyncrl.config.trainer import RLTrainerConfig
 
 __all__ = ["DeploymentConfig", "RLConfig", "ResolvedRL"]
@@ -90,6 +91,10 @@ class RLConfig(BaseConfig):
         "one per run when a server binds a non-loopback address",
     )
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    sinks: SinksConfig = Field(
+        default_factory=SinksConfig,
+        description="W&B / TensorBoard mirrors of metrics.jsonl (the launcher feeds them)",
+    )
     inference: dict[str, Any] = Field(default_factory=dict, description="InferenceConfig keys")
     orchestrator: dict[str, Any] = Field(default_factory=dict, description="OrchestratorConfig keys")
     trainer: dict[str, Any] = Field(default_factory=dict, description="RLTrainerConfig keys")

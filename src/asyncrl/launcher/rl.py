@@ -2,9 +2,12 @@
 
 Starts the inference server(s), the orchestrator and the trainer (through torchrun when
 `deployment.trainer_nproc` > 1) as child processes, each logging to RUN/logs/<name>.log, with the
-resolved config of every process written to RUN/configs/. Progress lines of the orchestrator and
-the trainer are echoed to the console. When one process fails, or on Ctrl-C, everything is
-stopped and the exit code is non-zero, naming the failing process.
+resolved config of every process written to RUN/configs/. On a terminal the console shows one
+live status line (step, reward, mismatch KL, staleness, tok/s, batch fill) and the children's
+warnings and errors; otherwise the orchestrator's and the trainer's progress lines are echoed
+(asyncrl.launcher.console). The `[sinks]` table mirrors RUN/metrics.jsonl to W&B / TensorBoard.
+When one process fails, or on Ctrl-C, everything is stopped and the exit code is non-zero, naming
+the failing process.
 
 Top-level keys: model, run_dir, max_steps, seq_len, seed, and the tables [deployment],
 [inference], [orchestrator], [trainer] (see docs/configuration.md). Any key can be overridden on
@@ -32,11 +35,13 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.rl import _SHARED, ResolvedRL, RLConfig
 from asyncrl.config.trainer import RLTrainerConfig
+from asyncrl.launcher.console import Console, LiveConsole, PlainConsole
 from asyncrl.launcher.parallel_check import check_trainer_parallel
 from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm import SlurmRLConfig
 from asyncrl.launcher.slurm import main as slurm_main
 from asyncrl.launcher.supervisor import ChildSpec, Supervisor
+from asyncrl.transport.sinks import build_sinks
 
 __all__ = ["build_children", "main"]
 
@@ -95,6 +100,14 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
     return children
 
 
+def build_console(cfg: RLConfig) -> Console:
+    """A live status line on a terminal, plain echoed lines otherwise; both feed the sinks."""
+    sinks = build_sinks(cfg.sinks, cfg.run_dir)
+    if sys.stdout.isatty():
+        return LiveConsole(cfg.run_dir, cfg.max_steps, sinks)
+    return PlainConsole(cfg.run_dir, sinks)
+
+
 def keys_help() -> str:
     """Every key of an `asyncrl rl` config, section by section, with its default and description."""
     sections = [config_help(RLConfig, exclude=("inference", "orchestrator", "trainer"))]
@@ -138,7 +151,7 @@ def main(argv: list[str]) -> int:
         print(f"  {child.name}: {shlex.join(child.argv)}")
     if dry_run:
         return 0
-    code = Supervisor(children).run()
+    code = Supervisor(children, console=build_console(cfg)).run()
     print(
         f"asyncrl rl: {'finished' if code == 0 else 'FAILED'} (exit {code})",
         file=sys.stderr if code else sys.stdout,

@@ -28,6 +28,7 @@ from asyncrl.envs.policy import TokenPolicy
 from asyncrl.envs.rollout import Episode, run_episode
 from asyncrl.orchestrator.advantages import group_advantages, with_advantage
 from asyncrl.orchestrator.buffer import Group, GroupBuffer, oldest_allowed_version
+from asyncrl.orchestrator.fill import FillTracker
 from asyncrl.orchestrator.metrics import Counters, StepMetrics, batch_metrics
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.transport.rollouts import write_batch
@@ -58,6 +59,12 @@ class Dispatcher:
         self._task_index = (cfg.start_step - 1) * cfg.groups_per_batch
         self._wake = asyncio.Event()
         self._step_started = time.monotonic()
+        self.fill = FillTracker(
+            batch_size=cfg.batch_size,
+            max_groups=cfg.fill_group_limit,
+            interval_s=cfg.fill_status_interval_s,
+            step=cfg.start_step,
+        )
 
     # -- version events (called by the WeightUpdater) -------------------------------------------
     def on_version(self, version: int) -> None:
@@ -151,8 +158,16 @@ class Dispatcher:
         )
 
     # -- main loop -----------------------------------------------------------------------------
-    async def run(self, on_batch: Callable[[int, dict[str, float | int]], None] | None = None) -> None:
-        """Produce batches start_step..max_steps; `on_batch(step, metrics)` is called after each write."""
+    async def run(
+        self,
+        on_batch: Callable[[int, dict[str, float | int]], None] | None = None,
+        on_fill_status: Callable[[str], None] | None = None,
+    ) -> None:
+        """Produce batches start_step..max_steps; `on_batch(step, metrics)` is called after each write,
+        `on_fill_status(line)` every `fill_status_interval_s` while a batch fills.
+
+        Raises `FillStalledError` when `max_fill_groups` groups go by without filling a batch.
+        """
         pending_metrics = StepMetrics()
         while self.step <= self.cfg.max_steps:
             self._dispatch()
@@ -163,6 +178,7 @@ class Dispatcher:
             for group in self._collect_finished():
                 pending_metrics.add_group(group)
                 self.buffer.add(group)
+                self.fill.add(group)
             while self.version >= self.step - 1 - self.cfg.max_async_steps and (
                 cut := self.buffer.cut(self.step)
             ):
@@ -175,9 +191,22 @@ class Dispatcher:
                     on_batch(batch.step, metrics)
                 self.step += 1
                 self._step_started = time.monotonic()
+                self.fill.reset(self.step, self._num_stale_groups)
+            self._report_fill(on_fill_status)
         for f in self._in_flight:
             f.task.cancel()
         await asyncio.gather(*(f.task for f in self._in_flight), return_exceptions=True)
+
+    @property
+    def _num_stale_groups(self) -> int:
+        return self.buffer.num_dropped_groups + self.counters.groups_cancelled_stale
+
+    def _report_fill(self, on_fill_status: Callable[[str], None] | None) -> None:
+        if self.step > self.cfg.max_steps:
+            return
+        if on_fill_status is not None and self.fill.due():
+            on_fill_status(self.fill.status(self.buffer.num_samples, self._num_stale_groups))
+        self.fill.check(self.buffer.num_samples, self._num_stale_groups)
 
     def _batch_metrics(self, batch: RolloutBatch, since: StepMetrics) -> dict[str, float | int]:
         metrics = batch_metrics(

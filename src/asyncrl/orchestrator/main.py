@@ -16,6 +16,7 @@ from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
 from asyncrl.envs.chat import ChatTokenizer
 from asyncrl.orchestrator.dispatcher import Dispatcher
+from asyncrl.orchestrator.fill import FillStalledError
 from asyncrl.orchestrator.metrics import format_line
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
@@ -48,7 +49,7 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
             print(format_line(writer.write(step, metrics)), flush=True)
 
         try:
-            await dispatcher.run(on_batch)
+            await dispatcher.run(on_batch, lambda line: print(f"[orchestrator] {line}", flush=True))
         finally:
             for t in background:
                 t.cancel()
@@ -68,5 +69,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"asyncrl orchestrator: {e}", file=sys.stderr)
         return 2
-    asyncio.run(run_orchestrator(cfg))
+    try:
+        asyncio.run(run_orchestrator(cfg))
+    except FillStalledError as e:
+        print(f"asyncrl orchestrator: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
