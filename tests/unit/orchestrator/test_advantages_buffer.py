@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 
 from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.envs.base import Task
+from asyncrl.envs.rollout import Episode
 from asyncrl.orchestrator.advantages import group_advantages, with_advantage
 from asyncrl.orchestrator.buffer import Group, GroupBuffer
+from asyncrl.orchestrator.dispatcher import Dispatcher
 from asyncrl.wire import RolloutSample
 
 
@@ -94,3 +97,32 @@ def test_config_rejects_impossible_combinations():
         OrchestratorConfig(model="m", batch_size=10, group_size=4)
     with pytest.raises(ValueError, match="group_size = 1 gives every group zero advantage"):
         OrchestratorConfig(model="m", batch_size=4, group_size=1)
+
+
+def _episode(reward: float, *, error: str | None = None, stop: str = "done") -> Episode:
+    return Episode(episode_id=f"e{reward}", env="e", task_id="t", reward=reward, rewards={},
+                   samples=[_sample([0, 1, 1], [False, True, True])], metrics={"failed": float(error is not None)},
+                   stop_reason="error" if error else stop, error=error)  # fmt: skip
+
+
+def _make_group(episodes: list[Episode]) -> tuple[Group, Dispatcher]:
+    dispatcher = Dispatcher(OrchestratorConfig(model="m", batch_size=4, group_size=4), None, None, None)
+    return dispatcher._make_group("e", Task(id="t", prompt=[]), 1, episodes), dispatcher
+
+
+def test_failed_episodes_never_train_and_stay_out_of_the_baseline():
+    # An env error (samples kept for inspection), an aborted request, and two valid rollouts.
+    episodes = [_episode(1.0), _episode(0.0, error="RuntimeError: env bug"), _episode(0.0),
+                _episode(0.7, stop="aborted")]  # fmt: skip
+    group, dispatcher = _make_group(episodes)
+    advantages = [float(s.advantages[s.loss_mask][0]) for s in group.samples]
+    assert advantages == pytest.approx([0.5, -0.5])  # baseline over the two valid episodes only
+    assert sum(advantages) == pytest.approx(0.0)
+    assert group.rewards == [1.0, 0.0] and len(group.episode_metrics) == 4
+    assert dispatcher.counters.episodes_failed == 2 and dispatcher.counters.groups_too_few_valid == 0
+
+
+def test_a_group_with_fewer_than_two_valid_episodes_is_dropped_and_counted():
+    group, dispatcher = _make_group([_episode(1.0), _episode(0.0, error="InferenceError: down")])
+    assert group.samples == [] and dispatcher.counters.groups_too_few_valid == 1
+    assert dispatcher.counters.episodes_failed == 1
