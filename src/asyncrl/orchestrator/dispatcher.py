@@ -4,7 +4,10 @@ Reading order:
 1. Dispatch groups of `group_size` episodes of one task while the lag bound allows: a new group
    would land in batch m (the step being filled plus what is in flight and buffered), which needs
    version >= m - 1 - max_async_steps. `max_async_steps = 0` is synchronous on-policy RL.
-2. Each group's `cache_salt` is the version at dispatch. When a new version arrives, groups in
+2. Each request's `cache_salt` is the version the servers hold when it is sent (every turn and
+   every retry reads it anew), so siblings share prefix-cache blocks and a later turn never asks
+   for KV of older weights; the engine keys its cache by the weights that computed each block as
+   well, so nothing old is served inside an update either. When a new version arrives, groups in
    flight whose dispatch version is already too old for the next batch are cancelled (counted).
 3. Finished groups get group-relative advantages over their valid episodes (failed ones are
    counted, never trained; see `advantages`) and enter the buffer; `cut(step)` drops stale
@@ -98,6 +101,10 @@ class Dispatcher:
             self._in_flight.append(_InFlight(asyncio.create_task(coro), version))
             self.counters.groups_dispatched += 1
 
+    def _cache_salt(self) -> str:
+        """The salt of a request sent now: the version the servers hold (read per turn and retry)."""
+        return str(self.version)
+
     # -- one group -----------------------------------------------------------------------------
     async def _run_group(self, env_cfg, env: Environment, task: Task, version: int) -> Group:
         ids = [f"{task.id}/v{version}/{i}" for i in range(self.cfg.group_size)]
@@ -109,11 +116,10 @@ class Dispatcher:
     ) -> Episode:
         for attempt in range(self.cfg.max_episode_retries + 1):
             policy = TokenPolicy(
-                self.pool.session(episode_id),
+                self.pool.session(episode_id, cache_salt=self._cache_salt),
                 self.tokenizer,
                 self.cfg.sampling,
                 config=env_cfg,
-                cache_salt=str(version),
                 return_routed_experts=self.cfg.return_routed_experts,
             )
             try:
