@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -10,8 +12,8 @@ from asyncrl.envs.base import Task
 from asyncrl.envs.rollout import Episode
 from asyncrl.orchestrator.advantages import group_advantages, with_advantage
 from asyncrl.orchestrator.buffer import Group, GroupBuffer
-from asyncrl.orchestrator.dispatcher import Dispatcher
-from asyncrl.wire import RolloutSample
+from asyncrl.orchestrator.dispatcher import Dispatcher, _InFlight
+from asyncrl.wire import BatchFormatError, RolloutSample
 
 
 def _sample(versions: list[int], mask: list[bool]) -> RolloutSample:
@@ -126,3 +128,25 @@ def test_a_group_with_fewer_than_two_valid_episodes_is_dropped_and_counted():
     group, dispatcher = _make_group([_episode(1.0), _episode(0.0, error="InferenceError: down")])
     assert group.samples == [] and dispatcher.counters.groups_too_few_valid == 1
     assert dispatcher.counters.episodes_failed == 1
+
+
+def test_a_failing_group_is_counted_and_the_run_goes_on():
+    dispatcher = Dispatcher(OrchestratorConfig(model="m", batch_size=4, group_size=4), None, None, None)
+
+    async def finish(results: list) -> list:
+        async def one(r):
+            if isinstance(r, Exception):
+                raise r
+            return r
+
+        tasks = [asyncio.create_task(one(r)) for r in results]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        dispatcher._in_flight = [_InFlight(t, 0) for t in tasks]
+        return dispatcher._collect_finished()
+
+    assert asyncio.run(finish([BatchFormatError("bad routing"), "group"])) == ["group"]
+    assert dispatcher.counters.groups_error == 1
+    # Every group failing is a bug, not bad luck: after 2 x concurrent_groups in a row the run stops.
+    many = [RuntimeError(f"bug {i}") for i in range(2 * dispatcher.cfg.concurrent_groups)]
+    with pytest.raises(RuntimeError, match="rollout groups in a row failed"):
+        asyncio.run(finish(many))
