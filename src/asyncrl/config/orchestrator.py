@@ -18,8 +18,6 @@ Example (TOML)::
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import BaseConfig
@@ -35,9 +33,6 @@ class AdvantageConfig(BaseConfig):
     normalize_std: bool = Field(False, description="divide by the group's reward std (GRPO) as well")
     std_eps: float = Field(1e-6, gt=0.0, description="added to the std before dividing")
     filter_zero_advantage: bool = Field(True, description="drop groups whose rewards are all equal")
-    failed_episodes: Literal["zero", "exclude"] = Field(
-        "zero", description="'zero': keep failed episodes with reward 0; 'exclude': drop them"
-    )
 
 
 class OrchestratorConfig(BaseConfig):

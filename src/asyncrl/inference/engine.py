@@ -201,9 +201,15 @@ class Engine:
 
     # -- weights ----------------------------------------------------------------------------------
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Swap in new weights between steps. Running requests keep their KV and continue."""
+        """Swap in new weights between steps. Running requests keep their KV and continue.
+
+        The prefix cache moves to a new weights epoch: blocks computed by the old weights are never
+        matched again (running requests keep theirs), and the unreferenced ones are freed now.
+        """
         load_into(self.model, state, where="weight update")
         self.version = version
+        self.scheduler.weights_epoch += 1
+        self.pool.reset_prefix_cache()
 
     def read_weights(self, path: str) -> dict[str, torch.Tensor]:
         """Read and validate an HF safetensors directory in this model's names and dtype (no swap yet).

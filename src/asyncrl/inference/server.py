@@ -178,8 +178,10 @@ def _add_core_routes(app: FastAPI) -> None:
     state: ServerState = app.state.server
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, str | bool]:
+        # 200 while paused too: a paused server is alive (mid weight update, or left paused by a
+        # failed one); `paused` tells a rejoining client that it must `/resume` it.
+        return {"status": "ok", "paused": state.engine.paused}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -21,7 +21,7 @@ def oldest_allowed_version(step: int, max_off_policy_steps: int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class Group:
-    """The samples of one task's rollouts, advantages assigned; `dispatch_version` is its cache salt."""
+    """The samples of one task's rollouts, advantages assigned; `dispatch_version`: the version held at dispatch."""
 
     task_id: str
     env: str

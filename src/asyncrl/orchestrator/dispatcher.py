@@ -4,9 +4,13 @@ Reading order:
 1. Dispatch groups of `group_size` episodes of one task while the lag bound allows: a new group
    would land in batch m (the step being filled plus what is in flight and buffered), which needs
    version >= m - 1 - max_async_steps. `max_async_steps = 0` is synchronous on-policy RL.
-2. Each group's `cache_salt` is the version at dispatch. When a new version arrives, groups in
+2. Each request's `cache_salt` is the version the servers hold when it is sent (every turn and
+   every retry reads it anew), so siblings share prefix-cache blocks and a later turn never asks
+   for KV of older weights; the engine keys its cache by the weights that computed each block as
+   well, so nothing old is served inside an update either. When a new version arrives, groups in
    flight whose dispatch version is already too old for the next batch are cancelled (counted).
-3. Finished groups get group-relative advantages and enter the buffer; `cut(step)` drops stale
+3. Finished groups get group-relative advantages over their valid episodes (failed ones are
+   counted, never trained; see `advantages`) and enter the buffer; `cut(step)` drops stale
    groups, and a full batch is written atomically to `RUN/rollouts/step_n/`.
 """
 
@@ -26,7 +30,7 @@ from asyncrl.envs.base import Environment, Task
 from asyncrl.envs.chat import ChatTokenizer
 from asyncrl.envs.policy import TokenPolicy
 from asyncrl.envs.rollout import Episode, run_episode
-from asyncrl.orchestrator.advantages import group_advantages, with_advantage
+from asyncrl.orchestrator.advantages import is_valid, valid_group_samples
 from asyncrl.orchestrator.buffer import Group, GroupBuffer, oldest_allowed_version
 from asyncrl.orchestrator.fill import FillTracker
 from asyncrl.orchestrator.metrics import Counters, StepMetrics, batch_metrics
@@ -65,6 +69,7 @@ class Dispatcher:
             interval_s=cfg.fill_status_interval_s,
             step=cfg.start_step,
         )
+        self._consecutive_errors = 0
 
     # -- version events (called by the WeightUpdater) -------------------------------------------
     def on_version(self, version: int) -> None:
@@ -103,6 +108,10 @@ class Dispatcher:
             self._in_flight.append(_InFlight(asyncio.create_task(coro), version))
             self.counters.groups_dispatched += 1
 
+    def _cache_salt(self) -> str:
+        """The salt of a request sent now: the version the servers hold (read per turn and retry)."""
+        return str(self.version)
+
     # -- one group -----------------------------------------------------------------------------
     async def _run_group(self, env_cfg, env: Environment, task: Task, version: int) -> Group:
         ids = [f"{task.id}/v{version}/{i}" for i in range(self.cfg.group_size)]
@@ -114,11 +123,10 @@ class Dispatcher:
     ) -> Episode:
         for attempt in range(self.cfg.max_episode_retries + 1):
             policy = TokenPolicy(
-                self.pool.session(episode_id),
+                self.pool.session(episode_id, cache_salt=self._cache_salt),
                 self.tokenizer,
                 self.cfg.sampling,
                 config=env_cfg,
-                cache_salt=str(version),
                 return_routed_experts=self.cfg.return_routed_experts,
             )
             try:
@@ -136,25 +144,26 @@ class Dispatcher:
         return _failed_episode(env_cfg.label or env_cfg.name, task, episode_id, error)
 
     def _make_group(self, env_name: str, task: Task, version: int, episodes: list[Episode]) -> Group:
-        failed = [e for e in episodes if e.failed or e.stop_reason == "aborted"]
-        self.counters.episodes_failed += len(failed)
-        if self.cfg.advantage.failed_episodes == "exclude":
-            episodes = [e for e in episodes if e not in failed]
-        rewards = [0.0 if e in failed else e.reward for e in episodes]
-        adv = group_advantages(
-            rewards, normalize_std=self.cfg.advantage.normalize_std, eps=self.cfg.advantage.std_eps
+        """Advantages over the valid episodes (see `advantages`); failed ones are counted, never trained."""
+        valid = [e for e in episodes if is_valid(e)]
+        self.counters.episodes_failed += len(episodes) - len(valid)
+        scored = valid_group_samples(
+            episodes, normalize_std=self.cfg.advantage.normalize_std, eps=self.cfg.advantage.std_eps
         )
-        samples = [with_advantage(s, a) for e, a in zip(episodes, adv, strict=True) for s in e.samples]
-        if self.cfg.advantage.filter_zero_advantage and all(abs(a) < 1e-9 for a in adv):
+        samples: list = []
+        if scored is None:
+            self.counters.groups_too_few_valid += 1
+        elif self.cfg.advantage.filter_zero_advantage and all(abs(a) < 1e-9 for a in scored[1]):
             self.counters.groups_zero_advantage += 1
-            samples = []
+        else:
+            samples = scored[0]
         return Group(
             task_id=task.id,
             env=env_name,
             dispatch_version=version,
             samples=samples,
-            rewards=rewards,
-            episode_metrics=[e.metrics | {"reward": r} for e, r in zip(episodes, rewards, strict=True)],
+            rewards=[e.reward for e in valid],
+            episode_metrics=[e.metrics | {"reward": e.reward} for e in episodes],
         )
 
     # -- main loop -----------------------------------------------------------------------------
@@ -236,8 +245,16 @@ class Dispatcher:
             if f.task.cancelled():
                 continue
             exc = f.task.exception()
-            if exc is not None:
-                raise exc  # a bug in our own code: surface it, the launcher names this process
+            if exc is not None:  # one group's failure is counted and logged; the run goes on
+                self.counters.groups_error += 1
+                self._consecutive_errors += 1
+                log.error("group dispatched at v%d failed", f.dispatch_version, exc_info=exc)
+                if self._consecutive_errors >= 2 * self.cfg.concurrent_groups:
+                    raise RuntimeError(  # every group fails: a bug, not bad luck; the launcher names us
+                        f"{self._consecutive_errors} rollout groups in a row failed; last error: {exc!r}"
+                    ) from exc
+                continue
+            self._consecutive_errors = 0
             groups.append(f.task.result())
         return groups
 

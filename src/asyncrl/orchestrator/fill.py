@@ -54,9 +54,10 @@ class FillTracker:
         self._started = self._last_report = time.monotonic()
 
     def add(self, group: Group) -> None:
-        """A group finished; an empty one was dropped for zero advantage (or all episodes excluded)."""
+        """A group finished; an empty one was dropped (zero advantage, or fewer than 2 valid episodes)."""
         self.num_groups += 1
-        self.num_zero_advantage += not group.samples
+        # an empty group with fewer than 2 valid episodes was dropped for its failures, not its advantages
+        self.num_zero_advantage += not group.samples and len(group.rewards) >= 2
         self.num_with_failed += any(m.get("failed", 0) for m in group.episode_metrics)
         self.rewards.extend(group.rewards)
 

@@ -89,9 +89,19 @@ class ServerPool:
         return cls([HttpBackend(u, api_key=api_key, timeout_s=timeout_s) for u in urls])
 
     # -- routing -------------------------------------------------------------------------------
-    def session(self, session_id: str) -> RequestClient:
-        """The `InferenceClient` of one episode: all its turns go to one server."""
-        return RequestClient(functools.partial(self.generate, session_id))
+    def session(self, session_id: str, *, cache_salt: Callable[[], str] | None = None) -> RequestClient:
+        """The `InferenceClient` of one episode: all its turns go to one server.
+
+        `cache_salt`, when given, is called as each request is sent and its answer becomes the
+        request's salt (the dispatcher's: the policy version the servers hold at that moment).
+        """
+        if cache_salt is None:
+            return RequestClient(functools.partial(self.generate, session_id))
+
+        async def send(request: GenerateRequest) -> GenerateResponse:
+            return await self.generate(session_id, request.model_copy(update={"cache_salt": cache_salt()}))
+
+        return RequestClient(send)
 
     def end_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
