@@ -285,7 +285,7 @@ class Dispatcher:
         self._in_flight = [f for f in self._in_flight if not f.task.done()]
         groups = []
         for f in done:
-            if f.task.cancelled():
+            if f.cancelled or f.task.cancelled():  # a stale group that finished anyway stays dropped
                 continue
             exc = f.task.exception()
             if exc is not None:
