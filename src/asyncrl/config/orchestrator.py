@@ -51,6 +51,11 @@ class OrchestratorConfig(BaseConfig):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     max_steps: int = Field(10, ge=1, description="last trainer step to produce a batch for")
     start_step: int = Field(1, ge=1, description="first batch to write (resume: the trainer's next step)")
+    resume: bool = Field(
+        False,
+        description="continue from the checkpoint written with the newest RUN/rollouts/step_n "
+        "(start_step is then ignored); a fresh start if there is none",
+    )
     batch_size: int = Field(32, ge=1, description="samples per batch (one trainer step)")
     group_size: int = Field(4, ge=1, description="rollouts per task")
     max_concurrent_groups: int | None = Field(

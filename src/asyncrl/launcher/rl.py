@@ -14,6 +14,9 @@ Top-level keys: model, run_dir, max_steps, seq_len, seed, and the tables [deploy
 the command line: `--orchestrator.batch_size 32 --trainer.optim.lr 1e-4`.
 
 Other flags:
+  --resume      continue the run in run_dir after a crash or kill: the trainer from its newest
+                checkpoint, the orchestrator from the checkpoint stored with its newest batch,
+                the servers from the newest published weights (see asyncrl.launcher.resume)
   --dry-run     resolve and write the configs, print the commands, start nothing
   --slurm       render RUN/slurm.sbatch from the `[slurm]` table and submit it with sbatch
                 (with --dry-run: only write it); same as `asyncrl slurm`, see asyncrl.launcher.slurm
@@ -37,6 +40,7 @@ from asyncrl.config.rl import _SHARED, ResolvedRL, RLConfig
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.launcher.console import Console, LiveConsole, PlainConsole
 from asyncrl.launcher.parallel_check import check_trainer_parallel
+from asyncrl.launcher.resume import check_fresh_run_dir, plan_resume
 from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm import SlurmRLConfig
 from asyncrl.launcher.slurm import main as slurm_main
@@ -129,8 +133,8 @@ def main(argv: list[str]) -> int:
         return 0
     if "--slurm" in argv:
         return slurm_main([a for a in argv if a != "--slurm"])
-    dry_run = "--dry-run" in argv
-    argv = [a for a in argv if a != "--dry-run"]
+    dry_run, resume = "--dry-run" in argv, "--resume" in argv
+    argv = [a for a in argv if a not in ("--dry-run", "--resume")]
     try:
         # a [slurm] table is allowed and unused here; servers off loopback get a per-run API key
         cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=False)
@@ -139,6 +143,12 @@ def main(argv: list[str]) -> int:
         check_trainer_parallel(
             resolved.trainer, world_size=nproc, where=f"deployment.trainer_nproc = {nproc}"
         )
+        if resume:
+            plan = plan_resume(resolved, dry_run=dry_run)
+            resolved = plan.resolved
+            print(f"asyncrl rl: {plan.describe()}")
+        else:
+            check_fresh_run_dir(cfg.run_dir)
     except ConfigError as e:
         print(f"asyncrl rl: {e}", file=sys.stderr)
         return 2

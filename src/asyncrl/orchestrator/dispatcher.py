@@ -11,7 +11,9 @@ Reading order:
    flight whose dispatch version is already too old for the next batch are cancelled (counted).
 3. Finished groups get group-relative advantages over their valid episodes (failed ones are
    counted, never trained; see `advantages`) and enter the buffer; `cut(step)` drops stale
-   groups, and a full batch is written atomically to `RUN/rollouts/step_n/`.
+   groups, and a full batch is written atomically to `RUN/rollouts/step_n/`, together with the
+   orchestrator's checkpoint (`snapshot`; `restore` continues from it, see checkpoint.py). A write
+   the disk refuses is retried, with the groups kept, until it succeeds.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import asyncio
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
@@ -32,6 +36,7 @@ from asyncrl.envs.policy import TokenPolicy
 from asyncrl.envs.rollout import Episode, run_episode
 from asyncrl.orchestrator.advantages import is_valid, valid_group_samples
 from asyncrl.orchestrator.buffer import Group, GroupBuffer, oldest_allowed_version
+from asyncrl.orchestrator.checkpoint import GroupRef, OrchestratorState, encode_state
 from asyncrl.orchestrator.fill import FillTracker
 from asyncrl.orchestrator.metrics import Counters, StepMetrics, batch_metrics
 from asyncrl.orchestrator.pool import ServerPool
@@ -47,6 +52,8 @@ log = logging.getLogger(__name__)
 class _InFlight:
     task: asyncio.Task
     dispatch_version: int
+    ref: GroupRef
+    cancelled: bool = False  # cancelled as stale: already counted as dropped
 
 
 class Dispatcher:
@@ -70,6 +77,44 @@ class Dispatcher:
             step=cfg.start_step,
         )
         self._consecutive_errors = 0
+        self._redispatch: deque[GroupRef] = deque()  # in flight at the checkpoint we resumed from
+        self._dropped: list[tuple[int, str]] = []  # (group index, reason) since the last batch
+
+    # -- checkpoint ----------------------------------------------------------------------------
+    def restore(self, state: OrchestratorState) -> None:
+        """Continue after batch `state.step`: its buffer, task stream, counters; re-run its in-flight groups."""
+        self.step = state.step + 1
+        self._task_index = state.next_index
+        self._rng.setstate(state.rng_state)
+        known = {f.name for f in fields(Counters)}
+        self.counters = Counters(**{k: v for k, v in state.counters.items() if k in known})
+        self.buffer.load(
+            state.buffered,
+            int(state.counters.get("buffer_dropped_groups", 0)),
+            int(state.counters.get("buffer_dropped_samples", 0)),
+        )
+        self._redispatch.extend(state.in_flight)
+        self.fill.reset(self.step, self._num_stale_groups)
+
+    def snapshot(self, step: int, trained: list[Group], metrics: dict) -> OrchestratorState:
+        """The state right after cutting batch `step` out of the buffer."""
+        counters = asdict(self.counters) | {
+            "buffer_dropped_groups": self.buffer.num_dropped_groups,
+            "buffer_dropped_samples": self.buffer.num_dropped_samples,
+        }
+        in_flight = [*self._redispatch, *(f.ref for f in self._in_flight if not f.cancelled)]
+        return OrchestratorState(
+            step=step,
+            next_index=self._task_index,
+            rng_state=self._rng.getstate(),
+            version=self.version,
+            counters=counters,
+            buffered=self.buffer.groups,
+            in_flight=in_flight,
+            trained=[g.index for g in trained],
+            dropped=list(self._dropped),
+            metrics=metrics,
+        )
 
     # -- version events (called by the WeightUpdater) -------------------------------------------
     def on_version(self, version: int) -> None:
@@ -82,6 +127,8 @@ class Dispatcher:
         for f in self._in_flight:
             if f.dispatch_version < floor and not f.task.done():
                 f.task.cancel()
+                f.cancelled = True
+                self._dropped.append((f.ref.index, "stale_in_flight"))
                 self.counters.groups_cancelled_stale += 1
 
     # -- dispatch ------------------------------------------------------------------------------
@@ -100,23 +147,30 @@ class Dispatcher:
 
     def _dispatch(self) -> None:
         while self._may_dispatch():
-            env_cfg, env = self.mixture.pick(self._rng)
-            task = env.task("train", self._task_index)
-            self._task_index += 1
+            ref = self._redispatch.popleft() if self._redispatch else self._next_group()
+            env_cfg, env = self.mixture.configs[ref.env_index], self.mixture.envs[ref.env_index]
+            task = env.task("train", ref.index)
             version = self.version
-            coro = self._run_group(env_cfg, env, task, version)
-            self._in_flight.append(_InFlight(asyncio.create_task(coro), version))
+            coro = self._run_group(env_cfg, env, task, version, ref.index)
+            self._in_flight.append(_InFlight(asyncio.create_task(coro), version, ref))
             self.counters.groups_dispatched += 1
 
     def _cache_salt(self) -> str:
         """The salt of a request sent now: the version the servers hold (read per turn and retry)."""
         return str(self.version)
 
+    def _next_group(self) -> GroupRef:
+        """The next group of the task stream: an env picked by the seeded RNG, the next task index."""
+        env_cfg, _ = self.mixture.pick(self._rng)
+        env_index = next(i for i, c in enumerate(self.mixture.configs) if c is env_cfg)
+        self._task_index += 1
+        return GroupRef(index=self._task_index - 1, env_index=env_index)
+
     # -- one group -----------------------------------------------------------------------------
-    async def _run_group(self, env_cfg, env: Environment, task: Task, version: int) -> Group:
+    async def _run_group(self, env_cfg, env: Environment, task: Task, version: int, index: int) -> Group:
         ids = [f"{task.id}/v{version}/{i}" for i in range(self.cfg.group_size)]
         episodes = await asyncio.gather(*(self._run_episode(env_cfg, env, task, version, e) for e in ids))
-        return self._make_group(env_cfg.label or env_cfg.name, task, version, list(episodes))
+        return self._make_group(env_cfg.label or env_cfg.name, task, version, list(episodes), index)
 
     async def _run_episode(
         self, env_cfg, env: Environment, task: Task, version: int, episode_id: str
@@ -143,7 +197,9 @@ class Dispatcher:
                 self.pool.end_session(episode_id)
         return _failed_episode(env_cfg.label or env_cfg.name, task, episode_id, error)
 
-    def _make_group(self, env_name: str, task: Task, version: int, episodes: list[Episode]) -> Group:
+    def _make_group(
+        self, env_name: str, task: Task, version: int, episodes: list[Episode], index: int = -1
+    ) -> Group:
         """Advantages over the valid episodes (see `advantages`); failed ones are counted, never trained."""
         valid = [e for e in episodes if is_valid(e)]
         self.counters.episodes_failed += len(episodes) - len(valid)
@@ -164,6 +220,7 @@ class Dispatcher:
             samples=samples,
             rewards=[e.reward for e in valid],
             episode_metrics=[e.metrics | {"reward": e.reward} for e in episodes],
+            index=index,
         )
 
     # -- main loop -----------------------------------------------------------------------------
@@ -186,14 +243,16 @@ class Dispatcher:
                 self.counters.inference_idle_s += time.monotonic() - idle_t0
             for group in self._collect_finished():
                 pending_metrics.add_group(group)
+                if not group.samples:
+                    self._dropped.append((group.index, "no_samples"))  # zero advantage or all failed
                 self.buffer.add(group)
                 self.fill.add(group)
             while self.version >= self.step - 1 - self.cfg.max_async_steps and (
                 cut := self.buffer.cut(self.step)
             ):
-                batch, _groups = cut
-                path = write_batch(self.cfg.run_dir, batch)
+                batch, groups = cut
                 metrics = self._batch_metrics(batch, pending_metrics)
+                path = await self._write(batch, groups, metrics)
                 pending_metrics = StepMetrics()
                 log.info("wrote %s", path)
                 if on_batch is not None:
@@ -216,6 +275,29 @@ class Dispatcher:
         if on_fill_status is not None and self.fill.due():
             on_fill_status(self.fill.status(self.buffer.num_samples, self._num_stale_groups))
         self.fill.check(self.buffer.num_samples, self._num_stale_groups)
+
+    async def _write(self, batch: RolloutBatch, groups: list[Group], metrics: dict) -> Path:
+        """Write batch + checkpoint; while the disk refuses (full, read-only), keep the groups and retry."""
+        self._dropped += [(i, "stale_queue") for i in self.buffer.dropped_indices]
+        self.buffer.dropped_indices.clear()
+        attempt = 0
+        while True:
+            state = self.snapshot(batch.step, groups, metrics)  # in flight may change while we wait
+            try:
+                path = write_batch(self.cfg.run_dir, batch, encode_state(state))
+            except FileExistsError:
+                raise  # two writers on one run dir: never overwrite a batch
+            except OSError as e:
+                delay = min(0.5 * 2**attempt, 30.0)
+                log.error(
+                    "cannot write batch %d under %s/rollouts (%s); its groups are kept, retrying in %.1fs",
+                    batch.step, self.cfg.run_dir, e, delay,
+                )  # fmt: skip
+                await asyncio.sleep(delay)
+                attempt += 1
+                continue
+            self._dropped.clear()
+            return path
 
     def _batch_metrics(self, batch: RolloutBatch, since: StepMetrics) -> dict[str, float | int]:
         metrics = batch_metrics(
@@ -242,11 +324,12 @@ class Dispatcher:
         self._in_flight = [f for f in self._in_flight if not f.task.done()]
         groups = []
         for f in done:
-            if f.task.cancelled():
+            if f.cancelled or f.task.cancelled():  # a stale group that finished anyway stays dropped
                 continue
             exc = f.task.exception()
             if exc is not None:  # one group's failure is counted and logged; the run goes on
                 self.counters.groups_error += 1
+                self._dropped.append((f.ref.index, "error"))
                 self._consecutive_errors += 1
                 log.error("group dispatched at v%d failed", f.dispatch_version, exc_info=exc)
                 if self._consecutive_errors >= 2 * self.cfg.concurrent_groups:

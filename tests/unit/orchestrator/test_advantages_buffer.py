@@ -12,6 +12,7 @@ from asyncrl.envs.base import Task
 from asyncrl.envs.rollout import Episode
 from asyncrl.orchestrator.advantages import group_advantages, with_advantage
 from asyncrl.orchestrator.buffer import Group, GroupBuffer
+from asyncrl.orchestrator.checkpoint import GroupRef
 from asyncrl.orchestrator.dispatcher import Dispatcher, _InFlight
 from asyncrl.wire import BatchFormatError, RolloutSample
 
@@ -141,7 +142,7 @@ def test_a_failing_group_is_counted_and_the_run_goes_on():
 
         tasks = [asyncio.create_task(one(r)) for r in results]
         await asyncio.gather(*tasks, return_exceptions=True)
-        dispatcher._in_flight = [_InFlight(t, 0) for t in tasks]
+        dispatcher._in_flight = [_InFlight(t, 0, GroupRef(index=i, env_index=0)) for i, t in enumerate(tasks)]
         return dispatcher._collect_finished()
 
     assert asyncio.run(finish([BatchFormatError("bad routing"), "group"])) == ["group"]
