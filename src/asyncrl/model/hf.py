@@ -25,6 +25,9 @@ from safetensors.torch import save_file
 
 from asyncrl.model.args import ModelArgs, ModelConfigError
 from asyncrl.model.dtypes import dtype_name
+from asyncrl.model.mtp import PREFIX as MTP_PREFIX
+from asyncrl.model.mtp import hf_name as mtp_hf_name
+from asyncrl.model.mtp import is_mtp_key, our_name
 from asyncrl.model.transformer import Transformer
 
 __all__ = [
@@ -94,7 +97,9 @@ def _stack_experts(flat: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
     out: dict[str, torch.Tensor] = {}
     per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for key, t in flat.items():
-        if m := _EXPERT_KEY.match(key):
+        if is_mtp_key(key, args):  # kept verbatim, experts unstacked (see asyncrl.model.mtp)
+            out[our_name(key)] = t
+        elif m := _EXPERT_KEY.match(key):
             per_expert.setdefault((m[1], m[3]), {})[int(m[2])] = t
         elif m := _FUSED_KEY.match(key):
             if m[2] == "gate_up_proj":
@@ -114,20 +119,25 @@ def _stack_experts(flat: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
 def from_pretrained(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> Transformer:
-    """Load a Qwen3 / Qwen3-MoE Hugging Face directory (config.json + safetensors)."""
+    """Load a Hugging Face directory (config.json + safetensors) of a supported family."""
     args = load_args(path)
     state = load_state_dict(path, args, dtype)
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
     model.to_empty(device=device)
     model.tie_weights()
+    for name in [n for n in state if n.startswith(MTP_PREFIX)]:
+        model.mtp.put(mtp_hf_name(name), state[name].to(device))
     load_into(model, state, where=str(path))
     return model.to(dtype)
 
 
 def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
-    """Copy `state` (our names) into `model`, checking names and shapes with clear errors."""
-    params = dict(model.named_parameters())
+    """Copy `state` (our names) into `model`, checking names and shapes with clear errors.
+
+    Covers parameters and buffers (the routers' score-correction bias, kept MTP tensors).
+    """
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
     if model.args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing = sorted(set(params) - set(state))
@@ -159,7 +169,9 @@ def to_hf_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.
     Stacked experts `model.layers.i.mlp.experts.gate_proj` [E, I, D] become E tensors
     `model.layers.i.mlp.experts.{e}.gate_proj.weight` [I, D] (views, no copy); others pass through.
     """
-    if name.startswith("model.layers.") and ".mlp.experts." in name:
+    if name.startswith(MTP_PREFIX):
+        yield mtp_hf_name(name), tensor
+    elif name.startswith("model.layers.") and ".mlp.experts." in name:
         prefix, proj = name.rsplit(".", 1)
         for e in range(tensor.shape[0]):
             yield f"{prefix}.{e}.{proj}.weight", tensor[e]

@@ -23,6 +23,8 @@ __all__ = [
     "PackedCausalAttention",
     "RMSNorm",
     "RotaryEmbedding",
+    "apply_rope",
+    "apply_rope_interleaved",
     "segment_ids_from_positions",
 ]
 
@@ -42,7 +44,7 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE with the half-split (non-interleaved) layout; cos/sin built in fp32 from position ids.
+    """RoPE cos/sin tables [B, T, head_dim] (= cat(freqs, freqs)), built in fp32 from position ids.
 
     The inverse frequencies are recomputed per call (Dh/2 values) rather than kept in a buffer, so a
     model materialised from the meta device needs no re-initialisation.
@@ -66,15 +68,44 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE on the first cos.shape[-1] dims of each head; the rest pass through (partial rotary)."""
     cos, sin = cos_BTd.unsqueeze(1), sin_BTd.unsqueeze(1)
-    return x_BHTd * cos + _rotate_half(x_BHTd) * sin
+    r = cos.shape[-1]
+    if r == x_BHTd.shape[-1]:
+        return x_BHTd * cos + _rotate_half(x_BHTd) * sin
+    x_rot, x_pass = x_BHTd[..., :r], x_BHTd[..., r:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def apply_rope_interleaved(
+    x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor
+) -> torch.Tensor:
+    """RoPE over interleaved pairs (x0, x1), (x2, x3), ...; the output is laid out half-split
+    ([rotated evens, rotated odds]), as DeepSeek's checkpoints (and transformers) expect."""
+    half = cos_BTd.shape[-1] // 2
+    cos, sin = cos_BTd[..., :half].unsqueeze(1), sin_BTd[..., :half].unsqueeze(1)
+    x1, x2 = x_BHTd[..., 0::2], x_BHTd[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class AttentionBackend(Protocol):
-    """Computes softmax attention for one layer. q is [B, H, T, Dh]; k, v are [B, G, T, Dh] (new tokens)."""
+    """Computes softmax attention for one layer. q is [B, H, T, Dh]; k, v are [B, G, T, Dh] (new
+    tokens; v's last dim may differ from q/k's, as in MLA).
+
+    Sparse attention (asyncrl.model.dsa) also uses: `keep_BTS` (bool [B, T, S] over all S keys of
+    the context: which keys each query may attend to), `visible_mask()` (the keys each query may
+    see at all), `index_keys(new_BTd, layer_idx)` (the indexer keys of the whole context, new ones
+    appended), and `dsa_selection` (layer_idx -> keep_BTS, for layers that share a selection).
+    """
 
     def __call__(
-        self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
+        self,
+        q_BHTd: torch.Tensor,
+        k_BGTd: torch.Tensor,
+        v_BGTd: torch.Tensor,
+        layer_idx: int,
+        *,
+        keep_BTS: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -96,6 +127,8 @@ class PackedCausalAttention:
 
     def __init__(self, position_ids_BT: torch.Tensor) -> None:
         segments_BT = segment_ids_from_positions(position_ids_BT)
+        self.segments_BT = segments_BT
+        self.dsa_selection: dict[int, torch.Tensor] = {}
         self.bounds: list[list[tuple[int, int]]] | None = None
         if bool((segments_BT[:, -1] > 1).any()):
             T = position_ids_BT.shape[1]
@@ -104,10 +137,30 @@ class PackedCausalAttention:
             ]
             self.bounds = [list(zip(st, [*st[1:], T], strict=True)) for st in starts]
 
+    def visible_mask(self) -> torch.Tensor:
+        """Bool [B, T, T]: causal within each packed sequence."""
+        T = self.segments_BT.shape[1]
+        causal_TT = torch.ones(T, T, dtype=torch.bool, device=self.segments_BT.device).tril()
+        same_BTT = self.segments_BT.unsqueeze(2) == self.segments_BT.unsqueeze(1)
+        return causal_TT & same_BTT
+
+    def index_keys(self, keys_BTd: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return keys_BTd  # no cache: the context is the row itself
+
     def __call__(
-        self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
+        self,
+        q_BHTd: torch.Tensor,
+        k_BGTd: torch.Tensor,
+        v_BGTd: torch.Tensor,
+        layer_idx: int,
+        *,
+        keep_BTS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         gqa = q_BHTd.shape[1] != k_BGTd.shape[1]
+        if keep_BTS is not None:  # sparse: one masked call (keep is already causal and per sequence)
+            return F.scaled_dot_product_attention(
+                q_BHTd, k_BGTd, v_BGTd, attn_mask=keep_BTS.unsqueeze(1), enable_gqa=gqa
+            )
         if self.bounds is None:
             return F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BGTd, is_causal=True, enable_gqa=gqa)
         rows = []
@@ -124,7 +177,8 @@ class PackedCausalAttention:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3), RoPE after the norm."""
+    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3; optional in GLM-4.5), RoPE
+    after the norm, on all (Qwen3) or the first `partial_rotary_factor` (GLM-4.5) of each head's dims."""
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
@@ -138,9 +192,10 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        o_bias = bias and args.model_type != "glm4_moe"  # GLM-4.5 biases q/k/v only
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.use_qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.use_qk_norm else nn.Identity()
 
     def forward(
         self,
