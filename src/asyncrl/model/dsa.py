@@ -5,26 +5,27 @@ Indexer, per query t and visible key s: score(t, s) = sum_h w_h(x_t) * relu(q_h(
 with index_n_heads query heads from the MLA query latent (wq_b), one shared key per token
 (LayerNorm(wk x)), interleaved RoPE on the first qk_rope_head_dim dims of both, and per-head
 weights w = weights_proj(x) / sqrt(index_n_heads). Each query keeps its top `index_topk` visible
-keys; attention is the MLA attention restricted to those (all of them while a row is shorter
-than index_topk). "shared" layers reuse the selection of the nearest "full" layer below.
+keys (`asyncrl.model.sparse_index.select_topk`); attention is the MLA attention restricted to those
+(all of them while a context is shorter than index_topk). "shared" layers reuse the selection of
+the nearest "full" layer below, as transformers does.
 
 The indexer runs without gradient, as in transformers (training it needs its own distillation
-loss, which is not implemented). The attention backend supplies which keys a query may see
-(`visible_mask`), the indexer keys of the whole context (`index_keys`, so a KV cache can keep
-them), stores selections for shared layers, and runs the masked attention (`keep_BTS=`).
+loss, which is not implemented). The attention backend does the selection because only it knows
+each query's context: the whole row while training, the cached prefix plus new tokens in the
+engine, which caches each token's index key next to its MLA latent.
 
-Shape legend: B batch, T queries, S keys, D model dim, H index heads, d index head dim, k index_topk.
+Shape legend: B batch, T tokens, D model dim, H index heads, d index head dim.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
 from asyncrl.model.layers import AttentionBackend, apply_rope_interleaved
 from asyncrl.model.mla import MLAttention
+from asyncrl.model.sparse_index import IndexQuery
 
 __all__ = ["DSAttention", "Indexer"]
 
@@ -50,31 +51,16 @@ class Indexer(nn.Module):
         x_rot, x_pass = x_BHTd.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat((apply_rope_interleaved(x_rot, *rope), x_pass), dim=-1)
 
-    def keys(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The indexer key of each new token [B, T, d] (what a KV cache keeps next to the latent)."""
-        return self._rope(self.k_norm(self.wk(x_BTD)).unsqueeze(1), rope).squeeze(1)
-
     @torch.no_grad()
-    def select(
-        self,
-        x_BTD: torch.Tensor,
-        q_resid_BTQ: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        keys_BSd: torch.Tensor,
-        visible_BTS: torch.Tensor,
-    ) -> torch.Tensor:
-        """Bool [B, T, S]: the visible keys each query attends to (its top index_topk)."""
+    def forward(
+        self, x_BTD: torch.Tensor, q_resid_BTQ: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Index queries [B, H, T, d], head weights [B, T, H] and keys [B, T, d] of the new tokens."""
         B, T, _ = x_BTD.shape
         q_BHTd = self._rope(self.wq_b(q_resid_BTQ).view(B, T, self.num_heads, -1).transpose(1, 2), rope)
-        scores_BHTS = F.relu(q_BHTd.float() @ keys_BSd.float().transpose(-1, -2).unsqueeze(1))
-        scores_BHTS = scores_BHTS * self.head_dim**-0.5
+        k_BTd = self._rope(self.k_norm(self.wk(x_BTD)).unsqueeze(1), rope).squeeze(1)
         w_BTH = self.weights_proj(x_BTD).float() * self.num_heads**-0.5
-        index_BTS = torch.einsum("bth,bhts->bts", w_BTH, scores_BHTS)
-        index_BTS = index_BTS.masked_fill(~visible_BTS, float("-inf"))
-        k = min(self.topk, index_BTS.shape[-1])
-        keep_BTS = torch.zeros_like(visible_BTS)
-        keep_BTS.scatter_(-1, index_BTS.topk(k, dim=-1).indices, True)
-        return keep_BTS & visible_BTS
+        return q_BHTd, w_BTH, k_BTd
 
 
 class DSAttention(MLAttention):
@@ -82,6 +68,7 @@ class DSAttention(MLAttention):
         super().__init__(args, layer_idx)
         full = args.indexer_types[layer_idx] == "full"
         self.indexer = Indexer(args) if full else None
+        self.index_topk = args.index_topk
         # the "full" layer whose selection a "shared" layer reuses
         self.source_layer = max(i for i in range(layer_idx + 1) if args.indexer_types[i] == "full")
 
@@ -90,12 +77,7 @@ class DSAttention(MLAttention):
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         p = self.project(x_BTD, rope)
-        if self.indexer is not None:
-            keys_BSd = backend.index_keys(self.indexer.keys(x_BTD, rope), self.layer_idx)
-            keep_BTS = self.indexer.select(x_BTD, p.q_resid_BTQ, rope, keys_BSd, backend.visible_mask())
-            backend.dsa_selection[self.layer_idx] = keep_BTS
-        else:
-            keep_BTS = backend.dsa_selection[self.source_layer]
-        k_BHTd, v_BHTd = self.expand(p.latent_BTR, p.k_rot_BTr)
-        o_BHTv = backend(p.q_BHTd, k_BHTd, v_BHTd, self.layer_idx, keep_BTS=keep_BTS)
+        q, w, k = (None, None, None) if self.indexer is None else self.indexer(x_BTD, p.q_resid_BTQ, rope)
+        index = IndexQuery(q_BHTd=q, w_BTH=w, k_BTd=k, topk=self.index_topk, source_layer=self.source_layer)
+        o_BHTv = backend.attend_latent(p.q_BHTd, p.state_BTc, self.expand, self.layer_idx, index=index)
         return self.o_proj(o_BHTv.transpose(1, 2).reshape(B, T, -1))

@@ -8,6 +8,7 @@ Shape legend: B batch, T tokens, D model dim, H query heads, G kv heads, Dh head
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.sparse_index import IndexQuery, select_topk
 
 __all__ = [
     "MLP",
@@ -89,23 +91,25 @@ def apply_rope_interleaved(
 
 
 class AttentionBackend(Protocol):
-    """Computes softmax attention for one layer. q is [B, H, T, Dh]; k, v are [B, G, T, Dh] (new
-    tokens; v's last dim may differ from q/k's, as in MLA).
+    """Computes softmax attention for one layer. q is [B, H, T, Dh]; k, v are [B, G, T, Dh] (new tokens).
 
-    Sparse attention (asyncrl.model.dsa) also uses: `keep_BTS` (bool [B, T, S] over all S keys of
-    the context: which keys each query may attend to), `visible_mask()` (the keys each query may
-    see at all), `index_keys(new_BTd, layer_idx)` (the indexer keys of the whole context, new ones
-    appended), and `dsa_selection` (layer_idx -> keep_BTS, for layers that share a selection).
+    MLA layers (asyncrl.model.mla) call `attend_latent` instead: they hand over each new token's
+    latent state [B, T, c] and an `expand(state_BSc) -> (k_BHSd, v_BHSv)` function, so that a KV
+    cache can keep the latent; `index` (an IndexQuery) makes it DeepSeek sparse attention.
     """
 
     def __call__(
+        self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
+    ) -> torch.Tensor: ...
+
+    def attend_latent(
         self,
         q_BHTd: torch.Tensor,
-        k_BGTd: torch.Tensor,
-        v_BGTd: torch.Tensor,
+        state_BTc: torch.Tensor,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         layer_idx: int,
         *,
-        keep_BTS: torch.Tensor | None = None,
+        index: IndexQuery | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -144,23 +148,30 @@ class PackedCausalAttention:
         same_BTT = self.segments_BT.unsqueeze(2) == self.segments_BT.unsqueeze(1)
         return causal_TT & same_BTT
 
-    def index_keys(self, keys_BTd: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        return keys_BTd  # no cache: the context is the row itself
-
-    def __call__(
+    def attend_latent(
         self,
         q_BHTd: torch.Tensor,
-        k_BGTd: torch.Tensor,
-        v_BGTd: torch.Tensor,
+        state_BTc: torch.Tensor,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         layer_idx: int,
         *,
-        keep_BTS: torch.Tensor | None = None,
+        index: IndexQuery | None = None,
+    ) -> torch.Tensor:
+        k_BHTd, v_BHTd = expand(state_BTc)
+        if index is None:
+            return self(q_BHTd, k_BHTd, v_BHTd, layer_idx)
+        if index.q_BHTd is None:
+            keep_BTT = self.dsa_selection[index.source_layer]
+        else:
+            keep_BTT = select_topk(index.q_BHTd, index.w_BTH, index.k_BTd, self.visible_mask(), index.topk)
+            self.dsa_selection[layer_idx] = keep_BTT
+        # one masked call: the selection is already causal and within each packed sequence
+        return F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, attn_mask=keep_BTT.unsqueeze(1))
+
+    def __call__(
+        self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
     ) -> torch.Tensor:
         gqa = q_BHTd.shape[1] != k_BGTd.shape[1]
-        if keep_BTS is not None:  # sparse: one masked call (keep is already causal and per sequence)
-            return F.scaled_dot_product_attention(
-                q_BHTd, k_BGTd, v_BGTd, attn_mask=keep_BTS.unsqueeze(1), enable_gqa=gqa
-            )
         if self.bounds is None:
             return F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BGTd, is_causal=True, enable_gqa=gqa)
         rows = []

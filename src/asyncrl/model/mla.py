@@ -5,8 +5,9 @@ compressed KV, kv_lora_rank R) plus one shared rotary key k_r = RoPE(W_kva x)[R:
 r). Per head, k = [W_kb c ; k_r] and v = W_vb c. Queries go through their own low-rank bottleneck
 (q_lora_rank) when configured. Only (c, k_r) is per-token state, which is what an MLA KV cache keeps.
 
-`project` returns that per-token state and `expand` turns it into per-head k/v, so that attention
-backends can cache either. HF names: q_proj | q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa,
+`project` returns that per-token state, concatenated [c ; k_r] (`state_BTc`), and `expand` turns
+a context's state into per-head k/v. Attention runs through `backend.attend_latent(q, state,
+expand, layer)`, so a KV cache keeps the R + r state per token instead of H * (n + r + v) values. HF names: q_proj | q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa,
 kv_a_layernorm, kv_b_proj; o_proj. The two bottleneck norms use eps 1e-6, as transformers does.
 
 Shape legend: B batch, T tokens, D model dim, H heads, R kv_lora_rank, Q q_lora_rank,
@@ -32,8 +33,7 @@ class MLAProjection(NamedTuple):
     """Queries and the per-token latent state of one MLA layer."""
 
     q_BHTd: torch.Tensor  # [B, H, T, n + r]: [nope ; roped] per head
-    latent_BTR: torch.Tensor  # [B, T, R] normed compressed KV
-    k_rot_BTr: torch.Tensor  # [B, T, r] roped shared key
+    state_BTc: torch.Tensor  # [B, T, R + r]: normed compressed KV ; roped shared key
     q_resid_BTQ: torch.Tensor | None  # [B, T, Q] normed query latent (the DSA indexer reads it)
 
 
@@ -77,11 +77,12 @@ class MLAttention(nn.Module):
             [self.kv_lora_rank, self.rope_dim], dim=-1
         )
         k_rot_BTr = self._rope(k_rot_BTr.unsqueeze(1), cos, sin).squeeze(1)
-        return MLAProjection(q_BHTd, self.kv_a_layernorm(latent_BTR), k_rot_BTr, q_resid)
+        return MLAProjection(q_BHTd, torch.cat((self.kv_a_layernorm(latent_BTR), k_rot_BTr), dim=-1), q_resid)
 
-    def expand(self, latent_BTR: torch.Tensor, k_rot_BTr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def expand(self, state_BTc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys [B, H, T, n + r] and values [B, H, T, v] from the latent state."""
-        B, T, _ = latent_BTR.shape
+        B, T, _ = state_BTc.shape
+        latent_BTR, k_rot_BTr = state_BTc.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_BHTd = self.kv_b_proj(latent_BTR).view(B, T, self.num_heads, -1).transpose(1, 2)
         k_nope, v_BHTd = kv_BHTd.split([self.nope_dim, self.v_dim], dim=-1)
         k_rot = k_rot_BTr.unsqueeze(1).expand(-1, self.num_heads, -1, -1)
@@ -92,6 +93,5 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         p = self.project(x_BTD, rope)
-        k_BHTd, v_BHTd = self.expand(p.latent_BTR, p.k_rot_BTr)
-        o_BHTv = backend(p.q_BHTd, k_BHTd, v_BHTd, self.layer_idx)
+        o_BHTv = backend.attend_latent(p.q_BHTd, p.state_BTc, self.expand, self.layer_idx)
         return self.o_proj(o_BHTv.transpose(1, 2).reshape(B, T, -1))

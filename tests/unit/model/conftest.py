@@ -45,6 +45,8 @@ def hf_checkpoint(tmp_path):
 
 # Tiny configs with every feature of a family switched on: several expert groups, a dense first
 # layer, shared experts, a scaling factor, low-rank q, interleaved RoPE, QK-norm, a short index_topk.
+# 16 index heads: an exact tie of index scores (every relu term zero) then has odds ~2^-16, and
+# ties are where transformers' topk and our position-ordered rule may pick different keys.
 _SIGMOID_MOE = dict(
     vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=4, topk_group=2,
@@ -58,7 +60,7 @@ FAMILY_BASES = {
     "glm4_moe": _SIGMOID_MOE
     | dict(num_key_value_heads=2, head_dim=16, use_qk_norm=True, attention_bias=True)
     | dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5}),
-    "glm_moe_dsa": _SIGMOID_MOE | _MLA | dict(index_topk=6, index_n_heads=4, index_head_dim=16),
+    "glm_moe_dsa": _SIGMOID_MOE | _MLA | dict(index_topk=6, index_n_heads=16, index_head_dim=16),
 }
 
 

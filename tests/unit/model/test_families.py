@@ -122,7 +122,7 @@ def test_dsa_selection_changes_the_result(family_checkpoint):
     with torch.no_grad():
         sparse = ours(ids).logits
         for layer in ours.layers:
-            layer.self_attn.indexer.topk = 1000
+            layer.self_attn.index_topk = 1000
         dense = ours(ids).logits
     assert (sparse - dense).abs().max() > 1e-3
     assert (sparse[:, :6] - dense[:, :6]).abs().max() <= 1e-5  # the first 6 queries see <= 6 keys anyway

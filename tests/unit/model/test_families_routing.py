@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from asyncrl.model import ModelArgs, Transformer
+from asyncrl.model.sparse_index import select_topk
 
 _COMMON = dict(
     vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -120,3 +121,18 @@ def test_packed_rows_match_sequences_run_alone(model):
 def test_out_of_range_routing_is_rejected(model):
     with pytest.raises(ValueError, match=r"ids must lie in \[0, 8\)"):
         model(_ids(), routed_experts=torch.full((2, 17, 3, 3), 8, dtype=torch.long))
+
+
+def test_indexer_ties_take_the_earliest_keys_whatever_the_context_length():
+    """relu makes exact ties common; the trainer (whole row) and the engine (cached context, other
+    lengths) must still pick the same keys, so ties go to the earliest positions."""
+    q = torch.tensor([[[[1.0, 0.0]]]])  # [B, H, T=1, d]
+    w = torch.ones(1, 1, 1)
+    keys = torch.tensor(
+        [[[-1.0, 0.0], [2.0, 0.0], [-1.0, 0.0], [-3.0, 0.0], [-1.0, 0.0]]]
+    )  # scores 0,2,0,0,0
+    for S in (4, 5):
+        keep = select_topk(q, w, keys[:, :S], torch.ones(1, 1, S, dtype=torch.bool), topk=3)
+        assert keep[0, 0].nonzero().flatten().tolist() == [0, 1, 2]
+    hidden = torch.tensor([[[True, True, False, True, True]]])  # invisible keys are never kept
+    assert select_topk(q, w, keys, hidden, topk=3)[0, 0].nonzero().flatten().tolist() == [0, 1, 3]
