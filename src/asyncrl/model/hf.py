@@ -36,6 +36,7 @@ __all__ = [
     "is_hf_tensor",
     "load_args",
     "load_state_dict",
+    "mtp_tensor_names",
     "save_pretrained",
     "to_hf_state_dict",
     "to_hf_tensors",
@@ -80,6 +81,15 @@ def _safetensors_files(path: Path) -> list[Path]:
         )
         raise ModelConfigError(f"{path} holds no *.safetensors weights{extra}")
     return files
+
+
+def mtp_tensor_names(path: str | os.PathLike, args: ModelArgs) -> list[str]:
+    """HF names of the checkpoint's MTP-layer tensors (read from the shard headers, no data)."""
+    names = []
+    for file in _safetensors_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            names += [k for k in f.keys() if is_mtp_key(k, args)]  # noqa: SIM118
+    return sorted(names)
 
 
 def load_state_dict(path: str | os.PathLike, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from asyncrl.model import from_pretrained, save_pretrained
+from asyncrl.model import from_pretrained, load_args, save_pretrained
+from asyncrl.model.hf import mtp_tensor_names
 
 TOL = 1e-4
 
@@ -126,3 +127,15 @@ def test_dsa_selection_changes_the_result(family_checkpoint):
         dense = ours(ids).logits
     assert (sparse - dense).abs().max() > 1e-3
     assert (sparse[:, :6] - dense[:, :6]).abs().max() <= 1e-5  # the first 6 queries see <= 6 keys anyway
+
+
+def test_mtp_tensor_names_reads_headers_only(family_checkpoint):
+    """The multi-process trainer refuses MTP checkpoints by these names (asyncrl.trainer.scaleout)."""
+    path, _ = family_checkpoint("deepseek_v3", seed=9)
+    args = load_args(path)
+    assert mtp_tensor_names(path, args) == []
+    shard = path / "model.safetensors"
+    save_file(
+        load_file(shard) | {"model.layers.3.enorm.weight": torch.ones(64)}, shard, metadata={"format": "pt"}
+    )
+    assert mtp_tensor_names(path, args) == ["model.layers.3.enorm.weight"]
