@@ -86,6 +86,8 @@ class Engine:
             num_layers=args.num_hidden_layers, num_blocks=num_blocks, block_size=bs,
             num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
             routing_top_k=args.routing_top_k, dtype=self.dtype, device=self.device,
+            latent_dim=args.kv_lora_rank + args.qk_rope_head_dim if args.uses_mla else 0,
+            index_dim=args.index_head_dim if args.uses_dsa else 0,
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.pool, block_size=bs, max_num_seqs=config.max_num_seqs,
