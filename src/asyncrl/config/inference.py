@@ -11,15 +11,16 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
 from asyncrl.config.mismatch import FP8Config
 from asyncrl.config.vllm import VLLMConfig
 
-__all__ = ["InferenceConfig"]
+__all__ = ["InferenceConfig", "is_loopback"]
 
 
 class InferenceConfig(BaseConfig):
@@ -32,7 +33,22 @@ class InferenceConfig(BaseConfig):
     served_model_name: str | None = Field(None, description="name clients pass as `model`; default: dir name")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = Field(None, description="when set, requests need `Authorization: Bearer KEY`")
+    api_key: str | None = Field(
+        None, description="when set, requests need `Authorization: Bearer KEY`; required off loopback"
+    )
+    update_weights_roots: list[str] | None = Field(
+        None,
+        description="/update_weights loads only from directories under these; None: anywhere "
+        "(allowed on loopback only)",
+    )
+    max_request_bytes: int = Field(16 * 2**20, ge=1024, description="larger request bodies get 413")
+    allow_request_chat_template: bool = Field(
+        False, description="let chat requests carry `chat_template` (rendered sandboxed, time and size bound)"
+    )
+    chat_template_timeout_s: float = Field(1.0, gt=0, description="time bound of a request's chat template")
+    chat_template_max_chars: int = Field(
+        1_000_000, ge=1, description="size bound of a rendered chat template"
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_num_seqs: int = Field(64, ge=1, description="most sequences in the running batch")
@@ -49,3 +65,29 @@ class InferenceConfig(BaseConfig):
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig, description="vLLM engine arguments (backend = 'vllm' only)"
     )
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> InferenceConfig:
+        if is_loopback(self.host):
+            return self
+        if not self.api_key:
+            raise ValueError(
+                f"host = {self.host!r} is reachable from other machines: set api_key "
+                "(`asyncrl rl` generates one per run)"
+            )
+        if self.update_weights_roots is None:
+            raise ValueError(
+                f"host = {self.host!r} is reachable from other machines: set update_weights_roots "
+                "(the directories /update_weights may load from)"
+            )
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a server reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve anywhere
+        return False

@@ -24,13 +24,15 @@ visible place; a section that sets a shared key itself is an error (not silently
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig, ConfigError, load_config
-from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.inference import InferenceConfig, is_loopback
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.trainer import RLTrainerConfig
 
@@ -38,8 +40,8 @@ __all__ = ["DeploymentConfig", "RLConfig", "ResolvedRL"]
 
 # section -> keys that come from the top level
 _SHARED = {
-    "inference": ("model", "port", "seed"),
-    "orchestrator": ("model", "run_dir", "max_steps", "servers", "seed"),
+    "inference": ("model", "port", "seed", "api_key"),
+    "orchestrator": ("model", "run_dir", "max_steps", "servers", "seed", "api_key"),
     "trainer": ("run_dir", "max_steps", "seq_len", "seed"),  # [trainer.model] may set dtype/device
 }
 
@@ -82,6 +84,11 @@ class RLConfig(BaseConfig):
     max_steps: int = Field(10, ge=1)
     seq_len: int = Field(2048, gt=0)
     seed: int = 0
+    api_key: str | None = Field(
+        None,
+        description="key of the inference servers, handed to the orchestrator; the launcher generates "
+        "one per run when a server binds a non-loopback address",
+    )
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     inference: dict[str, Any] = Field(default_factory=dict, description="InferenceConfig keys")
     orchestrator: dict[str, Any] = Field(default_factory=dict, description="OrchestratorConfig keys")
@@ -91,6 +98,13 @@ class RLConfig(BaseConfig):
     def server_urls(self) -> list[str]:
         d = self.deployment
         return [f"http://{d.host}:{d.base_port + i}" for i in range(d.num_inference_servers)]
+
+    def with_run_api_key(self, *, exposed: bool) -> RLConfig:
+        """This config with a fresh random api_key when servers are `exposed` (or bind off loopback)
+        and none is set; otherwise unchanged."""
+        if self.api_key is not None or not (exposed or not is_loopback(self.deployment.host)):
+            return self
+        return self.model_copy(update={"api_key": secrets.token_urlsafe(32)})
 
     def resolve(self) -> ResolvedRL:
         """Each process's full config, with the shared keys filled in; errors name the section."""
@@ -106,8 +120,15 @@ class RLConfig(BaseConfig):
             _section(
                 InferenceConfig,
                 "inference",
-                self.inference
-                | {"model": self.model, "host": d.host, "port": d.base_port + i, "seed": self.seed + i},
+                {"update_weights_roots": [str(Path(self.run_dir, "weights").resolve())]}
+                | self.inference
+                | {
+                    "model": self.model,
+                    "host": d.host,
+                    "port": d.base_port + i,
+                    "seed": self.seed + i,
+                    "api_key": self.api_key,
+                },
             )
             for i in range(d.num_inference_servers)
         ]
@@ -121,6 +142,7 @@ class RLConfig(BaseConfig):
                 "max_steps": self.max_steps,
                 "servers": self.server_urls,
                 "seed": self.seed,
+                "api_key": self.api_key,
             },
         )
         trainer_model = dict(self.trainer.get("model", {}))

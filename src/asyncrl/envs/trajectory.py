@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncrl.envs.client import InferenceError
+from asyncrl.envs.backend import InferenceError
 from asyncrl.wire import GenerateResponse, RolloutSample
 
 __all__ = ["NOT_SAMPLED_VERSION", "TrajectoryBuilder"]
@@ -112,11 +112,7 @@ class TrajectoryBuilder:
 
     def add_completion(self, response: GenerateResponse, *, temperature: float) -> None:
         """Append the sampled tokens and place the returned routing rows (prompt + completion positions)."""
-        ids = response.token_ids
-        if not (len(response.logprobs) == len(response.policy_versions) == len(ids)):
-            raise InferenceError(
-                "generate response: token_ids, logprobs and policy_versions differ in length"
-            )
+        ids = response.token_ids  # a GenerateResponse has one logprob and one version per token
         self._cur.append(
             list(ids),
             sampled=True,

@@ -20,11 +20,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("asyncrl.trainer.rl:main", "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)"),
     "orchestrator": ("asyncrl.orchestrator.main:main", "rollouts over HTTP -> RUN/rollouts/step_n (asyncio)"),
     "sft-data": (
-        "asyncrl.launcher.sft_data:main",
+        "asyncrl.launcher.sft_export:main",
         "write an env's reference answers as SFT JSONL (optionally corrupted)",
     ),
     "eval": (
-        "asyncrl.launcher.evaluate:main",
+        "asyncrl.launcher.engine_eval:main",
         "mean reward of a model on an env's eval tasks (in-process engine, no server)",
     ),
     "sft": ("asyncrl.trainer.sft:main", "supervised fine-tuning on chat / prompt-completion JSONL"),
@@ -35,7 +35,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "asyncrl.inference.main:main",
         "serve a model: embedded engine, OpenAI-compatible HTTP API",
     ),
-    "eval-env": ("asyncrl.envs.evaluate:main", "evaluate an OpenAI-compatible endpoint on an environment"),
+    "eval-env": (
+        "asyncrl.envs.endpoint_eval:main",
+        "evaluate an OpenAI-compatible endpoint on an environment",
+    ),
 }
 
 

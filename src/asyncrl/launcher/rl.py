@@ -26,32 +26,15 @@ import shlex
 import sys
 from pathlib import Path
 
-import tomli_w
-
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.rl import ResolvedRL, RLConfig
 from asyncrl.launcher.parallel_check import check_trainer_parallel
+from asyncrl.launcher.run_configs import write_configs
+from asyncrl.launcher.slurm import SlurmRLConfig
+from asyncrl.launcher.slurm import main as slurm_main
 from asyncrl.launcher.supervisor import ChildSpec, Supervisor
 
-__all__ = ["build_children", "main", "write_configs"]
-
-
-def _dump(model) -> dict:
-    return model.model_dump(mode="json", exclude_none=True)
-
-
-def write_configs(cfg: RLConfig, resolved: ResolvedRL) -> dict[str, Path]:
-    configs = Path(cfg.run_dir) / "configs"
-    configs.mkdir(parents=True, exist_ok=True)
-    files = {"rl": configs / "rl.toml"}
-    files["rl"].write_text(tomli_w.dumps(_dump(cfg)))
-    for i, inf in enumerate(resolved.inference):
-        files[f"inference-{i}"] = configs / f"inference-{i}.toml"
-        files[f"inference-{i}"].write_text(tomli_w.dumps(_dump(inf)))
-    for name in ("orchestrator", "trainer"):
-        files[name] = configs / f"{name}.toml"
-        files[name].write_text(tomli_w.dumps(_dump(getattr(resolved, name))))
-    return files
+__all__ = ["build_children", "main"]
 
 
 def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) -> list[ChildSpec]:
@@ -132,15 +115,13 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         print(_keys_help())
         return 0
-    # Imported here: asyncrl.launcher.slurm builds on this module's write_configs.
-    from asyncrl.launcher import slurm
-
     if "--slurm" in argv:
-        return slurm.main([a for a in argv if a != "--slurm"])
+        return slurm_main([a for a in argv if a != "--slurm"])
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     try:
-        cfg = load_config(slurm.SlurmRLConfig, argv)  # a [slurm] table is allowed and unused here
+        # a [slurm] table is allowed and unused here; servers off loopback get a per-run API key
+        cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=False)
         resolved = cfg.resolve()
         nproc = cfg.deployment.trainer_nproc
         check_trainer_parallel(

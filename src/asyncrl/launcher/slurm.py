@@ -29,7 +29,7 @@ from pydantic import Field
 from asyncrl.config import ConfigError, SlurmConfig, load_config
 from asyncrl.config.rl import RLConfig
 from asyncrl.launcher.parallel_check import check_trainer_parallel
-from asyncrl.launcher.rl import write_configs
+from asyncrl.launcher.run_configs import write_configs
 
 __all__ = ["SlurmRLConfig", "main", "render_sbatch"]
 
@@ -144,7 +144,8 @@ def main(argv: list[str]) -> int:
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     try:
-        cfg = load_config(SlurmRLConfig, argv)
+        # Servers listen on 0.0.0.0 on cluster nodes: they always get a per-run API key.
+        cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=True)
         script = render_sbatch(cfg, Path(cfg.run_dir))
         resolved = cfg.resolve()
         s = cfg.slurm

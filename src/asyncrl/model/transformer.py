@@ -16,6 +16,7 @@ Shape legend: B batch, T tokens, D model dim, V vocab, L layers, K top_k.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from asyncrl.model.layers import (
 )
 from asyncrl.model.moe import MoE
 
-__all__ = ["DecoderLayer", "ModelOutput", "Transformer"]
+__all__ = ["DecoderLayer", "LayerOutput", "ModelOutput", "Transformer"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +41,14 @@ class ModelOutput:
     hidden_states: torch.Tensor  # [B, T, D], after the final norm (input of the LM head)
     routed_experts: torch.Tensor | None = None  # int32 [B, T, L, K]
     router_topk: torch.Tensor | None = None  # int32 [B, T, L, K]; only when replaying with return_routing
+
+
+class LayerOutput(NamedTuple):
+    """A decoder layer's output (a NamedTuple so FSDP2 / checkpointing see its tensors; see moe.py)."""
+
+    x_BTD: torch.Tensor  # [B, T, D]
+    ids_BTK: torch.Tensor | None  # int64 [B, T, K] experts used; None for dense layers
+    router_topk_BTK: torch.Tensor | None  # int64 [B, T, K] router's own top-k; None unless asked or dense
 
 
 class DecoderLayer(nn.Module):
@@ -60,17 +69,19 @@ class DecoderLayer(nn.Module):
         replay_ids_BTK: torch.Tensor | None = None,
         *,
         with_router_topk: bool = False,
-    ) -> tuple[torch.Tensor | None, ...]:
-        """Return the layer output and, for MoE layers, the expert ids used [B, T, K] (else None).
+    ) -> LayerOutput:
+        """The layer output and, for MoE layers, the expert ids used.
 
-        with_router_topk: append the router's own top-k ids [B, T, K] (None for dense layers).
+        with_router_topk: also report the router's own top-k ids (MoE layers only).
         """
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), rope, backend)
         h_BTD = self.post_attention_layernorm(x_BTD)
         if isinstance(self.mlp, MoE):
-            y_BTD, ids_BTK, *own = self.mlp(h_BTD, replay_ids_BTK, with_router_topk=with_router_topk)
-            return (x_BTD + y_BTD, ids_BTK, *own)
-        return (x_BTD + self.mlp(h_BTD), None) + ((None,) if with_router_topk else ())
+            moe = self.mlp(h_BTD, replay_ids_BTK, with_router_topk=with_router_topk)
+            return LayerOutput(
+                x_BTD=x_BTD + moe.out_BTD, ids_BTK=moe.ids_BTK, router_topk_BTK=moe.router_topk_BTK
+            )
+        return LayerOutput(x_BTD=x_BTD + self.mlp(h_BTD), ids_BTK=None, router_topk_BTK=None)
 
 
 class _Backbone(nn.Module):
@@ -151,10 +162,11 @@ class Transformer(nn.Module):
             replay = (
                 None if routed_experts is None or not layer.is_moe else routed_experts[:, :, layer.layer_idx]
             )
-            x_BTD, ids_BTK, *own = layer(x_BTD, rope, backend, replay, with_router_topk=own_topk)
+            out = layer(x_BTD, rope, backend, replay, with_router_topk=own_topk)
+            x_BTD = out.x_BTD
             if return_routing:
-                captured.append(ids_BTK)
-                captured_own.extend(own)
+                captured.append(out.ids_BTK)
+                captured_own.append(out.router_topk_BTK)
         h_BTD = self.model.norm(x_BTD)
         logits = self.lm_head(h_BTD) if compute_logits else None
         routing = self._stack_routing(captured, B, T, input_ids.device) if return_routing else None

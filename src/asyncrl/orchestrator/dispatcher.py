@@ -16,20 +16,22 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
+from asyncrl.envs.backend import InferenceError, ServerUnavailable
 from asyncrl.envs.base import Environment, Task
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.client import InferenceError
 from asyncrl.envs.policy import TokenPolicy
 from asyncrl.envs.rollout import Episode, run_episode
 from asyncrl.orchestrator.advantages import group_advantages, with_advantage
 from asyncrl.orchestrator.buffer import Group, GroupBuffer, oldest_allowed_version
-from asyncrl.orchestrator.metrics import StepMetrics, batch_metrics
-from asyncrl.orchestrator.pool import ServerPool, ServerUnavailable
+from asyncrl.orchestrator.metrics import Counters, StepMetrics, batch_metrics
+from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.transport.rollouts import write_batch
+from asyncrl.wire import RolloutBatch
 
 __all__ = ["Dispatcher"]
 
@@ -40,17 +42,6 @@ log = logging.getLogger(__name__)
 class _InFlight:
     task: asyncio.Task
     dispatch_version: int
-
-
-@dataclass
-class Counters:
-    groups_dispatched: int = 0
-    groups_cancelled_stale: int = 0
-    groups_zero_advantage: int = 0
-    episodes_failed: int = 0
-    episodes_retried: int = 0
-    inference_idle_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Dispatcher:
@@ -160,8 +151,8 @@ class Dispatcher:
         )
 
     # -- main loop -----------------------------------------------------------------------------
-    async def run(self, on_batch=None) -> None:
-        """Produce batches start_step..max_steps; `on_batch(metrics)` is called after each write."""
+    async def run(self, on_batch: Callable[[int, dict[str, float | int]], None] | None = None) -> None:
+        """Produce batches start_step..max_steps; `on_batch(step, metrics)` is called after each write."""
         pending_metrics = StepMetrics()
         while self.step <= self.cfg.max_steps:
             self._dispatch()
@@ -175,18 +166,31 @@ class Dispatcher:
             while self.version >= self.step - 1 - self.cfg.max_async_steps and (
                 cut := self.buffer.cut(self.step)
             ):
-                batch, groups = cut
+                batch, _groups = cut
                 path = write_batch(self.cfg.run_dir, batch)
-                metrics = batch_metrics(self, batch, groups, pending_metrics)
+                metrics = self._batch_metrics(batch, pending_metrics)
                 pending_metrics = StepMetrics()
                 log.info("wrote %s", path)
                 if on_batch is not None:
-                    on_batch(metrics)
+                    on_batch(batch.step, metrics)
                 self.step += 1
                 self._step_started = time.monotonic()
         for f in self._in_flight:
             f.task.cancel()
         await asyncio.gather(*(f.task for f in self._in_flight), return_exceptions=True)
+
+    def _batch_metrics(self, batch: RolloutBatch, since: StepMetrics) -> dict[str, float | int]:
+        metrics = batch_metrics(
+            batch,
+            since,
+            self.counters,
+            policy_version=self.version,
+            num_dropped_stale_queue=self.buffer.num_dropped_groups,
+            step_seconds=time.monotonic() - self._step_started,
+            inference=self.pool.stats.take(),
+        )
+        self.counters.inference_idle_s = 0.0  # per step; the other counters are run totals
+        return metrics
 
     async def _wait_for_event(self) -> None:
         self._wake.clear()

@@ -16,9 +16,10 @@ from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
 from asyncrl.envs.chat import ChatTokenizer
 from asyncrl.orchestrator.dispatcher import Dispatcher
-from asyncrl.orchestrator.metrics import append_jsonl, format_line
+from asyncrl.orchestrator.metrics import format_line
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
+from asyncrl.transport.metrics import MetricsWriter
 
 log = logging.getLogger("asyncrl.orchestrator")
 
@@ -26,7 +27,7 @@ log = logging.getLogger("asyncrl.orchestrator")
 async def run_orchestrator(cfg: OrchestratorConfig) -> None:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    pool = ServerPool(cfg.servers, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)
+    pool = ServerPool.from_urls(cfg.servers, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)
     try:
         await pool.wait_ready(cfg.server_ready_timeout_s)
         dispatcher = Dispatcher(
@@ -39,11 +40,12 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
             asyncio.create_task(pool.health_loop(cfg.health_poll_s, updater.sync_server)),
         ]
 
-        def on_batch(m: dict) -> None:
-            m["inference/pause_s"] = sum(updater.pause_seconds)
+        writer = MetricsWriter(run_dir, "orchestrator")
+
+        def on_batch(step: int, metrics: dict) -> None:
+            metrics["inference/pause_s"] = sum(updater.pause_seconds)
             updater.pause_seconds.clear()
-            append_jsonl(run_dir / "metrics.jsonl", m)
-            print(format_line(m), flush=True)
+            print(format_line(writer.write(step, metrics)), flush=True)
 
         try:
             await dispatcher.run(on_batch)

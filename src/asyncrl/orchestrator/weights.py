@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
+from asyncrl.envs.backend import InferenceError
 from asyncrl.orchestrator.pool import Server, ServerPool
 from asyncrl.transport.weights import latest_stable_step, weights_dir
+from asyncrl.wire import PauseRequest, UpdateWeightsRequest
 
 __all__ = ["WeightUpdater"]
 
@@ -46,11 +46,11 @@ class WeightUpdater:
         return True
 
     async def update(self, version: int) -> None:
-        path = str(weights_dir(self.run_dir, version).resolve())
+        request = self._request(version)
         t0 = time.monotonic()
-        self._fail(await self.pool.post_all("/pause", {"mode": "keep"}), "pause")
-        self._fail(await self.pool.post_all("/update_weights", {"path": path, "version": version}), "update")
-        self._fail(await self.pool.post_all("/resume"), "resume")
+        self._fail(await self.pool.call_all(lambda b: b.pause(PauseRequest(mode="keep"))), "pause")
+        self._fail(await self.pool.call_all(lambda b: b.update_weights(request)), "update")
+        self._fail(await self.pool.call_all(lambda b: b.resume()), "resume")
         paused = time.monotonic() - t0
         self.pause_seconds.append(paused)
         self.version = version
@@ -66,18 +66,19 @@ class WeightUpdater:
     async def sync_server(self, server: Server) -> bool:
         """Bring one (restarted) server to the current version before it rejoins; False if it can't."""
         try:
-            held = (await server.http.get("/weights")).json()["version"]
+            held = (await server.backend.weights()).version
             if held < self.version:
-                path = str(weights_dir(self.run_dir, self.version).resolve())
-                r = await server.http.post("/update_weights", json={"path": path, "version": self.version})
-                r.raise_for_status()
+                await server.backend.update_weights(self._request(self.version))
                 log.info(
                     "server %s brought from v%d to v%d before re-admission", server.url, held, self.version
                 )
-        except (httpx.HTTPError, KeyError, ValueError) as e:
+        except InferenceError as e:
             log.warning("server %s: weight sync before re-admission failed: %s", server.url, e)
             return False
         return True
+
+    def _request(self, version: int) -> UpdateWeightsRequest:
+        return UpdateWeightsRequest(path=str(weights_dir(self.run_dir, version).resolve()), version=version)
 
     def _fail(self, results: dict, what: str) -> None:
         for server in self.pool.servers:

@@ -1,11 +1,11 @@
 """Step metrics: FLOP accounting, a measured matmul peak for MFU, peak memory, and the log sink.
 
-Each step appends one JSON object to RUN/metrics.jsonl and prints one console line.
+Each step appends one `"role": "trainer"` line to RUN/metrics.jsonl (through
+`asyncrl.transport.MetricsWriter`, the file's one writer) and prints one console line.
 """
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 import time
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from asyncrl.model import ModelArgs
+from asyncrl.transport.metrics import MetricsWriter
 
 __all__ = ["MetricsLogger", "flops_per_token", "measure_matmul_peak", "peak_memory_bytes"]
 
@@ -71,18 +72,17 @@ _CONSOLE_KEYS = (
 
 
 class MetricsLogger:
-    """Appends one JSON line per step to `path` and prints a one-line summary (main rank only)."""
+    """Appends one metrics line per step to RUN/metrics.jsonl and prints a summary (main rank only)."""
 
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self._writer = MetricsWriter(run_dir, "trainer") if enabled else None
 
     def log(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
+        """`record` holds "step" and the step's metrics; the writer adds role and time."""
+        if self._writer is None:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._writer.write(record["step"], record)
         print(self.format_line(record), flush=True)
 
     @staticmethod

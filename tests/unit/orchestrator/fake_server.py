@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import threading
 import time
 
@@ -16,16 +15,21 @@ import numpy as np
 import uvicorn
 from fastapi import FastAPI
 
-from asyncrl.wire import GenerateRequest, GenerateResponse, RoutedExperts, UpdateWeightsRequest
+from asyncrl.wire import (
+    GenerateRequest,
+    GenerateResponse,
+    PauseRequest,
+    PauseResponse,
+    ResumeResponse,
+    RoutedExperts,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+    WeightsInfo,
+)
+from helpers import free_port
 
 EOS = 258
 NUM_LAYERS, TOP_K = 2, 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeServer:
@@ -86,24 +90,26 @@ class FakeServer:
             )
 
         @app.get("/weights")
-        async def weights():
-            return {"version": self.version, "path": self.loaded_paths[-1] if self.loaded_paths else None}
+        async def weights() -> WeightsInfo:
+            return WeightsInfo(
+                version=self.version, path=self.loaded_paths[-1] if self.loaded_paths else None
+            )
 
         @app.post("/pause")
-        async def pause():
+        async def pause(req: PauseRequest) -> PauseResponse:
             self.paused = True
-            return {"paused": True}
+            return PauseResponse(paused=True, mode=req.mode, num_aborted=0)
 
         @app.post("/resume")
-        async def resume():
+        async def resume() -> ResumeResponse:
             self.paused = False
-            return {"paused": False}
+            return ResumeResponse(paused=False)
 
         @app.post("/update_weights")
-        async def update(req: UpdateWeightsRequest):
+        async def update(req: UpdateWeightsRequest) -> UpdateWeightsResponse:
             self.version = req.version
             self.loaded_paths.append(req.path)
-            return {"version": req.version, "load_seconds": 0.0, "paused_seconds": 0.0}
+            return UpdateWeightsResponse(version=req.version, load_seconds=0.0, paused_seconds=0.0)
 
         return app
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from asyncrl.config.trainer import LossConfig
+from asyncrl.distributed import DistInfo
+from asyncrl.trainer.engine import StepEngine
 from asyncrl.trainer.loss import rl_loss
 from asyncrl.trainer.packing import build_micro_batch, pack_samples
 from asyncrl.trainer.synthetic import synthetic_batch
@@ -110,3 +113,12 @@ def test_batch_without_loss_tokens_is_skipped(tiny_model, make_engine):
     empty = dataclasses.replace(s, loss_mask=np.zeros(s.num_tokens, bool))
     result = make_engine(model).step(pack_samples([empty], 64, replay=True), _rl(), trained_version=0)
     assert result.skipped and result.num_loss_tokens == 0
+
+
+def test_engine_at_world_size_above_one_needs_a_parallel_state(tiny_model):
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    two = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs a ParallelState"):
+        StepEngine(model, optimizer, scheduler, two, max_grad_norm=1.0, chunk_size=64)

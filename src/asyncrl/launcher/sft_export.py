@@ -4,7 +4,7 @@
         --env-args '{"min_len": 3, "max_len": 6}'
 
 Each line is `{"messages": prompt + reference completion}`, the chat form that
-`asyncrl.trainer.sft_data.JsonlSFTSource` reads (loss on the assistant turns). Tasks come from the
+`asyncrl.trainer.sft_sources.JsonlSFTSource` reads (loss on the assistant turns). Tasks come from the
 env's "train" split (`asyncrl.envs.base.iter_reference_examples`), so evaluation on "eval" tasks
 stays held out.
 
