@@ -28,7 +28,8 @@ class InferenceConfig(BaseConfig):
 
     model: str = Field(description="Hugging Face model directory (config.json, safetensors, tokenizer)")
     backend: Literal["embedded", "vllm"] = Field(
-        "embedded", description="'embedded': asyncrl's engine; 'vllm': a vLLM OpenAI server (docs/inference.md)"
+        "embedded",
+        description="'embedded': asyncrl's engine; 'vllm': a vLLM OpenAI server (docs/inference.md)",
     )
     served_model_name: str | None = Field(None, description="name clients pass as `model`; default: dir name")
     host: str = "127.0.0.1"

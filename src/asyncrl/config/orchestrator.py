@@ -44,6 +44,9 @@ class OrchestratorConfig(BaseConfig):
     run_dir: str = Field("outputs/run", description="run directory shared with the trainer")
     model: str = Field(description="model directory whose tokenizer and chat template render prompts")
     servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
+    inference_backend: Literal["embedded", "vllm"] = Field(
+        "embedded", description="what the servers are: asyncrl's HTTP API or vLLM's (docs/inference.md)"
+    )
     api_key: str | None = None
     envs: EnvsConfig = Field(default_factory=EnvsConfig)
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=64))

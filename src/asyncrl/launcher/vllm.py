@@ -20,12 +20,14 @@ into a ConfigError that names the problem.
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.config import ConfigError, InferenceConfig
+from asyncrl.config.inference import is_loopback
 from asyncrl.config.vllm import DEFAULT_VLLM_PYTHON
 
 __all__ = [
@@ -47,7 +49,6 @@ FLAG_MAP: dict[str, str] = {
     "served_model_name": "--served-model-name",
     "host": "--host",
     "port": "--port",
-    "api_key": "--api-key",
     "dtype": "--dtype",
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
@@ -66,7 +67,14 @@ FLAG_MAP: dict[str, str] = {
 }
 
 # Embedded-engine keys that vLLM has no equivalent for: set under backend = "vllm", they warn.
-_EMBEDDED_ONLY = ("kv_cache_tokens", "device")
+_EMBEDDED_ONLY = (
+    "kv_cache_tokens",
+    "device",
+    "max_request_bytes",
+    "allow_request_chat_template",
+    "chat_template_timeout_s",
+    "chat_template_max_chars",
+)
 
 _PROBE = r"""
 import json, sys
@@ -94,10 +102,12 @@ class VLLMCommand:
     env: dict[str, str] = field(default_factory=dict)
 
     def shell(self) -> str:
-        """The command as one shell line, to start the server by hand."""
-        import shlex
-
-        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())), shlex.join(self.argv)])
+        """The command as one shell line, to start the server by hand (the API key masked)."""
+        env = [
+            f"{k}={'<api_key>' if k == 'VLLM_API_KEY' else shlex.quote(v)}"
+            for k, v in sorted(self.env.items())
+        ]
+        return " ".join([*env, shlex.join(self.argv)])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,11 +136,11 @@ def _flag_values(cfg: InferenceConfig) -> list[tuple[str, object]]:
         "served_model_name": cfg.served_model_name or Path(cfg.model).name,
         "host": cfg.host,
         "port": cfg.port,
-        "api_key": cfg.api_key,
         "dtype": cfg.dtype,
         "max_num_seqs": cfg.max_num_seqs,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
-        "block_size": cfg.block_size,
+        # Only when set: vLLM picks what its attention backend supports (its CPU one: multiples of 32).
+        "max_num_batched_tokens": _if_set(cfg, "max_num_batched_tokens"),
+        "block_size": _if_set(cfg, "block_size"),
         "max_model_len": cfg.max_model_len,
         "seed": cfg.seed,
         "vllm.tensor_parallel_size": v.tensor_parallel_size,
@@ -145,6 +155,10 @@ def _flag_values(cfg: InferenceConfig) -> list[tuple[str, object]]:
     }
     assert values.keys() == FLAG_MAP.keys()
     return list(values.items())
+
+
+def _if_set(cfg: InferenceConfig, key: str) -> object:
+    return getattr(cfg, key) if key in cfg.model_fields_set else None
 
 
 def build_vllm_command(cfg: InferenceConfig, *, python: str) -> VLLMCommand:
@@ -163,8 +177,13 @@ def build_vllm_command(cfg: InferenceConfig, *, python: str) -> VLLMCommand:
         else:
             argv += [flag, str(value)]
     argv += ["--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching"]
-    argv += ["--enable-scale-out", "--uvicorn-log-level", cfg.log_level, *cfg.vllm.extra_args]
+    # scale-out: /inference/v1/generate; prompt tokens details: cached prompt tokens in `usage`
+    argv += ["--enable-scale-out", "--enable-prompt-tokens-details", "--uvicorn-log-level", cfg.log_level]
+    argv += ["--logprobs-mode", "processed_logprobs"]  # our contract: temperature applied
+    argv += cfg.vllm.extra_args  # last, so that they win over ours
     env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if cfg.api_key:  # through the environment, so that it shows in neither `ps` nor --dry-run
+        env["VLLM_API_KEY"] = cfg.api_key
     if cfg.vllm.cpu_kv_cache_space_gb is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kv_cache_space_gb)
     env |= cfg.vllm.env
@@ -186,9 +205,7 @@ def probe_vllm(python: str, *, timeout_s: float = 300.0) -> VLLMProbe:
         raise ConfigError(f"probing vLLM with {python} took over {timeout_s:.0f}s") from None
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-        raise ConfigError(
-            f"vLLM is not usable from {python} (run `bash scripts/setup-vllm.sh`):\n{tail}"
-        )
+        raise ConfigError(f"vLLM is not usable from {python} (run `bash scripts/setup-vllm.sh`):\n{tail}")
     info = json.loads(done.stdout.strip().splitlines()[-1])
     return VLLMProbe(
         version=info["version"],
@@ -214,7 +231,9 @@ def check_vllm(cfg: InferenceConfig, command: VLLMCommand, probe: VLLMProbe) -> 
             f"vLLM {probe.version} is too old: asyncrl needs >= {want} (token-in/token-out "
             "/inference/v1/generate, per-token weight versions, pause mode 'keep')"
         )
-    unknown = [a.split("=")[0] for a in command.argv if a.startswith("--") and a.split("=")[0] not in probe.flags]
+    unknown = [
+        a.split("=")[0] for a in command.argv if a.startswith("--") and a.split("=")[0] not in probe.flags
+    ]
     if unknown:
         raise ConfigError(f"vLLM {probe.version} does not accept {sorted(set(unknown))}")
     archs = _model_architectures(cfg.model)
@@ -226,14 +245,23 @@ def check_vllm(cfg: InferenceConfig, command: VLLMCommand, probe: VLLMProbe) -> 
             f"'{probe.device_type}'. Turn it off (the trainer then runs without router replay)"
         )
     if cfg.fp8.enabled:
-        raise ConfigError("[inference.fp8] is the embedded engine's; with vLLM use [inference.vllm] quantization")
+        raise ConfigError(
+            "[inference.fp8] is the embedded engine's; with vLLM use [inference.vllm] quantization"
+        )
     warnings = [
         f"[inference] {k} has no effect with backend = 'vllm'"
         for k in _EMBEDDED_ONLY
         if k in cfg.model_fields_set
     ]
+    if not is_loopback(cfg.host):
+        warnings.append(
+            f"vLLM listens on {cfg.host}: its RL endpoints (/pause, /collective_rpc, /update_weight_version) "
+            "are not guarded by its API key; keep its port on a private network"
+        )
     if probe.device_type == "cpu" and cfg.vllm.cpu_kv_cache_space_gb is None:
-        warnings.append("vLLM CPU build: [inference.vllm] cpu_kv_cache_space_gb unset, vLLM picks its default")
+        warnings.append(
+            "vLLM CPU build: [inference.vllm] cpu_kv_cache_space_gb unset, vLLM picks its default"
+        )
     return warnings
 
 

@@ -110,7 +110,9 @@ def from_vllm_generate(
         logprobs = [float(c["logprob"]) for c in content]
         finish = _FINISH.get(choice.get("finish_reason") or "")
     except (KeyError, IndexError, TypeError, ValueError) as e:
-        raise VLLMProtocolError(f"unexpected /inference/v1/generate answer: {type(e).__name__}: {e}") from None
+        raise VLLMProtocolError(
+            f"unexpected /inference/v1/generate answer: {type(e).__name__}: {e}"
+        ) from None
     if finish is None:
         raise VLLMProtocolError(f"unexpected finish_reason {choice.get('finish_reason')!r}")
     if len(logprobs) != len(token_ids):
