@@ -21,10 +21,11 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2
 fi
 echo "setup-vllm: creating $VENV with $TORCH_PACKAGE and $VLLM_PACKAGE"
 "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
+pip_install() { "$VENV/bin/python" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+pip_install --upgrade pip
 # torch first, so pip takes the local CPU wheel instead of a CUDA build from the index.
-"$VENV/bin/python" -m pip install -q "$TORCH_PACKAGE"
-"$VENV/bin/python" -m pip install -q "$VLLM_PACKAGE" "$TORCH_PACKAGE"
+pip_install "$TORCH_PACKAGE"
+pip_install "$VLLM_PACKAGE" "$TORCH_PACKAGE"
 # Vision/audio companions are not needed for text models and their builds may not match this torch.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import vllm, torch; print('setup-vllm: vllm', vllm.__version__, 'torch', torch.__version__)"
