@@ -3,6 +3,11 @@
     body = to_vllm_generate(request)                     # our GenerateRequest -> vLLM's JSON body
     response = from_vllm_generate(payload, request)      # vLLM's JSON answer -> our GenerateResponse
 
+and the other way round, for the embedded server, which serves the same endpoint:
+
+    request = VLLMGenerateRequest.model_validate(body).to_request()
+    payload = to_vllm_answer(response, request)
+
 vLLM's request carries `token_ids`, `sampling_params`, `cache_salt`, `kv_transfer_params`; its
 answer carries per choice `token_ids`, `logprobs.content[i].logprob`, `finish_reason`,
 `routed_experts` (base64 of an `.npy` array, [prompt + completion - 1, layers, top_k]) and
@@ -16,13 +21,22 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
+from asyncrl.config.sampling import SamplingParams
 from asyncrl.wire.http import GenerateRequest, GenerateResponse, RoutedExperts
 
-__all__ = ["BASE_VERSION_LABEL", "VLLMProtocolError", "from_vllm_generate", "to_vllm_generate"]
+__all__ = [
+    "BASE_VERSION_LABEL",
+    "VLLMGenerateRequest",
+    "VLLMProtocolError",
+    "from_vllm_generate",
+    "to_vllm_answer",
+    "to_vllm_generate",
+]
 
 BASE_VERSION_LABEL = "default"  # vLLM's label of the weights it was started with
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -52,6 +66,10 @@ def to_vllm_generate(request: GenerateRequest, *, kv_transfer_params: dict[str, 
         body["cache_salt"] = request.cache_salt
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
+    if request.return_routed_experts:
+        # asyncrl's extension: the embedded server returns routing per request; vLLM ignores the
+        # keys and returns it server-wide when started with --enable-return-routed-experts.
+        body |= {"return_routed_experts": True, "routed_experts_start": request.routed_experts_start}
     return body
 
 
@@ -82,7 +100,8 @@ def _versions(spans: list[dict] | None, num_tokens: int, fallback: int | None) -
     return out
 
 
-def _routed(data: str | None, request: GenerateRequest) -> RoutedExperts | None:
+def _routed(data: str | None, request: GenerateRequest, sent_from: int) -> RoutedExperts | None:
+    """vLLM's rows start at token 0; asyncrl's embedded server says where its rows start (`sent_from`)."""
     if data is None or not request.return_routed_experts:
         return None
     arr = np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)
@@ -91,8 +110,9 @@ def _routed(data: str | None, request: GenerateRequest) -> RoutedExperts | None:
     if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint16).max):
         raise VLLMProtocolError("routed_experts ids out of the uint16 range")
     dtype = np.uint8 if not arr.size or arr.max() <= np.iinfo(np.uint8).max else np.uint16
-    start = min(request.routed_experts_start, len(request.prompt_token_ids))
-    return RoutedExperts.from_array(np.ascontiguousarray(arr[start:]).astype(dtype), start=start)
+    start = max(min(request.routed_experts_start, len(request.prompt_token_ids)), sent_from)
+    rows = arr[start - sent_from :]
+    return RoutedExperts.from_array(np.ascontiguousarray(rows).astype(dtype), start=start)
 
 
 def from_vllm_generate(
@@ -126,5 +146,96 @@ def from_vllm_generate(
         finish_reason=finish,
         num_cached_tokens=int(cached),
         prompt_token_ids=request.prompt_token_ids,
-        routed_experts=_routed(choice.get("routed_experts"), request),
+        routed_experts=_routed(
+            choice.get("routed_experts"), request, int(choice.get("routed_experts_start") or 0)
+        ),
     )
+
+
+# -- the embedded server's side of /inference/v1/generate --------------------------------------------
+
+
+class VLLMSamplingParams(SamplingParams):
+    """vLLM's `sampling_params`, as far as asyncrl's engine serves them; other fields are 400s."""
+
+    logprobs: int | None = Field(None, ge=0, le=1, description="0 or 1: the sampled token's logprob")
+    detokenize: bool = True  # accepted for vLLM clients; the answer is token ids either way
+
+
+class VLLMGenerateRequest(BaseModel):
+    """The body of vLLM's `POST /inference/v1/generate`, as asyncrl's embedded server accepts it.
+
+    `return_routed_experts` and `routed_experts_start` are asyncrl's extensions (vLLM returns
+    routed experts server-wide when started with `--enable-return-routed-experts`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: VLLMSamplingParams = Field(default_factory=VLLMSamplingParams)
+    request_id: str | None = None
+    model: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    stream: Literal[False] = False
+    output_mode: Literal["tokens"] = "tokens"
+    return_routed_experts: bool = False
+    routed_experts_start: int = Field(0, ge=0)
+
+    def to_request(self) -> GenerateRequest:
+        sampling = self.sampling_params.model_dump(exclude={"logprobs", "detokenize"})
+        return GenerateRequest(
+            **sampling,
+            prompt_token_ids=self.token_ids,
+            cache_salt=self.cache_salt,
+            return_routed_experts=self.return_routed_experts,
+            routed_experts_start=self.routed_experts_start,
+        )
+
+
+def _spans(versions: list[int]) -> list[dict[str, Any]]:
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
+
+
+def to_vllm_answer(response: GenerateResponse, request: GenerateRequest, request_id: str = "") -> dict:
+    """Our `GenerateResponse` in vLLM's answer shape (`output_mode` "tokens"), one choice.
+
+    Versions become `weight_versions` spans labelled by the integer version; routed experts an
+    `.npy` in base64 whose rows start at `routed_experts_start` (asyncrl's extension; vLLM's at 0).
+    """
+    routed, routed_start = None, 0
+    if response.routed_experts is not None:
+        buf = io.BytesIO()
+        np.save(buf, response.routed_experts.to_array(), allow_pickle=False)
+        routed, routed_start = base64.b64encode(buf.getvalue()).decode(), response.routed_experts.start
+    n_prompt, n_out = len(request.prompt_token_ids), len(response.token_ids)
+    choice = {
+        "index": 0,
+        "finish_reason": response.finish_reason,
+        "stop_reason": None,
+        "token_ids": response.token_ids,
+        "logprobs": {
+            "content": [
+                {"token_id": t, "logprob": lp} for t, lp in zip(response.token_ids, response.logprobs)
+            ]
+        },
+        "weight_versions": _spans(response.policy_versions),
+        "routed_experts": routed,
+        "routed_experts_start": routed_start,
+    }
+    return {
+        "request_id": request_id,
+        "output_mode": "tokens",
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": response.num_cached_tokens},
+        },
+    }

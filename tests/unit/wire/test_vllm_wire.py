@@ -7,9 +7,17 @@ import io
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
-from asyncrl.wire import GenerateRequest
-from asyncrl.wire.vllm import VLLMProtocolError, from_vllm_generate, parse_version_label, to_vllm_generate
+from asyncrl.wire import GenerateRequest, GenerateResponse, RoutedExperts
+from asyncrl.wire.vllm import (
+    VLLMGenerateRequest,
+    VLLMProtocolError,
+    from_vllm_generate,
+    parse_version_label,
+    to_vllm_answer,
+    to_vllm_generate,
+)
 
 
 def _answer(token_ids, spans, *, finish="length", routed=None, cached=None):
@@ -110,3 +118,29 @@ def test_routed_experts_become_our_wire_format_from_start():
 def test_version_labels():
     assert parse_version_label("default") == 0
     assert parse_version_label("12") == 12
+
+
+def test_embedded_answer_in_vllm_shape_round_trips():
+    req = GenerateRequest(
+        prompt_token_ids=[1, 2, 3, 4], max_tokens=3, return_routed_experts=True, routed_experts_start=2
+    )
+    routed = RoutedExperts.from_array(np.arange(4 * 2 * 2, dtype=np.uint16).reshape(4, 2, 2) * 37, start=2)
+    ours = GenerateResponse(
+        token_ids=[7, 8, 9], logprobs=[-0.1, -0.2, -0.3], policy_versions=[3, 3, 4], finish_reason="stop",
+        num_cached_tokens=2, prompt_token_ids=[1, 2, 3, 4], routed_experts=routed,
+    )  # fmt: skip
+    payload = to_vllm_answer(ours, req, "r-9")
+    assert payload["choices"][0]["weight_versions"] == [
+        {"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3},
+    ]  # fmt: skip
+    assert from_vllm_generate(payload, req) == ours
+
+
+def test_vllm_request_shape_becomes_ours_and_rejects_what_we_do_not_serve():
+    body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 4, "temperature": 0, "logprobs": 0},
+            "cache_salt": "s", "return_routed_experts": True}  # fmt: skip
+    req = VLLMGenerateRequest.model_validate(body).to_request()
+    assert (req.prompt_token_ids, req.max_tokens, req.temperature, req.cache_salt) == ([5, 6], 4, 0.0, "s")
+    assert req.return_routed_experts and to_vllm_generate(req)["return_routed_experts"] is True
+    with pytest.raises(ValidationError, match="n"):
+        VLLMGenerateRequest.model_validate(body | {"sampling_params": {"n": 2}})
