@@ -152,3 +152,8 @@ def test_slurm_renders_vllm_servers(model_dir, tmp_path):
     assert "--data-parallel-size 8 --enable-expert-parallel" in server
     assert "VLLM_SERVER_DEV_MODE=1" in script and "export VLLM_API_KEY=" in script
     assert "asyncrl inference @" not in script
+
+
+def test_asyncrl_inference_refuses_the_vllm_backend(model_dir):
+    with pytest.raises(SystemExit, match="served by vLLM itself"):
+        main(["inference", "--model", str(model_dir), "--backend", "vllm"])
