@@ -18,6 +18,8 @@ Example (TOML)::
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import BaseConfig
@@ -42,6 +44,9 @@ class OrchestratorConfig(BaseConfig):
         default_factory=lambda: ["http://127.0.0.1:8000"],
         min_length=1,
         description="base URLs of the inference servers",
+    )
+    inference_backend: Literal["embedded", "vllm"] = Field(
+        "embedded", description="what the servers are: asyncrl's HTTP API or vLLM's (docs/inference.md)"
     )
     api_key: str | None = Field(None, description="sent as `Authorization: Bearer KEY` to the servers")
     envs: EnvsConfig = Field(default_factory=EnvsConfig, description="the environment mixture")

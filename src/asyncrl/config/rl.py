@@ -42,7 +42,7 @@ __all__ = ["DeploymentConfig", "RLConfig", "ResolvedRL"]
 # section -> keys that come from the top level
 _SHARED = {
     "inference": ("model", "port", "seed", "api_key"),
-    "orchestrator": ("model", "run_dir", "max_steps", "servers", "seed", "api_key"),
+    "orchestrator": ("model", "run_dir", "max_steps", "servers", "seed", "api_key", "inference_backend"),
     "trainer": ("run_dir", "max_steps", "seq_len", "seed"),  # [trainer.model] may set dtype/device
 }
 
@@ -140,8 +140,10 @@ class RLConfig(BaseConfig):
         orchestrator = _section(
             OrchestratorConfig,
             "orchestrator",
-            self.orchestrator
+            self._routing_replay(inference[0])
+            | self.orchestrator
             | {
+                "inference_backend": inference[0].backend,
                 "model": self.model,
                 "run_dir": self.run_dir,
                 "max_steps": self.max_steps,
@@ -168,6 +170,19 @@ class RLConfig(BaseConfig):
             },
         )
         return ResolvedRL(inference=inference, orchestrator=orchestrator, trainer=trainer)
+
+    def _routing_replay(self, inference: InferenceConfig) -> dict[str, Any]:
+        """Router replay needs servers that return routed experts: a vLLM server does only with
+        `enable_return_routed_experts` (GPU builds). Without it replay is off by default, and
+        asking for it is an error (`asyncrl rl` says so at start either way)."""
+        if inference.backend != "vllm" or inference.vllm.enable_return_routed_experts:
+            return {}
+        if self.orchestrator.get("return_routed_experts") is True:
+            raise ConfigError(
+                "[orchestrator] return_routed_experts = true needs [inference.vllm] "
+                "enable_return_routed_experts = true (a GPU build of vLLM)"
+            )
+        return {"return_routed_experts": False}
 
 
 def _section(cls, name: str, data: dict[str, Any]):

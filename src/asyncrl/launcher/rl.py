@@ -45,6 +45,7 @@ from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm import SlurmRLConfig
 from asyncrl.launcher.slurm import main as slurm_main
 from asyncrl.launcher.supervisor import ChildSpec, Supervisor
+from asyncrl.launcher.vllm import VLLMCommand, build_vllm_command, check_vllm, probe_vllm, resolve_vllm_python
 from asyncrl.transport.sinks import build_sinks
 
 __all__ = ["build_children", "main"]
@@ -58,10 +59,16 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
         env = {}
         if cfg.deployment.inference_devices:
             env["CUDA_VISIBLE_DEVICES"] = cfg.deployment.inference_devices[i]
+        argv = [*py, "inference", "@", str(files[f"inference-{i}"])]
+        if resolved.inference[i].backend == "vllm":
+            command = build_vllm_command(
+                resolved.inference[i], python=resolve_vllm_python(resolved.inference[i])
+            )
+            argv, env = command.argv, env | command.env
         children.append(
             ChildSpec(
                 name=f"inference-{i}",
-                argv=[*py, "inference", "@", str(files[f"inference-{i}"])],
+                argv=argv,
                 log=logs / f"inference-{i}.log",
                 env=env,
                 max_restarts=cfg.deployment.max_inference_restarts,
@@ -126,6 +133,37 @@ def keys_help() -> str:
     return "Keys (TOML, or `--dotted.key value` on the command line):\n\n" + "\n\n".join(sections)
 
 
+def _shell(child: ChildSpec) -> str:
+    """A child's command line; a vLLM server's with its environment, to start it by hand."""
+    env = {k: v for k, v in child.env.items() if k.startswith("VLLM_")}
+    return VLLMCommand(argv=child.argv, env=env).shell() if env else shlex.join(child.argv)
+
+
+def _check_vllm(resolved: ResolvedRL, *, skip_probe: bool) -> int:
+    """Say what the vLLM backend cannot do here; probe the vLLM install (not on --dry-run)."""
+    inference = resolved.inference[0]
+    if not resolved.orchestrator.return_routed_experts:
+        print(
+            "asyncrl rl: router replay OFF: the vLLM servers do not return routed experts "
+            "([inference.vllm] enable_return_routed_experts needs a GPU build); the trainer computes "
+            "logprobs without replay, and the mismatch metrics show the cost"
+        )
+    if skip_probe:
+        return 0
+    python = resolve_vllm_python(inference)
+    try:
+        probe = probe_vllm(python, timeout_s=inference.vllm.startup_timeout_s)
+        for cfg in resolved.inference:
+            warnings = check_vllm(cfg, build_vllm_command(cfg, python=python), probe)
+    except ConfigError as e:
+        print(f"asyncrl rl: {e}", file=sys.stderr)
+        return 2
+    print(f"asyncrl rl: vLLM {probe.version} ({probe.device_type}) from {python}")
+    for w in warnings:
+        print(f"asyncrl rl: warning: {w}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -158,7 +196,11 @@ def main(argv: list[str]) -> int:
         f"asyncrl rl: run dir {cfg.run_dir}; configs in {files['rl'].parent}; logs in {Path(cfg.run_dir) / 'logs'}"
     )
     for child in children:
-        print(f"  {child.name}: {shlex.join(child.argv)}")
+        print(f"  {child.name}: {_shell(child)}")
+    if resolved.inference[0].backend == "vllm":
+        code = _check_vllm(resolved, skip_probe=dry_run)
+        if code:
+            return code
     if dry_run:
         return 0
     code = Supervisor(children, console=build_console(cfg)).run()

@@ -32,7 +32,9 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     state = _resume_state(cfg)
-    pool = ServerPool.from_urls(cfg.servers, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)
+    pool = ServerPool.from_urls(
+        cfg.servers, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, kind=cfg.inference_backend
+    )
     try:
         await pool.wait_ready(cfg.server_ready_timeout_s)
         dispatcher = Dispatcher(
