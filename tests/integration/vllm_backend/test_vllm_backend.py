@@ -106,7 +106,7 @@ async def _wait_running(url: str, want: float, timeout_s: float = 60.0) -> None:
 def test_cancel_aborts_the_request_on_the_server(server):
     async def go():
         backend = VLLMBackend(server.url, timeout_s=300)
-        req = GenerateRequest(prompt_token_ids=PROMPTS[0], max_tokens=480, temperature=0.0, ignore_eos=True)
+        req = GenerateRequest(prompt_token_ids=PROMPTS[0], max_tokens=1900, temperature=0.0, ignore_eos=True)
         task = asyncio.create_task(backend.generate(req))
         await _wait_running(server.url, 1.0)
         task.cancel()
@@ -119,7 +119,7 @@ def test_cancel_aborts_the_request_on_the_server(server):
 
 
 def test_update_in_flight_keeps_the_request_and_stamps_each_token(server, models):
-    n = 400
+    n = 1800  # long enough that the update lands mid-request on a fast or a busy machine
     req = GenerateRequest(
         prompt_token_ids=PROMPTS[1], max_tokens=n, temperature=0.0, ignore_eos=True, cache_salt="0"
     )

@@ -49,7 +49,7 @@ def vllm_server(model_dir: Path, log: Path, **overrides) -> Iterator[VLLMServer]
     """A vLLM server on 127.0.0.1 started with the launcher's own command; stopped with its group."""
     cfg = InferenceConfig(**{
         "model": str(model_dir), "backend": "vllm", "port": free_port(), "dtype": "bfloat16",
-        "max_num_seqs": 16, "max_model_len": 512, "log_level": "warning",
+        "max_num_seqs": 16, "max_model_len": 2048, "log_level": "warning",
         "vllm": {"cpu_kv_cache_space_gb": 1, "enforce_eager": True},
     } | overrides)  # fmt: skip
     command = build_vllm_command(cfg, python=VLLM_PYTHON)
