@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.wire import GenerateResponse, RoutedExperts, SamplingParams
+from asyncrl.envs.client import RequestClient
+from asyncrl.wire import GenerateRequest, GenerateResponse, RoutedExperts
 
 __all__ = ["ScriptedClient", "scripted_routing"]
 
@@ -33,7 +34,7 @@ def scripted_routing(
 
 
 @dataclass
-class ScriptedClient:
+class ScriptedClient(RequestClient):
     """`InferenceClient` whose policy is a script. `version` may change between calls (weight updates)."""
 
     tokenizer: ChatTokenizer
@@ -43,24 +44,20 @@ class ScriptedClient:
     route_last_token: bool = True  # asyncrl's engine runs one more forward to route the last token
     calls: list[list[int]] = field(default_factory=list)  # every prompt it received
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-        return_routed_experts: bool = False,
-        routed_experts_start: int = 0,
-    ) -> GenerateResponse:
+    def __post_init__(self) -> None:
+        RequestClient.__init__(self, self._answer)
+
+    async def _answer(self, request: GenerateRequest) -> GenerateResponse:
+        prompt_token_ids, routed_experts_start = request.prompt_token_ids, request.routed_experts_start
         index = len(self.calls)
         self.calls.append(list(prompt_token_ids))
         text = self.script(index, prompt_token_ids) if callable(self.script) else self.script[index]
         ids = [*self.tokenizer.encode(text), self.tokenizer.eos_token_id]
         finish = "stop"
-        if len(ids) > sampling.max_tokens:
-            ids, finish = ids[: sampling.max_tokens], "length"
+        if len(ids) > request.max_tokens:
+            ids, finish = ids[: request.max_tokens], "length"
         routed = None
-        if return_routed_experts and self.routing is not None:
+        if request.return_routed_experts and self.routing is not None:
             layers, top_k, experts = self.routing
             seen = [*prompt_token_ids, *(ids if self.route_last_token else ids[:-1])]
             rows = scripted_routing(seen, routed_experts_start, layers, top_k, experts)

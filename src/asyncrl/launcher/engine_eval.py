@@ -28,6 +28,7 @@ from asyncrl.config.envs import EnvConfig
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.sampling import SamplingParams
 from asyncrl.envs.chat import ChatTokenizer
+from asyncrl.envs.client import RequestClient
 from asyncrl.envs.policy import TokenPolicy
 from asyncrl.envs.registry import build_env
 from asyncrl.envs.rollout import Episode, run_episode
@@ -35,31 +36,25 @@ from asyncrl.inference.async_engine import AsyncEngine
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.request import SamplingOptions
 from asyncrl.launcher.progress import progress_bar
-from asyncrl.wire import GenerateResponse
+from asyncrl.wire import GenerateRequest, GenerateResponse
 
 __all__ = ["EvalResult", "LocalEngineClient", "evaluate", "main"]
 
 
-class LocalEngineClient:
+class LocalEngineClient(RequestClient):
     """`InferenceClient` over an in-process `AsyncEngine` (no HTTP); routing is never returned."""
 
     def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(self._answer)
         self.engine = engine
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-        return_routed_experts: bool = False,
-        routed_experts_start: int = 0,
-    ) -> GenerateResponse:
+    async def _answer(self, request: GenerateRequest) -> GenerateResponse:
+        prompt_token_ids, cache_salt = request.prompt_token_ids, request.cache_salt
         options = SamplingOptions(
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            min_p=sampling.min_p, seed=sampling.seed, max_tokens=sampling.max_tokens,
-            stop=tuple(sampling.stop), stop_token_ids=tuple(sampling.stop_token_ids),
-            ignore_eos=sampling.ignore_eos,
+            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            min_p=request.min_p, seed=request.seed, max_tokens=request.max_tokens,
+            stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
         )  # fmt: skip
         token_ids: list[int] = []
         logprobs: list[float] = []
