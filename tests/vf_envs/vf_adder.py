@@ -52,7 +52,7 @@ class AdderTaskset(vf.Taskset[AdderTask, AdderConfig]):
             AdderTask(
                 AdderData(prompt=f"What is {i} + {2 * i + 1}? Use the tool.", a=i, b=2 * i + 1),
                 self.config.task,
-            )  # fmt: skip
+            )
             for i in range(self.config.num_tasks)
         ]
         if self.config.fail_scoring:
