@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
 from asyncrl.config.mismatch import FP8Config
+from asyncrl.config.vllm import VLLMConfig
 
 __all__ = ["InferenceConfig", "is_loopback"]
 
@@ -26,6 +27,10 @@ class InferenceConfig(BaseConfig):
     """Engine and HTTP server settings. Only `model` is required."""
 
     model: str = Field(description="Hugging Face model directory (config.json, safetensors, tokenizer)")
+    backend: Literal["embedded", "vllm"] = Field(
+        "embedded",
+        description="'embedded': asyncrl's engine; 'vllm': a vLLM OpenAI server (docs/inference.md)",
+    )
     served_model_name: str | None = Field(None, description="name clients pass as `model`; default: dir name")
     host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 serves other machines")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
@@ -59,6 +64,9 @@ class InferenceConfig(BaseConfig):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="server log level")
     fp8: FP8Config = Field(
         default_factory=FP8Config, description="FP8 block-scale inference (docs/mismatch.md)"
+    )
+    vllm: VLLMConfig = Field(
+        default_factory=VLLMConfig, description="vLLM engine arguments (backend = 'vllm' only)"
     )
 
     @model_validator(mode="after")

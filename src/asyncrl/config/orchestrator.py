@@ -35,9 +35,6 @@ class AdvantageConfig(BaseConfig):
     normalize_std: bool = Field(False, description="divide by the group's reward std (GRPO) as well")
     std_eps: float = Field(1e-6, gt=0.0, description="added to the std before dividing")
     filter_zero_advantage: bool = Field(True, description="drop groups whose rewards are all equal")
-    failed_episodes: Literal["zero", "exclude"] = Field(
-        "zero", description="'zero': keep failed episodes with reward 0; 'exclude': drop them"
-    )
 
 
 class OrchestratorConfig(BaseConfig):
@@ -48,6 +45,9 @@ class OrchestratorConfig(BaseConfig):
         min_length=1,
         description="base URLs of the inference servers",
     )
+    inference_backend: Literal["embedded", "vllm"] = Field(
+        "embedded", description="what the servers are: asyncrl's HTTP API or vLLM's (docs/inference.md)"
+    )
     api_key: str | None = Field(None, description="sent as `Authorization: Bearer KEY` to the servers")
     envs: EnvsConfig = Field(default_factory=EnvsConfig, description="the environment mixture")
     sampling: SamplingParams = Field(
@@ -56,6 +56,11 @@ class OrchestratorConfig(BaseConfig):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     max_steps: int = Field(10, ge=1, description="last trainer step to produce a batch for")
     start_step: int = Field(1, ge=1, description="first batch to write (resume: the trainer's next step)")
+    resume: bool = Field(
+        False,
+        description="continue from the checkpoint written with the newest RUN/rollouts/step_n "
+        "(start_step is then ignored); a fresh start if there is none",
+    )
     batch_size: int = Field(32, ge=1, description="samples per batch (one trainer step)")
     group_size: int = Field(4, ge=1, description="rollouts per task")
     max_concurrent_groups: int | None = Field(
@@ -74,6 +79,15 @@ class OrchestratorConfig(BaseConfig):
         600.0, gt=0.0, description="wait at start for every server's /health"
     )
     seed: int = Field(0, description="seed of the environment choice per group")
+    fill_status_interval_s: float = Field(
+        10.0, gt=0.0, description="while a batch fills, print how full it is and why groups drop this often"
+    )
+    max_fill_groups: int | None = Field(
+        None,
+        ge=1,
+        description="groups that may finish (or go stale) while one batch fills before the run stops "
+        "with an error naming why they were dropped; default 50 x (batch_size / group_size)",
+    )
 
     @field_validator("sampling")
     @classmethod
@@ -121,6 +135,10 @@ class OrchestratorConfig(BaseConfig):
     @property
     def groups_per_batch(self) -> int:
         return self.batch_size // self.group_size
+
+    @property
+    def fill_group_limit(self) -> int:
+        return self.max_fill_groups or 50 * self.groups_per_batch
 
     @property
     def concurrent_groups(self) -> int:

@@ -34,6 +34,7 @@ from pydantic import Field, model_validator
 from asyncrl.config.base import BaseConfig, ConfigError, load_config
 from asyncrl.config.inference import InferenceConfig, is_loopback
 from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.config.sinks import SinksConfig
 from asyncrl.config.trainer import RLTrainerConfig
 
 __all__ = ["DeploymentConfig", "RLConfig", "ResolvedRL"]
@@ -41,7 +42,7 @@ __all__ = ["DeploymentConfig", "RLConfig", "ResolvedRL"]
 # section -> keys that come from the top level
 _SHARED = {
     "inference": ("model", "port", "seed", "api_key"),
-    "orchestrator": ("model", "run_dir", "max_steps", "servers", "seed", "api_key"),
+    "orchestrator": ("model", "run_dir", "max_steps", "servers", "seed", "api_key", "inference_backend"),
     "trainer": ("run_dir", "max_steps", "seq_len", "seed"),  # [trainer.model] may set dtype/device
 }
 
@@ -90,6 +91,10 @@ class RLConfig(BaseConfig):
         "one per run when a server binds a non-loopback address",
     )
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    sinks: SinksConfig = Field(
+        default_factory=SinksConfig,
+        description="W&B / TensorBoard mirrors of metrics.jsonl (the launcher feeds them)",
+    )
     inference: dict[str, Any] = Field(default_factory=dict, description="InferenceConfig keys")
     orchestrator: dict[str, Any] = Field(default_factory=dict, description="OrchestratorConfig keys")
     trainer: dict[str, Any] = Field(default_factory=dict, description="RLTrainerConfig keys")
@@ -135,8 +140,10 @@ class RLConfig(BaseConfig):
         orchestrator = _section(
             OrchestratorConfig,
             "orchestrator",
-            self.orchestrator
+            self._routing_replay(inference[0])
+            | self.orchestrator
             | {
+                "inference_backend": inference[0].backend,
                 "model": self.model,
                 "run_dir": self.run_dir,
                 "max_steps": self.max_steps,
@@ -163,6 +170,19 @@ class RLConfig(BaseConfig):
             },
         )
         return ResolvedRL(inference=inference, orchestrator=orchestrator, trainer=trainer)
+
+    def _routing_replay(self, inference: InferenceConfig) -> dict[str, Any]:
+        """Router replay needs servers that return routed experts: a vLLM server does only with
+        `enable_return_routed_experts` (GPU builds). Without it replay is off by default, and
+        asking for it is an error (`asyncrl rl` says so at start either way)."""
+        if inference.backend != "vllm" or inference.vllm.enable_return_routed_experts:
+            return {}
+        if self.orchestrator.get("return_routed_experts") is True:
+            raise ConfigError(
+                "[orchestrator] return_routed_experts = true needs [inference.vllm] "
+                "enable_return_routed_experts = true (a GPU build of vLLM)"
+            )
+        return {"return_routed_experts": False}
 
 
 def _section(cls, name: str, data: dict[str, Any]):

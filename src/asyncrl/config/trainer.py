@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 from asyncrl.config.base import BaseConfig
 from asyncrl.config.mismatch import FP8Config, MismatchConfig
 from asyncrl.config.parallel import ParallelConfig
+from asyncrl.config.sinks import SinksConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -191,3 +192,6 @@ class SFTConfig(CommonTrainConfig):
     """`asyncrl sft`: cross-entropy on chat / prompt-completion data, same outputs as the RL trainer."""
 
     data: SFTDataConfig
+    sinks: SinksConfig = Field(
+        default_factory=SinksConfig, description="W&B / TensorBoard mirrors of metrics.jsonl"
+    )

@@ -139,10 +139,16 @@ class HttpBackend:
             raise InferenceError(f"{method} {self.url}{path}: response breaks the contract: {e}") from None
 
     async def _send(self, method: str, path: str, body: BaseModel | None) -> httpx.Response:
-        where = f"{method} {self.url}{path}"
         payload = body.model_dump(exclude_none=True) if body is not None else {}
+        return await self._send_json(method, path, payload if method == "POST" else None)
+
+    async def _send_json(
+        self, method: str, path: str, payload: dict | None, params: dict[str, str] | None = None
+    ) -> httpx.Response:
+        """One request; transport errors and 5xx raise ServerUnavailable, other non-200 InferenceError."""
+        where = f"{method} {self.url}{path}"
         try:
-            response = await self._http.request(method, path, json=payload if method == "POST" else None)
+            response = await self._http.request(method, path, json=payload, params=params)
         except httpx.HTTPError as e:
             raise ServerUnavailable(f"{where} failed: {type(e).__name__}: {e}") from e
         if response.status_code >= 500:

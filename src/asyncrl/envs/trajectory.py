@@ -53,6 +53,11 @@ class _Segment:
     def num_sampled(self) -> int:
         return sum(self.loss_mask)
 
+    def trimmed(self) -> _Segment:
+        """This segment up to and including its last sampled token."""
+        end = max(i for i, sampled in enumerate(self.loss_mask) if sampled) + 1
+        return _Segment(*(getattr(self, f)[:end] for f in _Segment.__dataclass_fields__))
+
     def known_routing_prefix(self) -> int:
         n = 0
         while n < len(self.routing) and self.routing[n] is not None:
@@ -142,7 +147,7 @@ class TrajectoryBuilder:
         self, *, reward: float, env: str, episode_id: str, metrics: dict[str, float]
     ) -> list[RolloutSample]:
         """One sample per stitched segment that holds at least one sampled token."""
-        segments = [s for s in [*self._done, self._cur] if s.num_sampled > 0]
+        segments = [s.trimmed() for s in [*self._done, self._cur] if s.num_sampled > 0]
         samples = []
         for i, seg in enumerate(segments):
             routed, routing_metrics = _stack_routing(seg.routing)

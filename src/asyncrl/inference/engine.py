@@ -86,6 +86,8 @@ class Engine:
             num_layers=args.num_hidden_layers, num_blocks=num_blocks, block_size=bs,
             num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
             routing_top_k=args.routing_top_k, dtype=self.dtype, device=self.device,
+            latent_dim=args.kv_lora_rank + args.qk_rope_head_dim if args.uses_mla else 0,
+            index_dim=args.index_head_dim if args.uses_dsa else 0,
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.pool, block_size=bs, max_num_seqs=config.max_num_seqs,
@@ -201,9 +203,15 @@ class Engine:
 
     # -- weights ----------------------------------------------------------------------------------
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Swap in new weights between steps. Running requests keep their KV and continue."""
+        """Swap in new weights between steps. Running requests keep their KV and continue.
+
+        The prefix cache moves to a new weights epoch: blocks computed by the old weights are never
+        matched again (running requests keep theirs), and the unreferenced ones are freed now.
+        """
         load_into(self.model, state, where="weight update")
         self.version = version
+        self.scheduler.weights_epoch += 1
+        self.pool.reset_prefix_cache()
 
     def read_weights(self, path: str) -> dict[str, torch.Tensor]:
         """Read and validate an HF safetensors directory in this model's names and dtype (no swap yet).

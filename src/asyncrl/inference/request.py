@@ -110,6 +110,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hits at first admission; -1 until admitted
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)
+    weights_epoch: int = -1  # the scheduler's weights epoch at admission; keys `block_hashes`
     num_preemptions: int = 0
 
     def set_blocks(self, block_ids: list[int]) -> None:

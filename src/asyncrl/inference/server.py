@@ -2,7 +2,8 @@
 
     app = build_app(AsyncEngine(engine), tokenizer, config, model_name)   # then uvicorn.run(app, ...)
 
-Token-in/token-out `/v1/generate` for the orchestrator, admin endpoints for weight updates,
+Token-in/token-out `/v1/generate` for the orchestrator (and vLLM's shape of it,
+`/inference/v1/generate`, for vLLM clients), admin endpoints for weight updates,
 `/metrics` in Prometheus text, and the OpenAI endpoints from `openai_api`. Every bad input gets a
 4xx JSON error in OpenAI's shape whose `param` names the field.
 """
@@ -13,11 +14,12 @@ import contextlib
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncrl.config.inference import InferenceConfig
@@ -40,6 +42,7 @@ from asyncrl.wire import (
     WeightsInfo,
 )
 from asyncrl.wire.http import FieldValueError
+from asyncrl.wire.vllm import VLLMGenerateRequest, to_vllm_answer
 
 __all__ = ["build_app"]
 
@@ -178,8 +181,10 @@ def _add_core_routes(app: FastAPI) -> None:
     state: ServerState = app.state.server
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, str | bool]:
+        # 200 while paused too: a paused server is alive (mid weight update, or left paused by a
+        # failed one); `paused` tells a rejoining client that it must `/resume` it.
+        return {"status": "ok", "paused": state.engine.paused}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -197,8 +202,7 @@ def _add_core_routes(app: FastAPI) -> None:
         text = render_metrics(state.engine.stats(), paused=state.engine.paused, counters=state.counters)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/generate")
-    async def generate(body: GenerateRequest, http: Request) -> GenerateResponse:
+    async def run(body: GenerateRequest, http: Request, prompt_field: str) -> GenerateResponse:
         options = to_options(body, body.max_tokens)
         try:
             result = await collect(
@@ -206,8 +210,8 @@ def _add_core_routes(app: FastAPI) -> None:
                 return_routed_experts=body.return_routed_experts, routed_experts_start=body.routed_experts_start,
             )  # fmt: skip
         except InvalidRequestError as e:
-            # The engine names the field "prompt"; this endpoint calls it prompt_token_ids.
-            field = "prompt_token_ids" if e.field == "prompt" else e.field
+            # The engine names the field "prompt"; these endpoints name it as their body does.
+            field = prompt_field if e.field == "prompt" else e.field
             raise InvalidRequestError(field, e.message, e.status) from None
         routed = None
         if result.routed_experts is not None:
@@ -219,13 +223,32 @@ def _add_core_routes(app: FastAPI) -> None:
             prompt_token_ids=body.prompt_token_ids, routed_experts=routed,
         )  # fmt: skip
 
+    @app.post("/v1/generate")
+    async def generate(body: GenerateRequest, http: Request) -> GenerateResponse:
+        return await run(body, http, "prompt_token_ids")
+
+    @app.post("/inference/v1/generate")
+    async def generate_vllm_shape(body: VLLMGenerateRequest, http: Request) -> dict[str, Any]:
+        """vLLM 0.32's token-in/token-out shape, so that vLLM clients (and VLLMBackend) speak to us."""
+        try:
+            request = body.to_request()
+        except ValidationError as e:  # GenerateRequest's own bounds (seed range, valid Unicode, ...)
+            err = e.errors()[0]
+            raise InvalidRequestError(".".join(str(p) for p in err["loc"]) or "body", err["msg"]) from None
+        return to_vllm_answer(await run(request, http, "token_ids"), request, body.request_id or "")
+
 
 def _add_admin_routes(app: FastAPI) -> None:
     state: ServerState = app.state.server
 
     @app.post("/pause")
-    async def pause(body: PauseRequest | None = None) -> PauseResponse:
-        mode = body.mode if body is not None else "keep"
+    async def pause(
+        body: PauseRequest | None = None, mode: Literal["keep", "abort"] | None = None
+    ) -> PauseResponse:
+        """Mode from the body, or from `?mode=` as vLLM takes it; default keep."""
+        if body is not None and mode is not None and body.mode != mode:
+            raise InvalidRequestError("mode", f"body says {body.mode!r}, query says {mode!r}")
+        mode = mode or (body.mode if body is not None else "keep")
         aborted = await state.engine.pause(mode)
         return PauseResponse(paused=True, mode=mode, num_aborted=aborted)
 

@@ -25,6 +25,9 @@ from safetensors.torch import save_file
 
 from asyncrl.model.args import ModelArgs, ModelConfigError
 from asyncrl.model.dtypes import dtype_name
+from asyncrl.model.mtp import PREFIX as MTP_PREFIX
+from asyncrl.model.mtp import hf_name as mtp_hf_name
+from asyncrl.model.mtp import is_mtp_key, our_name
 from asyncrl.model.transformer import Transformer
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "load_args",
     "load_into",
     "load_state_dict",
+    "mtp_tensor_names",
     "save_pretrained",
     "to_hf_state_dict",
     "to_hf_tensors",
@@ -93,6 +97,15 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+def mtp_tensor_names(path: str | os.PathLike, args: ModelArgs) -> list[str]:
+    """HF names of the checkpoint's MTP-layer tensors (read from the shard headers, no data)."""
+    names = []
+    for file in _safetensors_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            names += [k for k in f.keys() if is_mtp_key(k, args)]  # noqa: SIM118
+    return sorted(names)
+
+
 def load_state_dict(path: str | os.PathLike, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Read every safetensors shard and convert to our (stacked-expert) parameter names."""
     path = Path(path)
@@ -125,7 +138,9 @@ def _stack_experts(flat: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
     out: dict[str, torch.Tensor] = {}
     per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for key, t in flat.items():
-        if m := _EXPERT_KEY.match(key):
+        if is_mtp_key(key, args):  # kept verbatim, experts unstacked (see asyncrl.model.mtp)
+            out[our_name(key)] = t
+        elif m := _EXPERT_KEY.match(key):
             per_expert.setdefault((m[1], m[3]), {})[int(m[2])] = t
         elif m := _FUSED_KEY.match(key):
             if m[2] == "gate_up_proj":
@@ -145,15 +160,22 @@ def _stack_experts(flat: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
 def from_pretrained(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> Transformer:
-    """Load a Qwen3 / Qwen3-MoE Hugging Face directory (config.json + safetensors)."""
+    """Load a Hugging Face directory (config.json + safetensors) of a supported family."""
     args = load_args(path)
     state = load_state_dict(path, args, dtype)
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
     model.to_empty(device=device)
     model.tie_weights()
+    for name in [n for n in state if n.startswith(MTP_PREFIX)]:
+        model.mtp.put(mtp_hf_name(name), state[name].to(device))
     load_into(model, state, where=str(path))
     return model.to(dtype)
+
+
+def _tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """What a checkpoint fills: parameters and buffers (the routers' score-correction bias, kept MTP tensors)."""
+    return dict(model.named_parameters()) | dict(model.named_buffers())
 
 
 def check_state_dict(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
@@ -161,7 +183,7 @@ def check_state_dict(model: Transformer, state: dict[str, torch.Tensor], where: 
 
     `load_into` calls it before the first copy, so a rejected state leaves the model untouched.
     """
-    params = dict(model.named_parameters())
+    params = _tensors(model)
     names = set(state) - ({"lm_head.weight"} if model.args.tie_word_embeddings else set())
     missing = sorted(set(params) - names)
     unexpected = sorted(names - set(params))
@@ -185,7 +207,7 @@ def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "
     """Copy `state` (our names) into `model`; every name, shape and dtype is checked before any copy."""
     check_state_dict(model, state, where)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in _tensors(model).items():
             p.copy_(state[name])
 
 
@@ -200,7 +222,9 @@ def to_hf_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.
     Stacked experts `model.layers.i.mlp.experts.gate_proj` [E, I, D] become E tensors
     `model.layers.i.mlp.experts.{e}.gate_proj.weight` [I, D] (views, no copy); others pass through.
     """
-    if name.startswith("model.layers.") and ".mlp.experts." in name:
+    if name.startswith(MTP_PREFIX):
+        yield mtp_hf_name(name), tensor
+    elif name.startswith("model.layers.") and ".mlp.experts." in name:
         prefix, proj = name.rsplit(".", 1)
         for e in range(tensor.shape[0]):
             yield f"{prefix}.{e}.{proj}.weight", tensor[e]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.layers import MLP
 
 __all__ = ["GroupedExperts", "MoE", "MoEOutput", "Router", "Routing", "grouped_swiglu"]
 
@@ -141,13 +142,25 @@ def grouped_swiglu(
 
 
 class MoE(nn.Module):
-    """Router + grouped experts. Returns an `MoEOutput`: the output, the expert ids used (captured
-    or replayed), and with `with_router_topk=True` the router's own top-k ids."""
+    """Router + grouped experts (+ always-on shared experts, DeepSeek-style). Returns an `MoEOutput`:
+    the output, the expert ids used (captured or replayed), and with `with_router_topk=True` the
+    router's own top-k ids.
 
-    def __init__(self, args: ModelArgs) -> None:
+    `gate` is a softmax `Router` (Qwen3-MoE) or, for the sigmoid-router families, a
+    `GroupedSigmoidRouter` (built by `asyncrl.model.transformer`, which picks per architecture).
+    """
+
+    def __init__(self, args: ModelArgs, gate: nn.Module | None = None) -> None:
         super().__init__()
-        self.gate = Router(args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob)
+        self.gate = gate or Router(
+            args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob
+        )
         self.experts = GroupedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
+        self.shared_experts = (
+            MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+            if args.n_shared_experts
+            else None
+        )
 
     def forward(
         self,
@@ -160,10 +173,12 @@ class MoE(nn.Module):
         x_ND = x_BTD.reshape(-1, D)
         replay_NK = None if replay_ids_BTK is None else replay_ids_BTK.reshape(B * T, -1)
         routing = self.gate(x_ND, replay_NK, with_router_topk=with_router_topk)
-        y_ND = self.experts(x_ND, routing.ids_NK, routing.weights_NK)
+        y_BTD = self.experts(x_ND, routing.ids_NK, routing.weights_NK).view(B, T, D)
+        if self.shared_experts is not None:
+            y_BTD = y_BTD + self.shared_experts(x_BTD)
         own_NK = routing.router_topk_NK
         return MoEOutput(
-            out_BTD=y_ND.view(B, T, D),
+            out_BTD=y_BTD,
             ids_BTK=routing.ids_NK.view(B, T, -1),
             router_topk_BTK=None if own_NK is None else own_NK.view(B, T, -1),
         )

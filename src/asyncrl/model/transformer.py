@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.dsa import DSAttention
+from asyncrl.model.grouped_router import GroupedSigmoidRouter
 from asyncrl.model.layers import (
     MLP,
     Attention,
@@ -30,7 +32,9 @@ from asyncrl.model.layers import (
     RMSNorm,
     RotaryEmbedding,
 )
+from asyncrl.model.mla import MLAttention
 from asyncrl.model.moe import MoE
+from asyncrl.model.mtp import PassthroughTensors
 
 __all__ = ["DecoderLayer", "LayerOutput", "ModelOutput", "Transformer"]
 
@@ -56,8 +60,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.is_moe = args.is_moe_layer(layer_idx)
-        self.self_attn = Attention(args, layer_idx)
-        self.mlp: MoE | MLP = MoE(args) if self.is_moe else MLP(args.hidden_size, args.intermediate_size)
+        self.self_attn = build_attention(args, layer_idx)
+        self.mlp: MoE | MLP = build_mlp(args, layer_idx)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -84,6 +88,20 @@ class DecoderLayer(nn.Module):
         return LayerOutput(x_BTD=x_BTD + self.mlp(h_BTD), ids_BTK=None, router_topk_BTK=None)
 
 
+def build_attention(args: ModelArgs, layer_idx: int) -> nn.Module:
+    """GQA (Qwen3, GLM-4.5), MLA (DeepSeek-V3, Kimi-K2) or MLA + sparse attention (GLM-5)."""
+    if args.uses_dsa:
+        return DSAttention(args, layer_idx)
+    return MLAttention(args, layer_idx) if args.uses_mla else Attention(args, layer_idx)
+
+
+def build_mlp(args: ModelArgs, layer_idx: int) -> MoE | MLP:
+    """SwiGLU for dense layers; MoE with a softmax (Qwen3-MoE) or grouped sigmoid router otherwise."""
+    if not args.is_moe_layer(layer_idx):
+        return MLP(args.hidden_size, args.intermediate_size)
+    return MoE(args, GroupedSigmoidRouter(args) if args.sigmoid_router else None)
+
+
 class _Backbone(nn.Module):
     """Holds the `model.*` parameters, so state-dict keys match Hugging Face's."""
 
@@ -100,7 +118,8 @@ class Transformer(nn.Module):
         self.args = args
         self.model = _Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta)
+        self.rotary = RotaryEmbedding(args.rope_dim, args.rope_theta)
+        self.mtp = PassthroughTensors()  # checkpoint MTP layers, kept and written back unchanged
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -113,9 +132,11 @@ class Transformer(nn.Module):
         return self.model.layers
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
-        """Random init for models trained from scratch: N(0, std) matrices, unit norms."""
+        """Random init for models trained from scratch: N(0, std) matrices, unit norms, zero buffers."""
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
+            for _, b in self.named_buffers():
+                b.zero_()
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)

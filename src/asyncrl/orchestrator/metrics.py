@@ -27,6 +27,8 @@ class Counters:
     groups_dispatched: int = 0
     groups_cancelled_stale: int = 0
     groups_zero_advantage: int = 0
+    groups_too_few_valid: int = 0  # fewer than two valid episodes: no baseline
+    groups_error: int = 0  # the group's own code raised; logged and dropped
     episodes_failed: int = 0
     episodes_retried: int = 0
     inference_idle_s: float = 0.0
@@ -46,6 +48,12 @@ class StepMetrics:
 
 def _mean(xs) -> float:
     return float(np.mean(xs)) if len(xs) else 0.0
+
+
+def _num_without_routing(batch: RolloutBatch) -> int:
+    """Samples trained without router replay in a batch that carries routing (0 when none does)."""
+    missing = sum(s.routed_experts is None for s in batch.samples)
+    return missing if missing < len(batch.samples) else 0
 
 
 def batch_metrics(
@@ -88,6 +96,9 @@ def batch_metrics(
         "dropped/groups_stale_queue": num_dropped_stale_queue,
         "dropped/groups_stale_in_flight": c.groups_cancelled_stale,
         "dropped/groups_zero_advantage": c.groups_zero_advantage,
+        "dropped/groups_too_few_valid": c.groups_too_few_valid,
+        "dropped/groups_error": c.groups_error,
+        "batch/samples_without_routing": _num_without_routing(batch),
         "episodes/failed_total": c.episodes_failed,
         "episodes/retried_total": c.episodes_retried,
         "inference/idle_s": c.inference_idle_s,

@@ -23,10 +23,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from asyncrl.envs.backend import HttpBackend, InferenceBackend, InferenceError, ServerUnavailable
 from asyncrl.envs.client import RequestClient
+from asyncrl.envs.vllm_backend import VLLMBackend
 from asyncrl.wire import GenerateRequest, GenerateResponse
 
 __all__ = ["NoHealthyServer", "Server", "ServerPool", "ServerUnavailable"]
@@ -83,15 +84,31 @@ class ServerPool:
 
     @classmethod
     def from_urls(
-        cls, urls: list[str], *, api_key: str | None = None, timeout_s: float = 600.0
+        cls,
+        urls: list[str],
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        kind: Literal["embedded", "vllm"] = "embedded",
     ) -> ServerPool:
-        """A pool of asyncrl HTTP servers (`HttpBackend`)."""
-        return cls([HttpBackend(u, api_key=api_key, timeout_s=timeout_s) for u in urls])
+        """A pool of asyncrl HTTP servers (`HttpBackend`) or of vLLM servers (`VLLMBackend`)."""
+        backend = {"embedded": HttpBackend, "vllm": VLLMBackend}[kind]
+        return cls([backend(u, api_key=api_key, timeout_s=timeout_s) for u in urls])
 
     # -- routing -------------------------------------------------------------------------------
-    def session(self, session_id: str) -> RequestClient:
-        """The `InferenceClient` of one episode: all its turns go to one server."""
-        return RequestClient(functools.partial(self.generate, session_id))
+    def session(self, session_id: str, *, cache_salt: Callable[[], str] | None = None) -> RequestClient:
+        """The `InferenceClient` of one episode: all its turns go to one server.
+
+        `cache_salt`, when given, is called as each request is sent and its answer becomes the
+        request's salt (the dispatcher's: the policy version the servers hold at that moment).
+        """
+        if cache_salt is None:
+            return RequestClient(functools.partial(self.generate, session_id))
+
+        async def send(request: GenerateRequest) -> GenerateResponse:
+            return await self.generate(session_id, request.model_copy(update={"cache_salt": cache_salt()}))
+
+        return RequestClient(send)
 
     def end_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

@@ -3,6 +3,8 @@
 On a new version: pause every healthy server (mode keep: running requests hold their KV cache),
 `POST /update_weights {path, version}`, resume. The pause is timed and reported. A server that fails
 the update leaves the rotation: it would otherwise sample with stale weights under a new version.
+It stays paused until it rejoins: the pool's health probe calls `sync_server`, which loads the
+current version and resumes it.
 """
 
 from __future__ import annotations
@@ -64,7 +66,11 @@ class WeightUpdater:
             self.on_version(version)
 
     async def sync_server(self, server: Server) -> bool:
-        """Bring one (restarted) server to the current version before it rejoins; False if it can't."""
+        """Rejoin = bring the server to the current version, then resume it; False if it can't.
+
+        The resume is unconditional: a server whose update failed was left paused by `update`, and
+        a restarted one may have been paused by an earlier orchestrator.
+        """
         try:
             held = (await server.backend.weights()).version
             if held < self.version:
@@ -72,6 +78,7 @@ class WeightUpdater:
                 log.info(
                     "server %s brought from v%d to v%d before re-admission", server.url, held, self.version
                 )
+            await server.backend.resume()
         except InferenceError as e:
             log.warning("server %s: weight sync before re-admission failed: %s", server.url, e)
             return False

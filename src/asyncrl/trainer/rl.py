@@ -62,7 +62,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
 
 
 def _warn_if_replay_is_idle(cfg: RLTrainerConfig, args: ModelArgs, batch: RolloutBatch) -> None:
-    if cfg.router_replay and args.is_moe and batch.samples[0].routed_experts is None:
+    if cfg.router_replay and args.is_moe and all(s.routed_experts is None for s in batch.samples):
         warnings.warn(
             f"router_replay = true but batch {batch.step} carries no routed_experts; the trainer routes "
             "with its own router (ask the orchestrator for return_routed_experts)",

@@ -37,8 +37,8 @@ from asyncrl.distributed import (
     pad_for_cp,
     split_for_cp,
 )
-from asyncrl.model import AttentionBackend, ModelArgs, Transformer, load_args, torch_dtype
-from asyncrl.model.hf import load_state_dict
+from asyncrl.model import AttentionBackend, ModelArgs, ModelConfigError, Transformer, load_args, torch_dtype
+from asyncrl.model.hf import load_state_dict, mtp_tensor_names
 from asyncrl.trainer.packing import MicroBatch
 
 __all__ = [
@@ -104,6 +104,11 @@ def build_parallel_model(
     """Meshes, the model built on meta and parallelised, then rank 0's weights broadcast as shards."""
     meshes = dims.build_meshes(info.device.type)
     args: ModelArgs = load_args(cfg.model.path)
+    if mtp := mtp_tensor_names(cfg.model.path, args):  # every rank reads the headers: all raise
+        raise ModelConfigError(
+            f"{cfg.model.path}: {len(mtp)} MTP-layer tensors (e.g. {mtp[0]}) are kept only by the "
+            "one-process trainer so far; at world size > 1 they would be lost from published weights"
+        )
     dtype = torch_dtype(cfg.model.dtype)
     with torch.device("meta"):
         model = Transformer(args).to(dtype)

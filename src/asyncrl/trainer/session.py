@@ -30,6 +30,7 @@ from asyncrl.trainer.metrics import MetricsLogger, flops_per_token, measure_matm
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.publish import FilesystemWeightPublisher, WeightPublisher
 from asyncrl.trainer.scaleout import ParallelState, build_parallel_model, resolve_dims
+from asyncrl.transport.sinks import build_sinks
 
 __all__ = ["TrainSession", "resolve_resume_step"]
 
@@ -112,7 +113,14 @@ class TrainSession:
             engine=engine,
             publisher=publisher
             or FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish.keep_last, info),
-            logger=MetricsLogger(cfg.run_dir, enabled=info.is_main),
+            logger=MetricsLogger(
+                cfg.run_dir,
+                enabled=info.is_main,
+                # `asyncrl sft` only: under `asyncrl rl` the launcher feeds the sinks from metrics.jsonl
+                sinks=build_sinks(getattr(cfg, "sinks", None), cfg.run_dir) if info.is_main else None,
+                total_steps=cfg.max_steps,
+                start_step=start_step,
+            ),
             peak_flops=peak,
             start_step=start_step,
             parallel=parallel,
@@ -157,6 +165,7 @@ class TrainSession:
         return record
 
     def close(self) -> None:
+        self.logger.close()
         if self.info.is_distributed and dist.is_initialized():
             dist.destroy_process_group()
 

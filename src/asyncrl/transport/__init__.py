@@ -12,6 +12,7 @@ from asyncrl.transport.rollouts import (
     BATCH_FILE,
     RolloutTimeoutError,
     batch_dir,
+    batch_steps,
     read_batch,
     write_batch,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "RolloutTimeoutError",
     "WeightsTimeoutError",
     "batch_dir",
+    "batch_steps",
     "latest_stable_step",
     "prune_weights",
     "read_batch",

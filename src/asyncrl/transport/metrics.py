@@ -8,6 +8,11 @@ Every line is one JSON object that starts with three keys, then the role's own m
 `role` names the process that wrote it, `step` the trainer step (the batch) it describes, and
 `time` the Unix time of the write. Several processes append to the same file: each line goes out
 in one `O_APPEND` write, so concurrent lines never interleave.
+
+On resume, `drop_metrics_after` removes the lines of steps that will be redone (a trainer that
+restarts from an older checkpoint retrains them), so every step of a role appears once. It
+rewrites the file (temp + rename) and must run while no process appends: `asyncrl rl --resume`
+calls it before starting any child.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["METRICS_FILE", "MetricsWriter", "Role", "append_jsonl"]
+__all__ = ["METRICS_FILE", "MetricsWriter", "Role", "append_jsonl", "drop_metrics_after", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
 Role = Literal["trainer", "orchestrator"]
@@ -55,3 +60,50 @@ def append_jsonl(path: str | Path, record: Mapping[str, Any]) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
+
+
+def read_metrics(run_dir: str | Path, role: Role | None = None) -> list[dict[str, Any]]:
+    """The lines of RUN/metrics.jsonl (of one role if given), in file order; [] if there is no file.
+
+    A torn last line (a writer killed mid-write on a filesystem without atomic appends) is skipped.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if role is None or record.get("role") == role:
+            records.append(record)
+    return records
+
+
+def drop_metrics_after(run_dir: str | Path, last_step: Mapping[Role, int]) -> int:
+    """Remove the lines of role r with step > last_step[r]; returns how many were removed.
+
+    Roles not in `last_step` keep every line. Atomic (temp + rename); not safe while another
+    process appends to the file.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, removed = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            removed += 1  # a torn line of a killed writer
+            continue
+        limit = last_step.get(record.get("role"))  # type: ignore[arg-type]
+        if limit is not None and int(record.get("step", 0)) > limit:
+            removed += 1
+        else:
+            kept.append(line + "\n")
+    if removed:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return removed

@@ -196,6 +196,13 @@ def worker_layouts(rank: int, world_size: int, layouts: list[tuple]) -> None:
         check_layout(rank, world_size, *layout)
 
 
+def worker_family_layouts(rank: int, world_size: int, args, layouts: list[tuple]) -> None:
+    """`worker_layouts` for another architecture (this forked process's ARGS is replaced)."""
+    global ARGS
+    ARGS = args
+    worker_layouts(rank, world_size, layouts)
+
+
 def worker_replay(rank: int, world_size: int) -> None:
     """R3: logprobs with replayed routing are identical with and without EP (and CP)."""
     rows = make_rows()

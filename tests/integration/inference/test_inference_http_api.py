@@ -92,7 +92,7 @@ def test_bad_input_gets_4xx_naming_the_field(server, path, body, status, param):
         r = c.post(path, json=body)
         assert r.status_code == status, r.text
         assert r.json()["error"]["param"] == param
-        assert c.get("/health").json() == {"status": "ok"}
+        assert c.get("/health").json() == {"status": "ok", "paused": False}
         assert len(_generate(c, prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True).token_ids) == 2
 
 
@@ -202,7 +202,9 @@ def test_update_weights_abort_and_pause_resume(server):
         thread = _start_long_request(server, results, max_tokens=4)
         time.sleep(0.5)
         assert _metric(c, "asyncrl_paused") == 1 and _metric(c, "asyncrl_requests_waiting") == 1
+        assert c.get("/health").json() == {"status": "ok", "paused": True}
         c.post("/resume")
+        assert c.get("/health").json() == {"status": "ok", "paused": False}
         thread.join(timeout=60)
         assert results["out"].policy_versions == [v + 1] * 4
 
@@ -233,5 +235,5 @@ def test_load_500_requests_at_concurrency_64(server):
     codes = asyncio.run(asyncio.wait_for(main(), timeout=150))
     assert codes.count(200) == 500
     with server.client() as c:
-        assert c.get("/health").json() == {"status": "ok"}
+        assert c.get("/health").json() == {"status": "ok", "paused": False}
         assert _metric(c, "asyncrl_requests_running") == 0 and _metric(c, "asyncrl_kv_blocks_used") == 0

@@ -105,7 +105,10 @@ def test_rl_help_shows_descriptions_and_leaves_out_the_shared_keys(capsys):
         "most tokens sampled per request (turn)"
     )  # the orchestrator's default
     orchestrator = out.split("\n[orchestrator]  ")[1].split("[orchestrator.envs]")[0]
-    assert "model, run_dir, max_steps, servers, seed, api_key come from the top level" in orchestrator
+    assert (
+        "model, run_dir, max_steps, servers, seed, api_key, inference_backend come from the top level"
+        in orchestrator
+    )
     assert (
         "run_dir =" not in orchestrator
         and "servers =" not in orchestrator
