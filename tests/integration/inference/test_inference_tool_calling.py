@@ -29,8 +29,10 @@ def scripted(server, monkeypatch):
     """Make the engine sample `text`'s tokens (3 per step); returns a setter for the text."""
     tok = AutoTokenizer.from_pretrained(server.model_dir)
     script = {"text": REPLY}
+    prompts = []
 
     async def generate(request_id, prompt, options, **kwargs):
+        prompts.append(tok.decode(prompt))
         ids = tok.encode(script["text"], add_special_tokens=False)
         for i in range(0, len(ids), 3):
             last = i + 3 >= len(ids)
@@ -40,7 +42,9 @@ def scripted(server, monkeypatch):
             )  # fmt: skip
 
     monkeypatch.setattr(server.app.state.server.engine, "generate", generate)
-    return lambda text: script.__setitem__("text", text)
+    setter = lambda text: script.__setitem__("text", text)  # noqa: E731
+    setter.prompts = prompts
+    return setter
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +73,22 @@ def test_openai_tool_calling_example_round_trip(client, server, scripted):
     final = client.chat.completions.create(model=server.name, messages=messages, tools=TOOLS)
     assert final.choices[0].message.content == "It is sunny in Paris."
     assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason == "stop"
+    # the model sees its call as it wrote it (arguments an object, not OpenAI's JSON string) and the result
+    assert '"name": "get_weather"' in scripted.prompts[0]  # the schema, in the system turn
+    assert (
+        'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>\n'
+        "<|im_start|>tool\nsunny, 21 C<|im_end|>\n<|im_start|>assistant\n"
+    ) in scripted.prompts[1]
+
+
+def test_tool_call_arguments_that_are_not_a_json_object_are_a_400(server):
+    bad = {"role": "assistant", "content": None,
+           "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}  # fmt: skip
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": server.name, "tools": TOOLS,
+                   "messages": [{"role": "user", "content": "x"}, bad, {"role": "tool", "content": "y"}]})  # fmt: skip
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages.1.tool_calls.0.function.arguments"
 
 
 def test_streaming_sends_content_then_tool_calls(client, server, scripted):
