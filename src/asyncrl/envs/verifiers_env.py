@@ -9,7 +9,8 @@
 What comes from verifiers and what from asyncrl:
 - tasks: the taskset's `load()`; a task's `system_prompt` and `prompt` (text or messages) open the
   episode. Tasks are split by their key (`Task.key`, 1 in 8 to eval, as the built-ins do) and
-  shuffled under the seed; `task(split, i)` wraps around the split.
+  shuffled under the seed; `task(split, i)` wraps around the split, and an empty split
+  is an error (never the other split's tasks).
 - tools: the `@vf.tool` methods of the task's and the taskset's `vf.Toolset`s, called in-process
   (no MCP server, no runtime), named as verifiers' chat harness names them (`<server>_<tool>`).
 - the chat loop is asyncrl's (verifiers' plain chat harness, "null"): the model writes, tool calls
@@ -91,7 +92,13 @@ class VerifiersEnv(Environment):
         self.rubric = VerifiersRubric()
 
     def task(self, split: Split, index: int) -> Task:
-        items = self._splits[split] or self._splits["train" if split == "eval" else "eval"]
+        items = self._splits[split]
+        if not items:  # never borrow the other split: train and eval must not share a task
+            total = sum(len(v) for v in self._splits.values())
+            raise ValueError(
+                f"verifiers:{self.module}: no {split} tasks; its {total} tasks are split by Task.key, "
+                "1 in 8 to eval, and none fell in this split (give the taskset more tasks)"
+            )
         vf_task = items[index % len(items)]
         return Task(
             id=f"verifiers:{self.module}/{split}/{index}",

@@ -89,3 +89,12 @@ def test_bad_names_and_args_are_clear():
         build_env("verifiers:vf_envs")
     with pytest.raises(EnvConfigError, match="needs a module"):
         build_env("verifiers:")
+
+
+def test_an_empty_split_is_an_error_not_the_other_split():
+    env = build_env("verifiers:vf_envs.vf_reverse", {"num_tasks": 2}, seed=0)
+    sizes = {s: len(env._splits[s]) for s in ("train", "eval")}
+    assert sizes == {"train": 2, "eval": 0}  # 2 words, neither hashed to eval
+    assert env.task("train", 3).info["key"] in {t.key for t in env._splits["train"]}
+    with pytest.raises(ValueError, match=r"no eval tasks; its 2 tasks are split by Task.key"):
+        env.task("eval", 0)
