@@ -157,7 +157,7 @@ def _config(data: TaskDataConfig | dict[str, Any]) -> TaskDataConfig:
     try:
         return TaskDataConfig.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(f"data.{'.'.join(map(str, x['loc'])) or '?'}: {x['msg']}" for x in e.errors())
+        problems = "; ".join(".".join(["data", *map(str, x["loc"])]) + f": {x['msg']}" for x in e.errors())
         raise TaskDataError(f"bad task data settings: {problems}") from None
 
 
