@@ -2,6 +2,7 @@
 
     env = build_env("reverse-text", {"max_len": 6}, seed=0)
     env = build_env("my_pkg.envs:make_env", {"difficulty": 2})
+    env = build_env("verifiers:my_taskset_module", {"num_tasks": 50})   # envs/verifiers_env.py
     mix = EnvMixture.from_config(EnvsConfig(...)); env_cfg, env = mix.pick(rng)
 
 A factory is called as `factory(seed=seed, **args)` and must return an `Environment`.
@@ -10,6 +11,7 @@ A factory is called as `factory(seed=seed, **args)` and must return an `Environm
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import random
@@ -28,6 +30,7 @@ _BUILTINS: dict[str, str] = {
     "sort-words": "asyncrl.envs.builtin.sort_words:SortWordsEnv",
     "calculator": "asyncrl.envs.builtin.calculator:CalculatorEnv",
     "swe-lite": "asyncrl.envs.builtin.swe_lite:SweLiteEnv",
+    "dataset": "asyncrl.envs.builtin.dataset:DatasetEnv",
 }
 _REGISTERED: dict[str, EnvFactory] = {}
 
@@ -61,6 +64,8 @@ def _import_target(target: str) -> EnvFactory:
 
 
 def resolve_factory(name: str) -> EnvFactory:
+    if name.startswith("verifiers:"):
+        return _verifiers_factory(name.removeprefix("verifiers:"))
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name in _BUILTINS:
@@ -72,6 +77,14 @@ def resolve_factory(name: str) -> EnvFactory:
     raise EnvConfigError(
         f"unknown environment {name!r}{hint}; known: {available_envs()}, or use 'module:factory'"
     )
+
+
+def _verifiers_factory(module: str) -> EnvFactory:
+    if not module:
+        raise EnvConfigError("environment 'verifiers:' needs a module name: 'verifiers:MODULE'")
+    from asyncrl.envs.verifiers_env import VerifiersEnv  # imports verifiers only when asked for
+
+    return functools.partial(VerifiersEnv, module=module)
 
 
 def build_env(name: str, args: dict | None = None, *, seed: int = 0) -> Environment:
@@ -86,7 +99,10 @@ def build_env(name: str, args: dict | None = None, *, seed: int = 0) -> Environm
         ) from None
     except ValueError:  # no signature available (builtins); let the call itself complain
         pass
-    env = factory(seed=seed, **args)
+    try:
+        env = factory(seed=seed, **args)
+    except ImportError as e:  # an optional dependency (verifiers) is missing; the message says which
+        raise EnvConfigError(f"environment {name!r}: {e}") from e
     if not isinstance(env, Environment):
         raise EnvConfigError(
             f"environment factory for {name!r} returned {type(env).__name__}, not an Environment"

@@ -37,10 +37,11 @@ def render_chat(tokenizer: Any, body: Any, config: InferenceConfig) -> str:
         if not isinstance(m.get("role"), str):
             raise InvalidRequestError(f"messages.{i}.role", "every message needs a string 'role'")
     variables = _template_variables(tokenizer, body.chat_template_kwargs or {})
+    messages = _decoded_tool_arguments(body.messages)
     if body.chat_template is None:
         try:
             return tokenizer.apply_chat_template(
-                body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
+                messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
                 tokenize=False, **variables,
             )  # fmt: skip
         except _TEMPLATE_ERRORS as e:
@@ -50,7 +51,7 @@ def render_chat(tokenizer: Any, body: Any, config: InferenceConfig) -> str:
             "chat_template", "client chat templates are disabled on this server", status=403
         )
     context = variables | {
-        "messages": body.messages,
+        "messages": messages,
         "tools": body.tools,
         "add_generation_prompt": body.add_generation_prompt,
     }
@@ -60,6 +61,38 @@ def render_chat(tokenizer: Any, body: Any, config: InferenceConfig) -> str:
         timeout_s=config.chat_template_timeout_s,
         max_chars=config.chat_template_max_chars,
     )
+
+
+def _decoded_tool_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant `tool_calls` whose `function.arguments` is OpenAI's JSON string, with it parsed.
+
+    Templates render `arguments` as an object (`| tojson`); given the string they would show the
+    model its own call double-encoded, unlike what it wrote. Other messages are passed as they are.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if m.get("role") != "assistant" or not isinstance(calls, list):
+            out.append(m)
+            continue
+        decoded = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(args, str):
+                try:
+                    parsed = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    parsed = None
+                if not isinstance(parsed, dict):
+                    raise InvalidRequestError(
+                        f"messages.{i}.tool_calls.{j}.function.arguments",
+                        "tool call arguments must be a JSON object (as a string or an object)",
+                    )
+                call = call | {"function": fn | {"arguments": parsed}}
+            decoded.append(call)
+        out.append(m | {"tool_calls": decoded})
+    return out
 
 
 def _template_variables(tokenizer: Any, kwargs: dict[str, Any]) -> dict[str, Any]:

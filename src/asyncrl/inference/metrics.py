@@ -31,8 +31,21 @@ _METRICS = {
 }
 
 
-def render_metrics(stats: dict[str, float], *, paused: bool) -> str:
+# ServerState.counters key -> (metric name, help)
+_HTTP_COUNTERS = {
+    "tool_calls_parsed": ("asyncrl_tool_calls_parsed_total", "Chat tool calls returned as tool_calls"),
+    "tool_calls_malformed": (
+        "asyncrl_tool_calls_malformed_total",
+        "<tool_call> blocks left in the content because they did not parse",
+    ),
+}
+
+
+def render_metrics(stats: dict[str, float], *, paused: bool, counters: dict[str, int] | None = None) -> str:
     lines = []
+    for key, value in (counters or {}).items():
+        name, help_ = _HTTP_COUNTERS[key]
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
     for key, (name, kind, help_) in _METRICS.items():
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {stats[key]}"]
     queries = stats["prefix_cache_queries"]

@@ -4,6 +4,11 @@ Text goes through the model directory's tokenizer (chat through its chat templat
 only sees token ids. Stop strings are cut from the returned text but the token that completed
 them stays in `token_ids` (the exact tokens the policy sampled). With `return_token_ids`, each
 choice also carries `token_ids` and `policy_versions`, and the response `prompt_token_ids`.
+
+A chat request with `tools` gets the reply's `<tool_call>` blocks back as OpenAI `tool_calls`
+(`tool_calls.py`; `finish_reason` "tool_calls"); malformed blocks stay in the content and are
+counted in `/metrics`. Streaming holds text back from the first `<tool_call>` on and sends the
+calls in the last chunk.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from asyncrl.inference.chat_template import render_chat
 from asyncrl.inference.protocol import ChatCompletionRequest, CompletionRequest, to_options
 from asyncrl.inference.request import InvalidRequestError, RequestOutput, SamplingOptions
 from asyncrl.inference.serving import Collected, ServerState, collect
+from asyncrl.inference.tool_calls import ParsedToolCalls, parse_tool_calls, streamable_length
 from asyncrl.wire import RoutedExperts
 
 __all__ = ["add_openai_routes"]
@@ -126,6 +132,12 @@ def _choice(
     tokens = state.tokenizer.convert_ids_to_tokens(r.token_ids)
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if _parses_tools(body):
+            parsed = _parse(state, text)
+            choice["message"] = {"role": "assistant", "content": parsed.content}
+            if parsed.tool_calls:
+                choice["message"]["tool_calls"] = parsed.tool_calls
+                choice["finish_reason"] = _tool_finish(r.finish_reason)
         choice["logprobs"] = _chat_logprobs(tokens, r.logprobs) if body.logprobs else None
     else:
         choice["text"] = text
@@ -142,6 +154,22 @@ def _choice(
     if r.routed_experts is not None:
         choice["routed_experts"] = RoutedExperts.from_array(r.routed_experts).model_dump()
     return choice
+
+
+def _parses_tools(body: Any) -> bool:
+    return bool(getattr(body, "tools", None)) and body.tool_choice != "none"
+
+
+def _parse(state: ServerState, text: str) -> ParsedToolCalls:
+    parsed = parse_tool_calls(text)
+    state.counters["tool_calls_parsed"] += len(parsed.tool_calls)
+    state.counters["tool_calls_malformed"] += parsed.num_malformed
+    return parsed
+
+
+def _tool_finish(reason: str) -> str:
+    """OpenAI's finish reason for a turn that ends in tool calls ("length" stays: it was cut)."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def _chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
@@ -180,6 +208,7 @@ async def _events(
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": state.model_name}  # fmt: skip
     hold = max((len(s) for s in options.stop), default=1) - 1  # a stop string may still be forming
+    tools = chat and _parses_tools(body)
     result, sent = Collected(), ""
     async with contextlib.aclosing(gen):
         out: RequestOutput | None = first
@@ -189,6 +218,8 @@ async def _events(
             safe = len(text) if out.finished else max(len(text) - hold, len(sent))
             if not out.finished and text[:safe].endswith("\ufffd"):
                 safe = len(sent)  # an incomplete UTF-8 character; wait for its next bytes
+            if tools and not out.finished:
+                safe = max(len(sent), min(safe, streamable_length(text)))
             delta, sent = text[len(sent) : safe], text[:safe]
             reason = out.finish_reason.value if out.finished else None
             choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
@@ -196,6 +227,14 @@ async def _events(
                 choice["delta"] = (
                     {"role": "assistant", "content": delta} if out is first else {"content": delta}
                 )
+                if tools and out.finished:
+                    parsed = _parse(state, delta)
+                    choice["delta"]["content"] = parsed.content or ""
+                    if parsed.tool_calls:
+                        choice["delta"]["tool_calls"] = [
+                            c | {"index": i} for i, c in enumerate(parsed.tool_calls)
+                        ]
+                        choice["finish_reason"] = _tool_finish(reason)
                 choice["logprobs"] = None
             else:
                 choice["text"], choice["logprobs"] = delta, None

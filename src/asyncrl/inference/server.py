@@ -199,7 +199,7 @@ def _add_core_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = render_metrics(state.engine.stats(), paused=state.engine.paused)
+        text = render_metrics(state.engine.stats(), paused=state.engine.paused, counters=state.counters)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def run(body: GenerateRequest, http: Request, prompt_field: str) -> GenerateResponse:

@@ -33,6 +33,10 @@ class ServerState:
     config: InferenceConfig
     model_name: str
     max_token_chars: int = 256  # most text one token covers; bounds the token count from below
+    # HTTP-level counters for /metrics (the engine keeps its own): tool_calls_parsed, tool_calls_malformed
+    counters: dict[str, int] = field(
+        default_factory=lambda: {"tool_calls_parsed": 0, "tool_calls_malformed": 0}
+    )
 
 
 @dataclass(kw_only=True)
