@@ -211,14 +211,18 @@ def render_table(result: dict) -> str:
 
 
 def render_section(result: dict) -> str:
-    env = result["sections"].get("env", {}).get("metrics", {})
+    meta, env = result["meta"], result["sections"].get("env", {}).get("metrics", {})
     machine = (
         f"{env.get('device')} (compute capability {env.get('capability')}), torch {env.get('torch')}, "
         f"CUDA {env.get('cuda')}, Python {env.get('python')}"
     )
+    command = "bash scripts/gpu_check.sh"
+    if set(result["sections"]) != set(SECTIONS):
+        command += " --sections " + " ".join(result["sections"])
+    took = f"{meta['wall_s']} s in all" if meta.get("wall_s") else f"{meta['sections_s']} s for the sections"
     return (
         f"{TITLE}\n\n"
-        f"One run of `bash scripts/gpu_check.sh` ({result['meta']['wall_s']} s in all) on {machine}.\n"
+        f"One run of `{command}` ({took}) on {machine}.\n"
         "MFU = train FLOPs/s over the bf16 matmul peak measured in the same run; train FLOPs per token = "
         "6 x active non-embedding parameters + 12 x layers x heads x head_dim x mean context. Decode tok/s "
         "counts the steady state (every sequence decoding); e2e includes prefill. How to run and what "
