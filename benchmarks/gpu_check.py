@@ -1,7 +1,7 @@
 """GPU check: trainer MFU, FP8 block-scale matmul, engine decode tok/s and exact mode on one GPU.
 
     bash scripts/gpu_check.sh                      # = PYTHONPATH=src python benchmarks/gpu_check.py --out DIR
-    python benchmarks/gpu_check.py --device cpu --tiny --out /tmp/gc   # every section at toy size (~10 s)
+    python benchmarks/gpu_check.py --device cpu --tiny --out /tmp/gc   # every section at toy size (< 30 s)
     python benchmarks/gpu_check.py --from-json DIR/gpu_check.json --write   # BENCHMARKS.md "## GPU check"
 
 Sized for one H200 in under 5 minutes, with the machine's own PyTorch (2.11 there) and nothing
