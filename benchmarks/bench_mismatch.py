@@ -228,7 +228,9 @@ def rl_curve(model_dir: Path, replay: bool, steps: int, num_prompts: int, group:
         batch = generate(engine, [p for p in prompts for _ in range(group)], max_tokens, tag=f"s{n}-")
         batch = _with_group_advantages(batch, group)
         result = stepper.step(
-            pack_samples(batch, 2048, replay=replay), lambda inp, k: rl_loss(inp, loss_cfg, k), policy_step=n
+            pack_samples(batch, 2048, replay=replay),
+            lambda inp, k: rl_loss(inp, loss_cfg, k),
+            trained_version=n - 1,
         )
         engine.load_weights({k: v.detach().to(torch.bfloat16) for k, v in trainer.state_dict().items()}, n)
         curve.append((float(np.mean([s.reward for s in batch])), result.mismatch_kl, result.masked_fraction))

@@ -152,7 +152,12 @@ def _scaled_mm_works(device_index: int) -> bool:
     ops = (*quantize_activation(x), *quantize_weight(w))
     try:
         got = _mm_scaled(*ops)
-    except (RuntimeError, ValueError) as err:  # kernel or scale layout not supported by this GPU/torch
+    except (
+        RuntimeError,
+        ValueError,
+        AttributeError,
+        TypeError,
+    ) as err:  # kernel, recipe or scale layout missing here
         warnings.warn(f"fp8: blockwise scaled_mm unavailable ({err}); using the emulated path", stacklevel=3)
         return False
     want = _mm_emulated(*ops)
