@@ -10,7 +10,8 @@ activation checkpointing; then the all_to_all volume and a rough step time. It w
 with status 1, when the layout does not fit in GPU memory. The layout is validated with the same
 `ParallelDims` the trainer uses.
 
-The model is a Hugging Face config.json (qwen3 / qwen3_moe). Every formula is in this file, kept
+The model is a Hugging Face config.json of any family asyncrl.model runs (GQA or MLA, DSA, shared
+experts), read for its shapes (`read_model_config`). Every formula is in this file, kept
 simple and deliberately a little pessimistic; docs/scaling.md explains them.
 """
 
