@@ -1,24 +1,33 @@
-"""Forward+backward throughput of asyncrl's MoE block and whole model against transformers' Qwen3-MoE.
+"""Forward+backward throughput of asyncrl's model against transformers', same weights.
 
     python benchmarks/bench_model.py [--steps 5] [--no-write]
+    python benchmarks/bench_model.py --families [--steps 5] [--batch 4] [--seq 256] [--no-write]
 
-Both implementations get the same weights and inputs in one process; the table reports tokens/s and
-the ratio (ours / transformers). Results are appended to BENCHMARKS.md under "## Model".
+The default run compares Qwen3-MoE (the MoE block and the whole model, presets tiny-moe and
+moe-50m) and writes the "## Model" section of BENCHMARKS.md. `--families` compares the whole
+model of the presets tiny-dsv3 (DeepSeek-V3 / Kimi-K2: MLA, grouped sigmoid router, shared
+expert), tiny-glm5 (GLM-5: MLA + DSA sparse attention) and tiny-glm4moe (GLM-4.5) at a smaller
+size that finishes in a few minutes on two busy cores, and writes its own section. Both
+implementations get the same weights and inputs in one process; the table reports tokens/s and
+the ratio (ours / transformers).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from asyncrl.model import Transformer, preset_args, to_hf_state_dict
+from asyncrl.model import Transformer, preset_args, save_pretrained, to_hf_state_dict
 from asyncrl.model.moe import MoE
 from report import write_section
 
@@ -66,6 +75,13 @@ def hf_model_from_ours(ours: Transformer) -> Qwen3MoeForCausalLM:
     return hf
 
 
+def hf_model_via_disk(ours: Transformer):
+    """transformers' model of any family, loaded from what save_pretrained writes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(ours, tmp)
+        return AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa").train()
+
+
 def bench_block(preset: str, tokens: int, steps: int) -> dict:
     args = preset_args(preset)
     ours = MoE(args)
@@ -86,52 +102,93 @@ def bench_block(preset: str, tokens: int, steps: int) -> dict:
     return {"what": f"MoE block ({preset})", "tokens": tokens, "ours": tokens / t_ours, "hf": tokens / t_hf}
 
 
-def bench_model(preset: str, batch: int, seq: int, steps: int) -> dict:
-    ours = Transformer(preset_args(preset))
+def bench_model(preset: str, batch: int, seq: int, steps: int, **overrides) -> dict:
+    """Whole-model rows; `overrides` replace preset fields (named in the row)."""
+    ours = Transformer(dataclasses.replace(preset_args(preset), **overrides))
     ours.init_weights(seed=0)
     with torch.no_grad():
         for layer in ours.layers:
             if layer.is_moe:
                 layer.mlp.gate.weight.normal_(std=0.5)  # spread tokens over experts
-    hf = hf_model_from_ours(ours)
+    hf = hf_model_from_ours(ours) if ours.args.model_type == "qwen3_moe" else hf_model_via_disk(ours)
     ids = torch.randint(0, ours.args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (ours(ids).logits - hf(ids).logits).abs().max() < 1e-3
     t_ours, t_hf = _time_pair(_fwd_bwd(ours, ids), _fwd_bwd(hf, ids), steps)
     tokens = batch * seq
-    return {"what": f"whole model ({preset})", "tokens": tokens, "ours": tokens / t_ours, "hf": tokens / t_hf}
+    what = ", ".join([preset, *(f"{k}={v}" for k, v in overrides.items())])
+    return {"what": f"whole model ({what})", "tokens": tokens, "ours": tokens / t_ours, "hf": tokens / t_hf}
+
+
+FAMILIES_TITLE = "## Model: DeepSeek-V3, GLM-5, GLM-4.5"
+
+
+def _family_rows(steps: int, batch: int, seq: int) -> list[dict]:
+    """Whole-model rows of the sigmoid-router families (a separate, smaller run: see the docstring)."""
+    # seq must exceed index_topk (64) so that GLM-5's sparse path is what runs. 32 index heads as
+    # in GLM-5 itself: with the preset's 8, index scores that are exactly zero (every relu term
+    # zero) tie often enough that our position-ordered tie rule and transformers' topk keep
+    # different keys, and the logits check would compare two different selections.
+    assert seq > preset_args("tiny-glm5").index_topk
+    return [
+        bench_model("tiny-dsv3", batch, seq, steps),
+        bench_model("tiny-glm5", batch, seq, steps, index_n_heads=32),
+        bench_model("tiny-glm4moe", batch, seq, steps),
+    ]
+
+
+def _table(rows: list[dict]) -> str:
+    return "\n".join(
+        [
+            "| benchmark | tokens/step | asyncrl tok/s | transformers tok/s | ratio |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {r['what']} | {r['tokens']} | {r['ours']:.0f} | {r['hf']:.0f} | {r['ours'] / r['hf']:.2f}x |"
+                for r in rows
+            ),
+        ]
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument(
+        "--families",
+        action="store_true",
+        help="the DeepSeek-V3 / GLM-5 / GLM-4.5 rows instead of Qwen3-MoE's",
+    )
+    p.add_argument("--batch", type=int, default=4, help="rows per step (--families)")
+    p.add_argument("--seq", type=int, default=256, help="tokens per row (--families; > 64)")
     a = p.parse_args()
     torch.manual_seed(0)
-    rows = [
-        bench_block("tiny-moe", 4096, a.steps),
-        bench_block("moe-50m", 4096, a.steps),
-        bench_model("tiny-moe", 8, 512, a.steps),
-        bench_model("moe-50m", 4, 512, a.steps),
-    ]
-    lines = [
-        "| benchmark | tokens/step | asyncrl tok/s | transformers tok/s | ratio |",
-        "|---|---|---|---|---|",
-        *(
-            f"| {r['what']} | {r['tokens']} | {r['ours']:.0f} | {r['hf']:.0f} | {r['ours'] / r['hf']:.2f}x |"
-            for r in rows
-        ),
-    ]
-    table = "\n".join(lines)
+    if a.families:
+        rows = _family_rows(a.steps, a.batch, a.seq)
+        title = FAMILIES_TITLE
+        command = f"--families --steps {a.steps} --batch {a.batch} --seq {a.seq}"
+    else:
+        rows = [
+            bench_block("tiny-moe", 4096, a.steps),
+            bench_block("moe-50m", 4096, a.steps),
+            bench_model("tiny-moe", 8, 512, a.steps),
+            bench_model("moe-50m", 4, 512, a.steps),
+        ]
+        title, command = "## Model", f"--steps {a.steps}"
+    table = _table(rows)
     print(table)
     if a.no_write:
         return
     header = (
-        f"## Model\n\nForward+backward, fp32, same weights and inputs, one run.\n"
-        f"Machine: {platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}.\n"
-        f"Command: `python benchmarks/bench_model.py --steps {a.steps}`\n\n"
+        f"{title}\n\nForward+backward, fp32, same weights and inputs (logits checked equal first), "
+        "median of the steps of one run; the two implementations alternate step by step, so load "
+        "on the machine hits both alike and the ratio is the figure to read.\n"
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}; shared with other jobs "
+        f"(1-min load average {os.getloadavg()[0]:.1f} at the end), so absolute tok/s are noisy.\n"
+        f"Command: `PYTHONPATH=src python benchmarks/bench_model.py {command}`\n\n"
     )
-    write_section("## Model", header + table + "\n")
+    write_section(title, header + table + "\n")
 
 
 if __name__ == "__main__":

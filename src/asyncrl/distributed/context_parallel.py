@@ -132,7 +132,8 @@ class ContextParallelAttention:
             else:
                 keys_BTd = gather_from_cp(index.k_BTd, self.group, dim=1)  # the indexer has no gradient
                 mask_BtT = select_topk(index.q_BHTd, index.w_BTH, keys_BTd, mask_BtT, index.topk)
-                self.dsa_selection[layer_idx] = mask_BtT
+                if index.reused:
+                    self.dsa_selection[layer_idx] = mask_BtT
         return F.scaled_dot_product_attention(q_BHtd, k_BHTd, v_BHTv, attn_mask=mask_BtT.unsqueeze(1))
 
     def __call__(

@@ -182,7 +182,8 @@ class PagedAttention:
                 else:
                     q, w = index.q_BHTd[:, :, rows], index.w_BTH[:, rows]
                     mask_1TC = select_topk(q, w, index_k_Pd[ctx_C].unsqueeze(0), mask_1TC, index.topk)
-                    self.dsa_selection[(layer_idx, i)] = mask_1TC
+                    if index.reused:
+                        self.dsa_selection[(layer_idx, i)] = mask_1TC
             q_1HTd = q_BHTd[:, :, rows]
             out.append(
                 F.scaled_dot_product_attention(q_1HTd, k_1HCd, v_1HCv, attn_mask=mask_1TC.unsqueeze(1))

@@ -10,7 +10,8 @@ activation checkpointing; then the all_to_all volume and a rough step time. It w
 with status 1, when the layout does not fit in GPU memory. The layout is validated with the same
 `ParallelDims` the trainer uses.
 
-The model is a Hugging Face config.json (qwen3 / qwen3_moe). Every formula is in this file, kept
+The model is a Hugging Face config.json of any family asyncrl.model runs (GQA or MLA, DSA, shared
+experts), read for its shapes (`read_model_config`). Every formula is in this file, kept
 simple and deliberately a little pessimistic; docs/scaling.md explains them.
 """
 
@@ -24,8 +25,17 @@ from pathlib import Path
 
 from asyncrl.distributed.dims import ParallelDims, ParallelDimsError
 from asyncrl.model.args import ModelArgs, ModelConfigError
+from asyncrl.model.sparse_index import MAX_SCORE_ELEMENTS
 
-__all__ = ["Layout", "MemoryPlan", "build_plan", "format_plan", "main"]
+__all__ = [
+    "Layout",
+    "MemoryPlan",
+    "build_plan",
+    "format_plan",
+    "load_model_config",
+    "main",
+    "read_model_config",
+]
 
 GB = 1e9
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -61,6 +71,8 @@ class MemoryPlan:
     dims: ParallelDims
     total_params: int
     active_params: int
+    active_params_no_embedding: int  # without the embedding table and LM head
+    kv_cache_bytes_per_token: int  # the inference engine's cache, in the compute dtype
     params: float
     grads: float
     optimizer: float
@@ -98,47 +110,125 @@ def _expert_params_per_layer(args: ModelArgs) -> int:
 
 def _layer_unit_params(args: ModelArgs, layer: int, ep: int) -> int:
     """Parameters of one decoder layer's FSDP units when gathered: dense part + this rank's experts."""
-    d, h, g, hd = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
-    dense = d * hd * (2 * h + 2 * g) + 2 * hd + 2 * d
+    d = args.hidden_size
+    dense = args.attention_params() + 2 * d
     if args.is_moe_layer(layer):
-        return dense + d * args.num_experts + _expert_params_per_layer(args) // ep
+        E = args.num_experts
+        router = d * E + (E if args.sigmoid_router else 0)  # + correction bias
+        shared = 3 * d * args.moe_intermediate_size * args.n_shared_experts
+        return dense + router + shared + _expert_params_per_layer(args) // ep
     return dense + 3 * d * args.intermediate_size
 
 
-def _activation_bytes_per_token_layer(args: ModelArgs, layer: int, act_bytes: int) -> float:
-    """Tensors autograd keeps per token in one layer (no checkpointing), SDPA without score matrix."""
-    d, h, g, hd = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
-    attn = 2 * d + 3 * h * hd + 3 * g * hd  # norm in/out, q (pre/post rope), k, v, attention out
-    if args.is_moe_layer(layer):
-        k, i = args.num_experts_per_tok, args.moe_intermediate_size
-        mlp = 2 * d + 3 * k * d + 4 * k * i  # norm, sorted copies, gate/up/act/h, expert outputs
-        return (attn + mlp) * act_bytes + 2 * args.num_experts * 4  # router logits+probs in fp32
-    return (attn + 2 * d + 4 * args.intermediate_size) * act_bytes
+def _attention_elements(args: ModelArgs, cp: int) -> tuple[int, int]:
+    """Elements one attention block keeps for backward: (per local token, per token of the row).
+
+    The second applies to every token of the row under CP (keys and values are gathered) and is
+    folded into the first without CP. MLA keeps the projected latent per local token, and per key
+    token the latent, its kv_b_proj expansion and the per-head keys and values built from it.
+    """
+    d, H = args.hidden_size, args.num_attention_heads
+    if not args.uses_mla:
+        g, hd = args.num_key_value_heads, args.head_dim
+        local = 2 * d + 3 * H * hd + 3 * g * hd  # norm in/out, q (pre/post rope), k, v, attention out
+        return local, 2 * g * hd if cp > 1 else 0  # the gathered k, v
+    R, r, n, v = args.kv_lora_rank, args.qk_rope_head_dim, args.qk_nope_head_dim, args.v_head_dim
+    Q, qk = args.q_lora_rank or 0, n + r
+    # norm in/out, q latent + its norm, q before/after rope, kv_a out + latent norm + state, output
+    local = 2 * d + 2 * Q + 2 * H * qk + 3 * (R + r) + H * v
+    row = (R + r) + H * (n + v) + H * qk + H * v  # state, kv_b_proj out, keys, contiguous values
+    return (local, row) if cp > 1 else (local + row, 0)
+
+
+def _mlp_elements(args: ModelArgs, layer: int) -> tuple[int, int]:
+    """(compute-dtype elements, fp32 bytes) one MLP block keeps per token."""
+    d = args.hidden_size
+    if not args.is_moe_layer(layer):
+        return 2 * d + 4 * args.intermediate_size, 0
+    k, i = args.num_experts_per_tok, args.moe_intermediate_size
+    routed = 2 * d + 3 * k * d + 4 * k * i  # norm, sorted copies, gate/up/act/h, expert outputs
+    ns = args.n_shared_experts
+    shared = 4 * ns * i + d if ns else 0  # gate/up/act/h of the shared SwiGLU, its output
+    return routed + shared, 2 * args.num_experts * 4  # router logits + probabilities in fp32
+
+
+def _layer_activations(args: ModelArgs, layout: Layout, layer: int, act_bytes: int) -> float:
+    """Bytes one layer keeps for backward (no checkpointing) for this GPU's S / cp tokens."""
+    tokens, S = layout.seq_len // layout.cp, layout.seq_len
+    local, row = _attention_elements(args, layout.cp)
+    mlp, fp32_bytes = _mlp_elements(args, layer)
+    out = tokens * ((local + mlp) * act_bytes + fp32_bytes) + S * row * act_bytes
+    if layout.cp > 1 or args.uses_dsa:
+        # SDPA turns an explicit mask (CP's, DSA's selection) into an additive [S/cp, S] tensor
+        # in the compute dtype and keeps it for backward
+        out += tokens * S * act_bytes
+    if args.uses_dsa and args.indexer_types[layer] == "full":
+        out += tokens * S  # the selection, bool [S/cp, S]
+    return out
+
+
+def _dsa_transient(args: ModelArgs) -> float:
+    """The indexer's scratch while it ranks keys (it keeps nothing for backward): one chunk of fp32
+    scores and its relu (asyncrl.model.sparse_index.MAX_SCORE_ELEMENTS)."""
+    return 2 * MAX_SCORE_ELEMENTS * 4 if args.uses_dsa else 0.0
 
 
 def _activations(args: ModelArgs, layout: Layout, act_bytes: int) -> tuple[float, float]:
     """(with, without) activation checkpointing, for one micro-batch of seq_len / cp tokens."""
     tokens = layout.seq_len // layout.cp
-    kv_gathered = (
-        2 * args.num_key_value_heads * args.head_dim * layout.seq_len * act_bytes if layout.cp > 1 else 0
-    )
-    per_layer = [
-        tokens * _activation_bytes_per_token_layer(args, i, act_bytes) + kv_gathered
-        for i in range(args.num_hidden_layers)
-    ]
+    per_layer = [_layer_activations(args, layout, i, act_bytes) for i in range(args.num_hidden_layers)]
     head = tokens * args.hidden_size * act_bytes + 3 * 1024 * args.vocab_size * 4  # hidden + one logits chunk
-    mask = tokens * layout.seq_len  # packed-row attention mask, bool [S/cp, S], held all step
-    no_ac = sum(per_layer) + head + mask
-    ac = args.num_hidden_layers * tokens * args.hidden_size * act_bytes + max(per_layer) + head + mask
+    # packed-row attention mask, bool [S/cp, S]: held all step under CP, built per layer for DSA
+    mask = tokens * layout.seq_len
+    if args.uses_dsa:  # selections a later "shared" layer reuses stay for the whole step
+        reused = sum(
+            1
+            for a, b in zip(args.indexer_types, args.indexer_types[1:], strict=False)
+            if (a, b) == ("full", "shared")
+        )
+        mask += reused * tokens * layout.seq_len
+    transient = _dsa_transient(args)
+    no_ac = sum(per_layer) + head + mask + transient
+    ac = (
+        args.num_hidden_layers * tokens * args.hidden_size * act_bytes
+        + max(per_layer)
+        + head
+        + mask
+        + transient
+    )
     return ac, no_ac
 
 
 def _step_flops(args: ModelArgs, layout: Layout) -> float:
-    """6 * active params per token (8 with recompute) + causal attention, for this GPU's tokens."""
+    """6 * active params per token (8 with recompute) + causal attention, for this GPU's tokens;
+    MLA under CP also expands the whole row's latent on every rank; the DSA indexer scores every
+    visible key, forward only (no gradient)."""
     tokens = layout.seq_len // layout.cp * layout.micro_batches
+    S, H, L = layout.seq_len, args.num_attention_heads, args.num_hidden_layers
+    passes = 4 if layout.activation_checkpointing else 3  # forward, backward (2x), recompute
     matmul = (8 if layout.activation_checkpointing else 6) * args.num_params(active=True) * tokens
-    attn_fwd = 2 * 2 * args.num_attention_heads * args.head_dim * (layout.seq_len / 2) * tokens
-    return matmul + (4 if layout.activation_checkpointing else 3) * attn_fwd * args.num_hidden_layers
+    qk_v = args.qk_head_dim + args.v_head_dim if args.uses_mla else 2 * args.head_dim
+    attn_fwd = 2 * H * qk_v * (S / 2) * tokens
+    extra_fwd = 0.0
+    if args.uses_mla and layout.cp > 1:
+        kv_b = 2 * args.kv_lora_rank * H * (args.qk_nope_head_dim + args.v_head_dim)
+        extra_fwd += kv_b * (S - layout.seq_len // layout.cp) * layout.micro_batches
+    total = matmul + passes * (attn_fwd + extra_fwd) * L
+    if args.uses_dsa:
+        full = args.indexer_types.count("full")
+        index_fwd = 2 * args.index_n_heads * (args.index_head_dim + 1) * S * tokens
+        total += (2 if layout.activation_checkpointing else 1) * index_fwd * full
+    return total
+
+
+def _kv_cache_elements_per_token(args: ModelArgs) -> int:
+    """What the engine caches per token over all layers: per-head K and V for GQA; the latent and
+    rope key (plus the DSA indexer key) for MLA (asyncrl.inference.kv_cache)."""
+    if args.uses_mla:
+        per_layer = args.kv_lora_rank + args.qk_rope_head_dim + (args.index_head_dim if args.uses_dsa else 0)
+    else:
+        per_layer = 2 * args.num_key_value_heads * args.head_dim
+    return args.num_hidden_layers * per_layer
 
 
 def _a2a_bandwidth(layout: Layout, ep: int) -> float:
@@ -169,6 +259,8 @@ def build_plan(args: ModelArgs, layout: Layout) -> MemoryPlan:
     flops = _step_flops(args, layout)
     return MemoryPlan(
         dims=dims, total_params=total, active_params=args.num_params(active=True),
+        active_params_no_embedding=args.num_params(active=True) - root,
+        kv_cache_bytes_per_token=_kv_cache_elements_per_token(args) * p_bytes,
         params=total * 4 / shard, grads=total * 4 / shard, optimizer=total * 8 / shard,
         gathered_layer=unit * p_bytes, gathered_with_prefetch=unit * p_bytes * (1 + layout.prefetch),
         layer_grads=unit * 4, root=root * p_bytes, activations_ac=ac, activations_no_ac=no_ac,
@@ -186,7 +278,8 @@ def format_plan(plan: MemoryPlan, layout: Layout) -> str:
         f"layout: {d.world_size} GPUs = dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp}; "
         f"ep {d.ep} (experts FSDP over {d.expert_shard}); seq_len {layout.seq_len}, "
         f"{layout.micro_batches} micro-batch(es)/GPU, compute {layout.param_dtype}",
-        f"model: {plan.total_params / 1e9:.1f}B parameters, {plan.active_params / 1e9:.1f}B active per token",
+        f"model: {plan.total_params / 1e9:.1f}B parameters, {plan.active_params / 1e9:.1f}B active per token "
+        f"({plan.active_params_no_embedding / 1e9:.1f}B without embeddings and LM head)",
         "",
         "per-GPU memory                                     GB",
         f"  parameters (fp32, sharded)                 {plan.params / GB:8.1f}",
@@ -205,6 +298,8 @@ def format_plan(plan: MemoryPlan, layout: Layout) -> str:
         f"(~{plan.all_to_all_seconds:.2f} s at {_a2a_bandwidth(layout, d.ep):g} GB/s)",
         f"compute per GPU per step: {plan.step_flops / 1e15:.1f} PFLOP "
         f"(~{plan.compute_seconds:.1f} s at {layout.mfu:.0%} of {layout.peak_tflops:g} TFLOPS)",
+        f"inference KV cache ({layout.param_dtype}): {plan.kv_cache_bytes_per_token / 1e3:.1f} KB per token, "
+        f"{plan.kv_cache_bytes_per_token * layout.seq_len / GB:.1f} GB per {layout.seq_len}-token sequence",
     ]
     if not plan.fits:
         rows.append(
@@ -219,15 +314,48 @@ def format_plan(plan: MemoryPlan, layout: Layout) -> str:
 
 def load_model_config(path: str | Path) -> ModelArgs:
     """ModelArgs from a config.json file (or a directory holding one)."""
+    return read_model_config(path)[0]
+
+
+def read_model_config(path: str | Path) -> tuple[ModelArgs, list[str]]:
+    """ModelArgs from a config.json for planning, and notes on what was read differently.
+
+    The plan depends on shapes only, so two things the model loader refuses are accepted here
+    and named in the notes: `model_type: kimi_k2` with the DeepseekV3ForCausalLM architecture
+    (Moonshot's name for the DeepSeek-V3 layout) and RoPE scaling (YaRN), which changes no shape.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ModelConfigError(f"--model: {path} not found (give a Hugging Face config.json)")
     try:
-        return ModelArgs.from_hf_config(json.loads(path.read_text()))
+        cfg = json.loads(path.read_text())
+        cfg, notes = _shapes_only(cfg) if isinstance(cfg, dict) else (cfg, [])
+        return ModelArgs.from_hf_config(cfg), notes
     except (json.JSONDecodeError, TypeError, ModelConfigError) as e:
         raise ModelConfigError(f"--model {path}: {e}") from None
+
+
+def _shapes_only(cfg: dict) -> tuple[dict, list[str]]:
+    cfg, notes = dict(cfg), []
+    if cfg.get("model_type") == "kimi_k2" and "DeepseekV3ForCausalLM" in (cfg.get("architectures") or []):
+        cfg["model_type"] = "deepseek_v3"
+        notes.append("model_type kimi_k2 (architecture DeepseekV3ForCausalLM) planned as deepseek_v3")
+    scaling = cfg.pop("rope_scaling", None)
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        notes.append(
+            f"rope_scaling ({kind}) ignored: it changes no shape; asyncrl.model refuses it, so "
+            "training this config needs RoPE scaling implemented first"
+        )
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        notes.append(
+            f"quantization_config ({method}) ignored: the plan assumes fp32 master weights and "
+            "compute in --param-dtype"
+        )
+    return cfg, notes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -268,9 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         a2a_gbps=ns.a2a_gbps, nvlink_gbps=ns.nvlink_gbps,
     )  # fmt: skip
     try:
-        plan = build_plan(load_model_config(ns.model), layout)
+        args, notes = read_model_config(ns.model)
+        plan = build_plan(args, layout)
     except (ParallelDimsError, ModelConfigError) as e:
         print(f"asyncrl plan: {e}", file=sys.stderr)
         return 2
-    print(format_plan(plan, layout))
+    print("".join(f"note: {n}\n" for n in notes) + format_plan(plan, layout))
     return 0 if plan.fits else 1

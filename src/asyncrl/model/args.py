@@ -147,7 +147,7 @@ class ModelArgs:
         d = self.hidden_size
         total = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
         for i in range(self.num_hidden_layers):
-            total += self._attention_params() + 2 * d
+            total += self.attention_params() + 2 * d
             if self.is_moe_layer(i):
                 n = self.num_experts_per_tok if active else self.num_experts
                 total += (
@@ -158,7 +158,8 @@ class ModelArgs:
                 total += 3 * d * self.intermediate_size
         return total
 
-    def _attention_params(self) -> int:
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention block (with the DSA indexer, for GLM-5)."""
         d, h = self.hidden_size, self.num_attention_heads
         if not self.uses_mla:
             g, hd = self.num_key_value_heads, self.head_dim

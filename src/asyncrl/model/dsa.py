@@ -71,6 +71,9 @@ class DSAttention(MLAttention):
         self.index_topk = args.index_topk
         # the "full" layer whose selection a "shared" layer reuses
         self.source_layer = max(i for i in range(layer_idx + 1) if args.indexer_types[i] == "full")
+        # whether a later "shared" layer reuses this layer's selection (only then is it kept)
+        later = args.indexer_types[layer_idx + 1 :]
+        self.selection_reused = full and bool(later) and later[0] == "shared"
 
     def forward(
         self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend
@@ -78,6 +81,9 @@ class DSAttention(MLAttention):
         B, T, _ = x_BTD.shape
         p = self.project(x_BTD, rope)
         q, w, k = (None, None, None) if self.indexer is None else self.indexer(x_BTD, p.q_resid_BTQ, rope)
-        index = IndexQuery(q_BHTd=q, w_BTH=w, k_BTd=k, topk=self.index_topk, source_layer=self.source_layer)
+        index = IndexQuery(
+            q_BHTd=q, w_BTH=w, k_BTd=k, topk=self.index_topk, source_layer=self.source_layer,
+            reused=self.selection_reused,
+        )  # fmt: skip
         o_BHTv = backend.attend_latent(p.q_BHTd, p.state_BTc, self.expand, self.layer_idx, index=index)
         return self.o_proj(o_BHTv.transpose(1, 2).reshape(B, T, -1))

@@ -164,7 +164,8 @@ class PackedCausalAttention:
             keep_BTT = self.dsa_selection[index.source_layer]
         else:
             keep_BTT = select_topk(index.q_BHTd, index.w_BTH, index.k_BTd, self.visible_mask(), index.topk)
-            self.dsa_selection[layer_idx] = keep_BTT
+            if index.reused:
+                self.dsa_selection[layer_idx] = keep_BTT
         # one masked call: the selection is already causal and within each packed sequence
         return F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, attn_mask=keep_BTT.unsqueeze(1))
 

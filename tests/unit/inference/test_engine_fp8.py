@@ -2,14 +2,16 @@
 same FP8 model in `asyncrl.model` (so a matched FP8 trainer sees no precision mismatch)."""
 
 import copy
+from dataclasses import replace
 
+import pytest
 import torch
 from inference_helpers import drain, random_prompts, teacher_logprobs
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions
 from asyncrl.launcher.init_model import init_model
-from asyncrl.model import from_pretrained
+from asyncrl.model import Transformer, from_pretrained, preset_args
 from asyncrl.model.fp8 import FP8Linear, apply_fp8
 
 
@@ -38,3 +40,35 @@ def test_fp8_off_by_default(make_engine):
     engine = make_engine()
     assert not any(isinstance(m, FP8Linear) for m in engine.model.modules())
     assert copy.deepcopy(InferenceConfig(model="m")).fp8.enabled is False
+
+
+@pytest.mark.parametrize("preset", ["tiny-dsv3", "tiny-glm5"])
+def test_fp8_engine_on_mla_families_follows_the_fp8_model(preset):
+    """FP8 MLA projections, experts and (GLM-5) the indexer's wq_b: the engine, which caches the
+    latent and indexer keys, follows the same FP8 model run teacher-forced, past index_topk (8)
+    where GLM-5's selection matters. Not to 1e-5 at every position: the engine's attention sums
+    in another order than the full forward (~1e-7 apart in fp32), and where such a difference
+    straddles an e4m3 rounding boundary the quantized operand moves a whole FP8 step, which
+    later layers (and the latent cached for later tokens) carry on. With this seed that happens
+    in both families."""
+    args = replace(
+        preset_args(preset), hidden_size=256, intermediate_size=256, head_dim=32, q_lora_rank=128,
+        kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, moe_intermediate_size=128,
+        **(dict(index_n_heads=16, index_head_dim=32, index_topk=8) if preset == "tiny-glm5" else {}),
+    )  # fmt: skip
+    hp = Transformer(args)
+    hp.init_weights(seed=3, std=0.05)
+    fp8 = copy.deepcopy(hp)
+    report = apply_fp8(fp8, backend="emulated")
+    assert "model.layers.1.self_attn.kv_b_proj" in report.converted
+    engine = Engine(
+        copy.deepcopy(fp8).eval(), InferenceConfig(model="unused", block_size=4, kv_cache_tokens=4096)
+    )
+    (prompt,) = random_prompts([12], seed=4)
+    engine.add_request("a", prompt, SamplingOptions(temperature=1.0, max_tokens=16, ignore_eos=True, seed=1))
+    res = drain(engine)["a"]
+    got = torch.tensor(res.logprobs)
+    to_fp8 = (teacher_logprobs(fp8.eval(), prompt, res.tokens, 1.0) - got).abs()
+    to_hp = (teacher_logprobs(hp.eval(), prompt, res.tokens, 1.0) - got).abs()
+    assert to_fp8[0] < 1e-5  # the first token comes from the prefill, computed as in the full forward
+    assert to_fp8.mean() < to_hp.mean() / 10

@@ -136,3 +136,19 @@ def test_indexer_ties_take_the_earliest_keys_whatever_the_context_length():
         assert keep[0, 0].nonzero().flatten().tolist() == [0, 1, 2]
     hidden = torch.tensor([[[True, True, False, True, True]]])  # invisible keys are never kept
     assert select_topk(q, w, keys, hidden, topk=3)[0, 0].nonzero().flatten().tolist() == [0, 1, 3]
+
+
+def test_indexer_selection_does_not_depend_on_the_query_chunk():
+    """Long contexts rank queries a chunk at a time; the chunk size must not change the keys kept."""
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, d, topk = 2, 4, 40, 8, 6
+    q = torch.randn(B, H, T, d, generator=gen)
+    keys = torch.randn(B, T, d, generator=gen)
+    keys[:, ::5] = 0.0  # every fifth key scores exactly 0 for every query: ties
+    w = torch.randn(B, T, H, generator=gen)
+    visible = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T).clone()
+    visible[1, :, :3] = False  # a different visibility per row
+    whole = select_topk(q, w, keys, visible, topk)
+    for budget in (1, 7 * B * H * T):  # one query per chunk; uneven chunks of 7
+        assert torch.equal(select_topk(q, w, keys, visible, topk, max_score_elements=budget), whole)
+    assert torch.equal(whole.sum(-1), visible.sum(-1).clamp(max=topk))

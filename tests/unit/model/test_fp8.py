@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,7 @@ from asyncrl.model.fp8 import (
     quantize_activation,
     quantize_weight,
 )
+from asyncrl.model.layers import PackedCausalAttention
 
 # Every finite float8_e4m3fn value, in float64: the grid a float64 reference rounds onto.
 _BITS = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -225,3 +228,89 @@ def test_bad_backend_and_config_defaults():
         fp8_linear(torch.randn(2, 128), torch.randn(128, 128), backend="scaled_mm")
     assert tuple(CONFIG_DEFAULT_IGNORE) == DEFAULT_FP8_IGNORE
     assert tuple(FP8Config().ignore) == DEFAULT_FP8_IGNORE
+
+
+# MLA families with every projection dim a multiple of 128 except kv_a_proj_with_mqa's
+# kv_lora_rank + qk_rope_head_dim (160 here, 576 in DeepSeek-V3 / Kimi-K2 / GLM-5): as in the real
+# models, that one stays in high precision.
+_MLA_128 = dict(
+    hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+    q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+    moe_intermediate_size=128,
+)  # fmt: skip
+_MLA_FAMILIES = {
+    "tiny-dsv3": _MLA_128,
+    "tiny-glm5": _MLA_128 | dict(index_n_heads=16, index_head_dim=32, index_topk=8),
+}
+_FAMILIES_128 = _MLA_FAMILIES | {
+    "tiny-glm4moe": dict(
+        hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+        moe_intermediate_size=128,
+    )
+}  # fmt: skip
+
+
+def family_model(preset: str, seed: int = 0) -> Transformer:
+    model = Transformer(replace(preset_args(preset), **_FAMILIES_128[preset]))
+    model.init_weights(seed, std=0.05)
+    return model
+
+
+@pytest.mark.parametrize("preset", list(_MLA_FAMILIES))
+def test_apply_fp8_on_mla_families_converts_projections_experts_and_shared_experts(preset):
+    report = apply_fp8(family_model(preset))
+    attn, mlp = "model.layers.1.self_attn", "model.layers.1.mlp"
+    for name in ("q_a_proj", "q_b_proj", "kv_b_proj", "o_proj"):
+        assert f"{attn}.{name}" in report.converted
+    for name in ("experts", "shared_experts.gate_proj", "shared_experts.down_proj"):
+        assert f"{mlp}.{name}" in report.converted
+    assert "model.layers.0.mlp.gate_proj" in report.converted  # the dense first layer
+    assert report.kept[f"{attn}.kv_a_proj_with_mqa"] == "dims [160, 256] not multiples of 128"
+    if preset == "tiny-glm5":
+        assert f"{attn}.indexer.wq_b" in report.converted
+        assert "not multiples of 128" in report.kept[f"{attn}.indexer.weights_proj"]  # [16, 256]
+
+
+@pytest.mark.parametrize("preset", list(_FAMILIES_128))
+def test_fp8_attention_and_moe_blocks_of_new_families_are_close_to_high_precision(preset):
+    """Same input through one layer's attention (MLA, or GLM-4.5's GQA with q/k/v bias; 8 tokens:
+    GLM-5's indexer keeps them all) and its MoE block (routed + shared experts): FP8 is within
+    e4m3's few percent of high precision, and really on."""
+    hp, fp8 = family_model(preset, seed=1), family_model(preset, seed=1)
+    apply_fp8(fp8, backend="emulated")
+    x = torch.randn(2, 8, 256, generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(8).expand(2, 8)
+    rope = hp.rotary(pos, torch.float32)
+    with torch.no_grad():
+        outs = [
+            (m.layers[1].self_attn(x, rope, PackedCausalAttention(pos)), m.layers[1].mlp(x).out_BTD)
+            for m in (hp, fp8)
+        ]
+    for ref, got in zip(*outs, strict=True):
+        assert 1e-3 < float((got - ref).norm() / ref.norm()) < 0.1
+
+
+def test_fp8_dsv3_gradients_follow_high_precision_under_replayed_routing():
+    """A training backward through the FP8 model (routing replayed from the high-precision one, as
+    R3 does): straight-through gradients reach the MLA projections, the experts and the router, and
+    point the way the high-precision gradients do."""
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    hp, fp8 = family_model("tiny-dsv3", seed=1), family_model("tiny-dsv3", seed=1)
+    apply_fp8(fp8, backend="emulated")
+    with torch.no_grad():
+        routing = hp(ids, return_routing=True).routed_experts
+    grads = []
+    for model in (hp, fp8):
+        model(ids, routed_experts=routing).logits.pow(2).mean().backward()
+        grads.append(dict(model.named_parameters()))
+    for name in (
+        "model.layers.1.self_attn.q_b_proj.weight",
+        "model.layers.1.self_attn.kv_b_proj.weight",
+        "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+        "model.layers.1.mlp.experts.gate_proj",
+        "model.layers.1.mlp.shared_experts.up_proj.weight",
+        "model.layers.1.mlp.gate.weight",
+    ):
+        ref, got = (g[name].grad.flatten() for g in grads)
+        assert torch.isfinite(got).all()
+        assert F.cosine_similarity(ref, got, dim=0) > 0.9, name
