@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from asyncrl.envs.tools import Tool
 
 __all__ = [
+    "EnvConfigError",
     "Environment",
     "EpisodeState",
     "ReferenceExample",
@@ -36,6 +37,11 @@ __all__ = [
     "split_of",
     "task_rng",
 ]
+
+
+class EnvConfigError(ValueError):
+    """An environment name, factory path or argument in the config is wrong; the message says which."""
+
 
 Split = Literal["train", "eval"]
 T = TypeVar("T")

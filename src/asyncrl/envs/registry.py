@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncrl.config.envs import EnvConfig, EnvsConfig
-from asyncrl.envs.base import Environment
+from asyncrl.envs.base import EnvConfigError, Environment
 
 __all__ = ["EnvConfigError", "EnvMixture", "available_envs", "build_env", "register_env"]
 
@@ -33,10 +33,6 @@ _BUILTINS: dict[str, str] = {
     "dataset": "asyncrl.envs.builtin.dataset:DatasetEnv",
 }
 _REGISTERED: dict[str, EnvFactory] = {}
-
-
-class EnvConfigError(ValueError):
-    """An environment name, factory path or argument in the config is wrong; the message says which."""
 
 
 def register_env(name: str, factory: EnvFactory) -> None:

@@ -35,8 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from asyncrl.envs.base import Split
-from asyncrl.envs.registry import EnvConfigError
+from asyncrl.envs.base import EnvConfigError, Split
 
 __all__ = ["TaskDataConfig", "TaskDataError", "TaskRow", "TaskTable", "read_rows"]
 

@@ -34,8 +34,7 @@ import random
 import re
 from typing import Any
 
-from asyncrl.envs.base import Environment, EpisodeState, Rubric, Split, Task, split_of
-from asyncrl.envs.registry import EnvConfigError
+from asyncrl.envs.base import EnvConfigError, Environment, EpisodeState, Rubric, Split, Task, split_of
 from asyncrl.envs.tools import Tool, parse_tool_calls
 
 __all__ = ["VERIFIERS_PREFIX", "VerifiersEnv", "VerifiersRubric"]
