@@ -131,14 +131,22 @@ def grouped_swiglu(
         gate = F.grouped_mm(x_sorted, gate_EID.transpose(1, 2), offs=offs)
         up = F.grouped_mm(x_sorted, up_EID.transpose(1, 2), offs=offs)
         return F.grouped_mm(F.silu(gate) * up, down_EDI.transpose(1, 2), offs=offs)
-    # CPU / fp32 / hooked: one matmul per expert over its contiguous slice (grouped_mm lacks CPU backward).
-    mm = linear if linear is not None else (lambda x, w: x @ w.T)
+    # CPU / fp32 / hooked: one matmul per expert over its contiguous slice. The weights are split with
+    # unbind, not indexed per expert: the backward of `w[e]` zero-fills a whole [E, ...] gradient for
+    # every expert and adds them up (E times the weight's size per step; over half of a CPU
+    # fwd+bwd), whereas unbind's backward stacks the E slices once.
+    mm = linear if linear is not None else _mm_t
     outs = []
-    for e, x_e in enumerate(x_sorted.split(counts_E.tolist())):
+    experts = zip(x_sorted.split(counts_E.tolist()), gate_EID.unbind(0), up_EID.unbind(0), down_EDI.unbind(0))
+    for x_e, gate_ID, up_ID, down_DI in experts:
         if x_e.shape[0]:
-            h = F.silu(mm(x_e, gate_EID[e])) * mm(x_e, up_EID[e])
-            outs.append(mm(h, down_EDI[e]))
+            h = F.silu(mm(x_e, gate_ID)) * mm(x_e, up_ID)
+            outs.append(mm(h, down_DI))
     return torch.cat(outs) if outs else x_sorted.new_zeros(x_sorted.shape[0], down_EDI.shape[1])
+
+
+def _mm_t(x_NK: torch.Tensor, w_OK: torch.Tensor) -> torch.Tensor:
+    return x_NK @ w_OK.T
 
 
 class MoE(nn.Module):
