@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.compute import cpu_upcast
 from asyncrl.model.layers import MLP
 
 __all__ = ["GroupedExperts", "MoE", "MoEOutput", "Router", "Routing", "grouped_swiglu"]
@@ -135,6 +136,10 @@ def grouped_swiglu(
     # unbind, not indexed per expert: the backward of `w[e]` zero-fills a whole [E, ...] gradient for
     # every expert and adds them up (E times the weight's size per step; over half of a CPU
     # fwd+bwd), whereas unbind's backward stacks the E slices once.
+    if linear is None and cpu_upcast(x_sorted):
+        # no native low-precision kernels on this CPU: the whole SwiGLU in fp32, one cast each way
+        args = (counts_E, gate_EID.float(), up_EID.float(), down_EDI.float())
+        return grouped_swiglu(x_sorted.float(), *args).to(x_sorted.dtype)
     mm = linear if linear is not None else _mm_t
     outs = []
     experts = zip(x_sorted.split(counts_E.tolist()), gate_EID.unbind(0), up_EID.unbind(0), down_EDI.unbind(0))
@@ -143,10 +148,6 @@ def grouped_swiglu(
             h = F.silu(mm(x_e, gate_ID)) * mm(x_e, up_ID)
             outs.append(mm(h, down_DI))
     return torch.cat(outs) if outs else x_sorted.new_zeros(x_sorted.shape[0], down_EDI.shape[1])
-
-
-def _mm_t(x_NK: torch.Tensor, w_OK: torch.Tensor) -> torch.Tensor:
-    return x_NK @ w_OK.T
 
 
 class MoE(nn.Module):
@@ -190,3 +191,7 @@ class MoE(nn.Module):
             ids_BTK=routing.ids_NK.view(B, T, -1),
             router_topk_BTK=None if own_NK is None else own_NK.view(B, T, -1),
         )
+
+
+def _mm_t(x_NK: torch.Tensor, w_OK: torch.Tensor) -> torch.Tensor:
+    return x_NK @ w_OK.T
