@@ -41,6 +41,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            # torch's fused kernel: the same values bit for bit, ~2x faster per call (decode runs many
+            # small ones); under autograd it decomposes into a slower backward, so training keeps ours
+            normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+            return self.weight * normed.to(x.dtype)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

@@ -64,3 +64,17 @@ def test_bf16_model_upcast_close_to_native_and_fp32(forced):
     err_native = (native - ref).abs().max()
     err_upcast = (upcast - ref).abs().max()
     assert err_upcast < 2 * err_native + 1e-3, (err_upcast, err_native)
+
+
+def test_rms_norm_fused_inference_path_equals_the_autograd_path():
+    from asyncrl.model.layers import RMSNorm
+
+    norm = RMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 7, 48, generator=torch.Generator().manual_seed(0)) * 3
+    for dtype in (torch.float32, torch.bfloat16):
+        norm.to(dtype)
+        with torch.no_grad():
+            fused = norm(x.to(dtype))
+        assert torch.equal(fused, norm(x.to(dtype)).detach())
