@@ -1,14 +1,21 @@
 """Forward+backward throughput of asyncrl's MoE block and whole model against transformers' Qwen3-MoE.
 
-    python benchmarks/bench_model.py [--steps 5] [--no-write]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_model.py [--steps 3] [--bf16-steps 1] [--no-write]
 
-Both implementations get the same weights and inputs in one process; the table reports tokens/s and
-the ratio (ours / transformers). Results are appended to BENCHMARKS.md under "## Model".
+Both implementations get the same weights and inputs in one process, in fp32 and in bf16 (timings
+interleaved, median of --steps after a warm-up). The main shape is the issue-17 one: a ~57M
+Qwen3-MoE (16 experts top-2, d512, 8 layers, ~13M active) on 4 x 512 tokens. The table prints
+tokens/s, the ratio ours / transformers, bf16 / fp32 for each, and MFU against the matmul peak
+measured at the start of the run in each dtype (through `asyncrl.model.compute`, the path our
+matmuls take; torch's plain bf16 matmul peak is printed too, since it is what transformers gets).
+Results replace the "## Model" section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import platform
 import statistics
 import time
@@ -19,7 +26,9 @@ from transformers import Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from asyncrl.model import Transformer, preset_args, to_hf_state_dict
+from asyncrl.model.args import ModelArgs
 from asyncrl.model.moe import MoE
+from asyncrl.trainer.metrics import flops_per_token, measure_matmul_peak
 from report import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,8 +75,15 @@ def hf_model_from_ours(ours: Transformer) -> Qwen3MoeForCausalLM:
     return hf
 
 
-def bench_block(preset: str, tokens: int, steps: int) -> dict:
-    args = preset_args(preset)
+# The issue-17 shape: moe-50m's attention with 16 narrower experts (~57M parameters, ~13M active).
+SHAPES: dict[str, ModelArgs] = {
+    "tiny-moe": preset_args("tiny-moe"),
+    "moe-57m-16e": dataclasses.replace(preset_args("moe-50m"), num_experts=16, moe_intermediate_size=256),
+}
+
+
+def bench_block(name: str, tokens: int, steps: int, dtype: torch.dtype) -> dict:
+    args = SHAPES[name]
     ours = MoE(args)
     torch.nn.init.normal_(ours.gate.weight, std=0.5)
     for p in (ours.experts.gate_proj, ours.experts.up_proj, ours.experts.down_proj):
@@ -82,12 +98,15 @@ def bench_block(preset: str, tokens: int, steps: int) -> dict:
     x = torch.randn(1, tokens, args.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(x).out_BTD - hf(x)).abs().max() < 1e-4
+    ours.to(dtype), hf.to(dtype)
+    x = x.to(dtype)
     t_ours, t_hf = _time_pair(_fwd_bwd(ours, x), _fwd_bwd(hf, x), steps)
-    return {"what": f"MoE block ({preset})", "tokens": tokens, "ours": tokens / t_ours, "hf": tokens / t_hf}
+    flops = 6 * 3 * args.hidden_size * args.moe_intermediate_size * args.num_experts_per_tok
+    return _row(f"MoE block ({name})", dtype, tokens, t_ours, t_hf, flops)
 
 
-def bench_model(preset: str, batch: int, seq: int, steps: int) -> dict:
-    ours = Transformer(preset_args(preset))
+def bench_model(name: str, batch: int, seq: int, steps: int, dtype: torch.dtype) -> dict:
+    ours = Transformer(SHAPES[name])
     ours.init_weights(seed=0)
     with torch.no_grad():
         for layer in ours.layers:
@@ -97,41 +116,83 @@ def bench_model(preset: str, batch: int, seq: int, steps: int) -> dict:
     ids = torch.randint(0, ours.args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (ours(ids).logits - hf(ids).logits).abs().max() < 1e-3
+    ours.to(dtype), hf.to(dtype)
     t_ours, t_hf = _time_pair(_fwd_bwd(ours, ids), _fwd_bwd(hf, ids), steps)
-    tokens = batch * seq
-    return {"what": f"whole model ({preset})", "tokens": tokens, "ours": tokens / t_ours, "hf": tokens / t_hf}
+    flops = flops_per_token(ours.args, mean_context=(seq + 1) / 2)
+    return _row(f"whole model ({name})", dtype, batch * seq, t_ours, t_hf, flops)
+
+
+def _row(
+    what: str, dtype: torch.dtype, tokens: int, t_ours: float, t_hf: float, flops_per_tok: float
+) -> dict:
+    return {"what": what, "dtype": dtype, "tokens": tokens, "ours": tokens / t_ours, "hf": tokens / t_hf,
+            "flops_per_tok": flops_per_tok}  # fmt: skip
+
+
+def _native_peak(dtype: torch.dtype, size: int = 1024) -> float:
+    """torch's plain `a @ b` FLOP/s in `dtype` (what transformers' matmuls get on this CPU)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    start = time.perf_counter()
+    a @ b
+    return 2.0 * size**3 / (time.perf_counter() - start)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--steps", type=int, default=3, help="timed fp32 steps (after a warm-up)")
+    p.add_argument(
+        "--bf16-steps", type=int, default=1, help="timed bf16 steps (transformers' bf16 is slow here)"
+    )
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args()
     torch.manual_seed(0)
+    fp32, bf16 = torch.float32, torch.bfloat16
+    peaks = {d: measure_matmul_peak(torch.device("cpu"), d) for d in (fp32, bf16)}
+    native_bf16 = _native_peak(bf16)
     rows = [
-        bench_block("tiny-moe", 4096, a.steps),
-        bench_block("moe-50m", 4096, a.steps),
-        bench_model("tiny-moe", 8, 512, a.steps),
-        bench_model("moe-50m", 4, 512, a.steps),
+        bench_block("moe-57m-16e", 4096, a.steps, fp32),
+        bench_model("tiny-moe", 8, 512, a.steps, fp32),
+        bench_model("moe-57m-16e", 4, 512, a.steps, fp32),
+        bench_model("moe-57m-16e", 4, 512, a.bf16_steps, bf16),
     ]
     lines = [
-        "| benchmark | tokens/step | asyncrl tok/s | transformers tok/s | ratio |",
-        "|---|---|---|---|---|",
-        *(
-            f"| {r['what']} | {r['tokens']} | {r['ours']:.0f} | {r['hf']:.0f} | {r['ours'] / r['hf']:.2f}x |"
-            for r in rows
-        ),
+        "| benchmark | dtype | tokens/step | asyncrl tok/s | transformers tok/s | ours / transformers | asyncrl MFU | transformers MFU |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    table = "\n".join(lines)
+    for r in rows:
+        peak = peaks[r["dtype"]]
+        mfu_ours, mfu_hf = (r[k] * r["flops_per_tok"] / peak for k in ("ours", "hf"))
+        lines.append(
+            f"| {r['what']} | {_name(r['dtype'])} | {r['tokens']} | {r['ours']:.0f} | {r['hf']:.0f} | "
+            f"{r['ours'] / r['hf']:.2f}x | {mfu_ours:.1%} | {mfu_hf:.1%} |"
+        )
+    f32, b16 = rows[2], rows[3]
+    summary = (
+        f"bf16 / fp32 on the moe-57m-16e model: asyncrl {b16['ours'] / f32['ours']:.2f}x, "
+        f"transformers {b16['hf'] / f32['hf']:.2f}x.\n"
+        f"Matmul peak measured in this run (1024^2, through asyncrl.model.compute): "
+        f"fp32 {peaks[fp32] / 1e9:.1f} GFLOP/s, bf16 {peaks[bf16] / 1e9:.1f} GFLOP/s; "
+        f"torch's plain bf16 matmul: {native_bf16 / 1e9:.2f} GFLOP/s."
+    )
+    table = "\n".join(lines) + "\n\n" + summary
     print(table)
     if a.no_write:
         return
     header = (
-        f"## Model\n\nForward+backward, fp32, same weights and inputs, one run.\n"
-        f"Machine: {platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}.\n"
-        f"Command: `python benchmarks/bench_model.py --steps {a.steps}`\n\n"
+        f"## Model\n\nForward+backward, same weights and inputs, one run (median of {a.steps} fp32 / "
+        f"{a.bf16_steps} bf16 interleaved steps after a warm-up).\n"
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} thread(s) (OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}), CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}; shared with other jobs.\n"
+        f"Command: `OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_model.py --steps {a.steps} "
+        f"--bf16-steps {a.bf16_steps}`\n\n"
     )
     write_section("## Model", header + table + "\n")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
 
 
 if __name__ == "__main__":
