@@ -122,6 +122,31 @@ def bench_model(name: str, batch: int, seq: int, steps: int, dtype: torch.dtype)
     return _row(f"whole model ({name})", dtype, batch * seq, t_ours, t_hf, flops)
 
 
+def profile_shares(name: str, batch: int, seq: int) -> dict[str, dict[str, float]]:
+    """Share of one fp32 fwd+bwd's self CPU time by op family, for asyncrl and for transformers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ours = Transformer(SHAPES[name])
+    ours.init_weights(seed=0)
+    with torch.no_grad():
+        for layer in ours.layers:
+            layer.mlp.gate.weight.normal_(std=0.5)
+    hf = hf_model_from_ours(ours)
+    ids = torch.randint(0, ours.args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    shares = {}
+    for who, module in (("asyncrl", ours), ("transformers", hf)):
+        run = _fwd_bwd(module, ids)
+        run()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()
+        self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+        total = sum(self_us.values())
+        mm = sum(v for k, v in self_us.items() if k in ("aten::mm", "aten::bmm", "aten::addmm"))
+        attn = sum(v for k, v in self_us.items() if "scaled_dot_product" in k)
+        shares[who] = {"matmul": mm / total, "attention": attn / total, "other": 1 - (mm + attn) / total}
+    return shares
+
+
 def _row(
     what: str, dtype: torch.dtype, tokens: int, t_ours: float, t_hf: float, flops_per_tok: float
 ) -> dict:
@@ -173,6 +198,18 @@ def main() -> None:
             f"| {r['what']} | {_name(r['dtype'])} | {r['tokens']} | {r['ours']:.0f} | {r['hf']:.0f} | "
             f"{r['ours'] / r['hf']:.2f}x | {mfu_ours:.1%} | {mfu_hf:.1%} |"
         )
+    shares = profile_shares("moe-57m-16e", 4, 512)
+    lines += [
+        "",
+        "Where a fp32 fwd+bwd of the moe-57m-16e model spends its time (torch.profiler, self CPU time, one step):",
+        "",
+        "| | matmul (mm) | attention (SDPA fwd+bwd) | everything else |",
+        "|---|---|---|---|",
+        *(
+            f"| {who} | {v['matmul']:.0%} | {v['attention']:.0%} | {v['other']:.0%} |"
+            for who, v in shares.items()
+        ),
+    ]
     f32, b16 = rows[2], rows[3]
     summary = (
         f"bf16 / fp32 on the moe-57m-16e model: asyncrl {b16['ours'] / f32['ours']:.2f}x, "
