@@ -210,6 +210,13 @@ def main() -> None:
             for who, v in shares.items()
         ),
     ]
+    args57 = SHAPES["moe-57m-16e"]
+    attn_flops = 12 * args57.num_hidden_layers * args57.num_attention_heads * args57.head_dim * 256.5
+    lines += [
+        "",
+        f"Causal attention is {attn_flops / flops_per_token(args57, 256.5):.0%} of this model's FLOPs at 512 "
+        "tokens per row (asyncrl.trainer.metrics.flops_per_token).",
+    ]
     f32, b16 = rows[2], rows[3]
     summary = (
         f"bf16 / fp32 on the moe-57m-16e model: asyncrl {b16['ours'] / f32['ours']:.2f}x, "
@@ -218,7 +225,7 @@ def main() -> None:
         f"fp32 {peaks[fp32] / 1e9:.1f} GFLOP/s, bf16 {peaks[bf16] / 1e9:.1f} GFLOP/s; "
         f"torch's plain bf16 matmul: {native_bf16 / 1e9:.2f} GFLOP/s."
     )
-    table = "\n".join(lines) + "\n\n" + summary
+    table = "\n".join(lines) + "\n\n" + summary + "\n\n" + READING
     print(table)
     if a.no_write:
         return
@@ -232,6 +239,17 @@ def main() -> None:
         f"--bf16-steps {a.bf16_steps}`\n\n"
     )
     write_section("## Model", header + table + "\n")
+
+
+READING = """\
+Reading: both implementations spend most of a step in the same kernels, MKL's matmuls and
+torch's CPU flash attention (profile table), so in fp32 removing Python and copy overhead brings
+asyncrl to parity, not past it; going further needs faster kernels than those transformers uses
+too, above all attention, whose share of the time is about twice its share of the FLOPs. The bf16
+rows depend on the CPU: without AVX-512 BF16 / AMX, torch's bf16 matmul is a reference loop (its
+peak is printed above), which transformers runs into; asyncrl computes bf16 matmuls, attention and
+experts in fp32 on bf16 values there (docs/trainer.md, "bf16 on CPU"), so its bf16 runs at about
+its fp32 speed less the casts. On a CPU with native bf16 kernels both use torch's own."""
 
 
 def _name(dtype: torch.dtype) -> str:
