@@ -6,7 +6,8 @@ At concurrency c the engine keeps at most c sequences in flight (continuous batc
 sequence is replaced at once); `generate()` runs the same requests in static batches of c, each
 batch padded on the left and decoded until its longest request is done. Output lengths are mixed
 (uniform in [min_new, max_new]) and EOS is ignored on both sides, so both produce exactly the
-requested tokens; throughput counts requested tokens only. Greedy decoding, fp32, best of N interleaved repeats (one process).
+requested tokens; throughput counts requested tokens only. Greedy decoding; the engine in fp32 and
+bf16, generate() in fp32; best of N interleaved repeats (one process).
 With --write the table replaces the `## Inference engine` section of BENCHMARKS.md.
 """
 
@@ -27,7 +28,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions
 from asyncrl.launcher.init_model import init_model
-from asyncrl.model import from_pretrained
+from asyncrl.model import from_pretrained, torch_dtype
 
 SECTION = "## Inference engine"
 
@@ -42,9 +43,11 @@ def make_workload(n: int, seed: int, min_new: int, max_new: int) -> list[tuple[l
     return out
 
 
-def run_engine(model_dir: Path, workload, concurrency: int) -> float:
-    cfg = InferenceConfig(model=str(model_dir), max_num_seqs=concurrency, device="cpu", kv_cache_tokens=65536)
-    engine = Engine(from_pretrained(model_dir), cfg)
+def run_engine(model_dir: Path, workload, concurrency: int, dtype: str = "float32") -> float:
+    cfg = InferenceConfig(
+        model=str(model_dir), max_num_seqs=concurrency, device="cpu", kv_cache_tokens=65536, dtype=dtype
+    )
+    engine = Engine(from_pretrained(model_dir, dtype=torch_dtype(dtype)), cfg)
     for i, (prompt, n) in enumerate(workload):
         engine.add_request(str(i), prompt, SamplingOptions(temperature=0.0, max_tokens=n, ignore_eos=True))
     t0 = time.perf_counter()
@@ -87,13 +90,15 @@ def main() -> None:
         for c, n in zip(args.concurrency, args.requests):
             workload = make_workload(n, seed=c, min_new=args.min_new, max_new=args.max_new)
             tokens = sum(k for _, k in workload)
-            t_engine, t_hf = float("inf"), float("inf")
+            t_engine, t_bf16, t_hf = float("inf"), float("inf"), float("inf")
             for _ in range(args.repeats):  # interleaved, best of N: the machine is shared and noisy
                 t_engine = min(t_engine, run_engine(model_dir, workload, c))
+                t_bf16 = min(t_bf16, run_engine(model_dir, workload, c, "bfloat16"))
                 t_hf = min(t_hf, run_hf(model_dir, workload, c, pad_id))
-            rows.append((c, n, tokens, tokens / t_engine, tokens / t_hf))
+            rows.append((c, n, tokens, tokens / t_engine, tokens / t_hf, tokens / t_bf16))
             print(f"c={c:3d} n={n:4d} tokens={tokens:6d} engine {tokens / t_engine:8.1f} tok/s  "
-                  f"generate() {tokens / t_hf:8.1f} tok/s  ratio {t_hf / t_engine:5.2f}x", flush=True)  # fmt: skip
+                  f"generate() {tokens / t_hf:8.1f} tok/s  ratio {t_hf / t_engine:5.2f}x  "
+                  f"engine bf16 {tokens / t_bf16:8.1f} tok/s", flush=True)  # fmt: skip
     table = render(rows, args)
     print(table)
     if args.write:
@@ -113,14 +118,15 @@ def render(rows, args) -> str:
         f"### {args.preset}", "",
         f"Machine: {machine}; shared with other jobs, so timings are noisy and only the ratios (same "
         f"process, interleaved, best of {args.repeats}) are meaningful. Model `{args.preset}` (random init), "
-        f"fp32, greedy, CPU. Prompts 16-64 tokens; outputs uniform in [{args.min_new}, {args.max_new}] "
+        f"greedy, CPU; generate() in fp32. Prompts 16-64 tokens; outputs uniform in [{args.min_new}, {args.max_new}] "
         f"tokens, EOS ignored.",
         "", f"Command: `{cmd.strip()}`", "",
-        "| concurrency | requests | generated tokens | engine tok/s | generate() tok/s | engine / generate() |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| concurrency | requests | generated tokens | engine fp32 tok/s | generate() fp32 tok/s "
+        "| engine / generate() | engine bf16 tok/s | engine bf16 / fp32 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
-    for c, n, tokens, e, h in rows:
-        lines.append(f"| {c} | {n} | {tokens} | {e:.0f} | {h:.0f} | {e / h:.2f}x |")
+    for c, n, tokens, e, h, b in rows:
+        lines.append(f"| {c} | {n} | {tokens} | {e:.0f} | {h:.0f} | {e / h:.2f}x | {b:.0f} | {b / e:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -34,8 +34,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from asyncrl.model.compute import sdpa
 from asyncrl.model.layers import segment_ids_from_positions
 from asyncrl.model.sparse_index import IndexQuery, select_topk
 
@@ -134,7 +134,7 @@ class ContextParallelAttention:
                 mask_BtT = select_topk(index.q_BHTd, index.w_BTH, keys_BTd, mask_BtT, index.topk)
                 if index.reused:
                     self.dsa_selection[layer_idx] = mask_BtT
-        return F.scaled_dot_product_attention(q_BHtd, k_BHTd, v_BHTv, attn_mask=mask_BtT.unsqueeze(1))
+        return sdpa(q_BHtd, k_BHTd, v_BHTv, attn_mask=mask_BtT.unsqueeze(1))
 
     def __call__(
         self, q_BHtd: torch.Tensor, k_BGtd: torch.Tensor, v_BGtd: torch.Tensor, layer_idx: int
@@ -142,6 +142,4 @@ class ContextParallelAttention:
         k_BGTd = _GatherSeq.apply(k_BGtd, self.group)
         v_BGTd = _GatherSeq.apply(v_BGtd, self.group)
         gqa = q_BHtd.shape[1] != k_BGTd.shape[1]
-        return F.scaled_dot_product_attention(
-            q_BHtd, k_BGTd, v_BGTd, attn_mask=self.mask_B1tT, enable_gqa=gqa
-        )
+        return sdpa(q_BHtd, k_BGTd, v_BGTd, attn_mask=self.mask_B1tT, enable_gqa=gqa)

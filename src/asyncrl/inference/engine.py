@@ -239,8 +239,8 @@ class Engine:
             block_ids = self.cache.block_table(req)
             q_start = len(ids_N) - s.num_new_tokens
             seqs.append(SeqSlice(q_start=q_start, q_len=s.num_new_tokens, num_ctx=end, block_ids=block_ids))
-            slots.append(self.cache.slots(req, end)[start:])
-        backend = PagedAttention(self.cache, seqs, torch.cat(slots))
+            slots.append(self._new_slots(req, start, end))
+        backend = PagedAttention(self.cache, seqs, _as_slot_tensor(slots, self.device))
         out = self.model(
             torch.tensor([ids_N], device=self.device),
             torch.tensor([pos_N], device=self.device),
@@ -251,6 +251,13 @@ class Engine:
         backend.write_routing(out.routed_experts[0])
         last_rows = [seq.q_start + seq.q_len - 1 for seq in seqs]
         return self._sample_and_commit(batch, out.hidden_states[0], last_rows)
+
+    def _new_slots(self, req: Request, start: int, end: int) -> int | torch.Tensor:
+        """KV slots of positions [start, end): a plain int for a decode token (no tensor ops)."""
+        if end - start == 1:
+            block, offset = divmod(start, self.cache.block_size)
+            return req.block_ids[block] * self.cache.block_size + offset
+        return self.cache.slots(req, end)[start:]
 
     def _sample_and_commit(
         self, batch: list[ScheduledSeq], hidden_ND: torch.Tensor, last_rows: list[int]
@@ -370,6 +377,13 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _as_slot_tensor(slots: list[int | torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One long tensor from decode slots (ints) and prefill slot ranges (tensors), in order."""
+    if all(isinstance(x, int) for x in slots):  # a pure decode step: one tensor from a list
+        return torch.tensor(slots, dtype=torch.long, device=device)
+    return torch.cat([torch.tensor([x], device=device) if isinstance(x, int) else x for x in slots])
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from asyncrl.inference.request import Request
+from asyncrl.model.compute import sdpa
 from asyncrl.model.sparse_index import IndexQuery, select_topk
 
 __all__ = ["KVCache", "PagedAttention", "SeqSlice"]
@@ -142,7 +142,7 @@ class PagedAttention:
             q_SGrd = q_BHTd[0][:, self.decode_rows_S].transpose(0, 1).reshape(S, G, H // G, Dh)
             k_SGCd = k_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
             v_SGCd = v_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
-            o_SGrd = F.scaled_dot_product_attention(q_SGrd, k_SGCd, v_SGCd, attn_mask=self.decode_mask_S11C)
+            o_SGrd = sdpa(q_SGrd, k_SGCd, v_SGCd, attn_mask=self.decode_mask_S11C)
             o_BHTd[0][:, self.decode_rows_S] = o_SGrd.reshape(S, H, Dh).transpose(0, 1)
         for s in self.prefills:
             C = s.num_ctx
@@ -185,9 +185,7 @@ class PagedAttention:
                     if index.reused:
                         self.dsa_selection[(layer_idx, i)] = mask_1TC
             q_1HTd = q_BHTd[:, :, rows]
-            out.append(
-                F.scaled_dot_product_attention(q_1HTd, k_1HCd, v_1HCv, attn_mask=mask_1TC.unsqueeze(1))
-            )
+            out.append(sdpa(q_1HTd, k_1HCd, v_1HCv, attn_mask=mask_1TC.unsqueeze(1)))
         return torch.cat(out, dim=2)
 
     def _context_slots(self, s: SeqSlice) -> torch.Tensor:
@@ -203,6 +201,6 @@ def _causal_sdpa(q_1HTd: torch.Tensor, k_1GCd: torch.Tensor, v_1GCd: torch.Tenso
     """Queries are the last T of C positions: query i sees keys 0 .. C - T + i."""
     T, C = q_1HTd.shape[2], k_1GCd.shape[2]
     if T == C:
-        return F.scaled_dot_product_attention(q_1HTd, k_1GCd, v_1GCd, is_causal=True, enable_gqa=gqa)
+        return sdpa(q_1HTd, k_1GCd, v_1GCd, is_causal=True, enable_gqa=gqa)
     mask_TC = torch.ones(T, C, dtype=torch.bool, device=q_1HTd.device).tril(diagonal=C - T)
-    return F.scaled_dot_product_attention(q_1HTd, k_1GCd, v_1GCd, attn_mask=mask_TC, enable_gqa=gqa)
+    return sdpa(q_1HTd, k_1GCd, v_1GCd, attn_mask=mask_TC, enable_gqa=gqa)

@@ -41,17 +41,30 @@ def sample(
     if sampled:
         rows = torch.tensor(sampled, device=device)
         probs_RV = _truncate(logprobs_SV[rows].exp(), [options[i] for i in sampled])
-        for j, i in enumerate(sampled):
-            gen = generators[i]
-            probs_V = probs_RV[j] if gen.device == probs_RV.device else probs_RV[j].cpu()
-            try:
-                draw = torch.multinomial(probs_V, 1, generator=gen)
-            except RuntimeError as e:  # an invalid distribution for this row only
-                failures[i] = f"sampling failed: {e}"
-                continue
-            tokens_S[i] = draw.to(device)[0]
+        drawn_R, bad_R = _inverse_cdf(probs_RV, [generators[i] for i in sampled])
+        for j in bad_R:
+            failures[sampled[j]] = "sampling failed: the truncated distribution has no finite positive mass"
+        tokens_S[rows] = drawn_R
     chosen_S = logprobs_SV.gather(1, tokens_S[:, None])[:, 0]
     return tokens_S.tolist(), chosen_S.tolist(), failures
+
+
+def _inverse_cdf(probs_RV: torch.Tensor, generators: list[torch.Generator]) -> tuple[torch.Tensor, list[int]]:
+    """One draw per row from unnormalised probabilities: a uniform from the row's own generator
+    (per-request seeds stay reproducible), then one batched search of the rows' cumulative sums.
+
+    A per-row torch.multinomial call cost ~10x more than the batched search at 64 sequences and
+    was a third of a tiny model's decode step. Zero-probability tokens are never drawn (the search
+    returns the first index whose cumulative mass exceeds the target). Returns (ids [R], rows whose
+    mass is not finite and positive)."""
+    u_R = torch.cat([torch.rand(1, generator=g, device=g.device, dtype=torch.float64) for g in generators])
+    cdf_RV = probs_RV.double().cumsum(dim=-1)
+    total_R = cdf_RV[:, -1]
+    target_R1 = (u_R.to(probs_RV.device) * total_R)[:, None]
+    ids_R = torch.searchsorted(cdf_RV, target_R1, right=True)[:, 0].clamp_(max=probs_RV.shape[1] - 1)
+    ok_R = torch.isfinite(total_R) & (total_R > 0)
+    bad = [] if bool(ok_R.all()) else (~ok_R).nonzero().flatten().tolist()
+    return ids_R, bad
 
 
 def _truncate(probs_RV: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:

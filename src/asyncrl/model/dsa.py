@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.compute import Linear
 from asyncrl.model.layers import AttentionBackend, apply_rope_interleaved
 from asyncrl.model.mla import MLAttention
 from asyncrl.model.sparse_index import IndexQuery
@@ -42,10 +43,10 @@ class Indexer(nn.Module):
             args.qk_rope_head_dim,
         )
         self.topk = args.index_topk
-        self.wq_b = nn.Linear(args.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wk = Linear(args.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(args.hidden_size, self.num_heads, bias=False)
+        self.weights_proj = Linear(args.hidden_size, self.num_heads, bias=False)
 
     def _rope(self, x_BHTd: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x_rot, x_pass = x_BHTd.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.compute import Linear
 from asyncrl.model.layers import AttentionBackend, RMSNorm, apply_rope, apply_rope_interleaved
 
 __all__ = ["MLAProjection", "MLAttention"]
@@ -51,15 +52,15 @@ class MLAttention(nn.Module):
         qk = self.nope_dim + self.rope_dim
         self.q_lora_rank = args.q_lora_rank
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, H * qk, bias=False)
+            self.q_proj = Linear(d, H * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(d, self.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _BOTTLENECK_EPS)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, H * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope_dim, bias=False)
+            self.q_b_proj = Linear(self.q_lora_rank, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _BOTTLENECK_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+        self.kv_b_proj = Linear(self.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(H * self.v_dim, d, bias=False)
         self._rope = apply_rope_interleaved if args.rope_interleave else apply_rope
 
     def project(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> MLAProjection:

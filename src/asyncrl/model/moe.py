@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.compute import cpu_upcast
 from asyncrl.model.layers import MLP
 
 __all__ = ["GroupedExperts", "MoE", "MoEOutput", "Router", "Routing", "grouped_swiglu"]
@@ -126,18 +127,26 @@ def grouped_swiglu(
     Module-free so that an expert-parallel wrapper (asyncrl.distributed) computes its local
     experts with exactly the same arithmetic. `linear(x, w)` replaces `x @ w.T` (FP8 hook).
     """
-    if linear is None and hasattr(F, "grouped_mm") and x_sorted.is_cuda and x_sorted.dtype == torch.bfloat16:
+    if linear is None and cpu_upcast(x_sorted):
+        # no native low-precision kernels on this CPU: the whole SwiGLU in fp32, one cast each way
+        args = (counts_E, gate_EID.float(), up_EID.float(), down_EDI.float())
+        return grouped_swiglu(x_sorted.float(), *args).to(x_sorted.dtype)
+    if linear is None and _use_grouped_mm(x_sorted, gate_EID, down_EDI):
         offs = counts_E.cumsum(0).to(torch.int32)
         gate = F.grouped_mm(x_sorted, gate_EID.transpose(1, 2), offs=offs)
         up = F.grouped_mm(x_sorted, up_EID.transpose(1, 2), offs=offs)
         return F.grouped_mm(F.silu(gate) * up, down_EDI.transpose(1, 2), offs=offs)
-    # CPU / fp32 / hooked: one matmul per expert over its contiguous slice (grouped_mm lacks CPU backward).
-    mm = linear if linear is not None else (lambda x, w: x @ w.T)
+    # Otherwise (CPU training, hooked): one matmul per expert over its contiguous slice. The
+    # weights are split with unbind, not indexed per expert: the backward of `w[e]` zero-fills a
+    # whole [E, ...] gradient for every expert and adds them up (E times the weight's size per
+    # step; over half of a CPU fwd+bwd), whereas unbind's backward stacks the E slices once.
+    mm = linear if linear is not None else _mm_t
     outs = []
-    for e, x_e in enumerate(x_sorted.split(counts_E.tolist())):
+    experts = zip(x_sorted.split(counts_E.tolist()), gate_EID.unbind(0), up_EID.unbind(0), down_EDI.unbind(0))
+    for x_e, gate_ID, up_ID, down_DI in experts:
         if x_e.shape[0]:
-            h = F.silu(mm(x_e, gate_EID[e])) * mm(x_e, up_EID[e])
-            outs.append(mm(h, down_EDI[e]))
+            h = F.silu(mm(x_e, gate_ID)) * mm(x_e, up_ID)
+            outs.append(mm(h, down_DI))
     return torch.cat(outs) if outs else x_sorted.new_zeros(x_sorted.shape[0], down_EDI.shape[1])
 
 
@@ -182,3 +191,22 @@ class MoE(nn.Module):
             ids_BTK=routing.ids_NK.view(B, T, -1),
             router_topk_BTK=None if own_NK is None else own_NK.view(B, T, -1),
         )
+
+
+def _mm_t(x_NK: torch.Tensor, w_OK: torch.Tensor) -> torch.Tensor:
+    return x_NK @ w_OK.T
+
+
+def _use_grouped_mm(x_ND: torch.Tensor, gate_EID: torch.Tensor, down_EDI: torch.Tensor) -> bool:
+    """torch's grouped GEMM: on CUDA in bf16, and on CPU without autograd (the inference engine).
+
+    On CPU it gives the per-expert loop's results bit for bit (checked in tests) with 3 calls per
+    layer instead of 3 per expert, which matters when decoding a few tokens per expert; its CPU
+    backward is slower than the loop's, so training keeps the loop. It needs 16-byte-aligned rows.
+    """
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x_ND.is_cuda:
+        return x_ND.dtype == torch.bfloat16
+    row_bytes = (gate_EID.shape[1] * x_ND.element_size(), down_EDI.shape[1] * x_ND.element_size())
+    return not torch.is_grad_enabled() and all(b % 16 == 0 for b in row_bytes)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.compute import Linear
 from asyncrl.model.dsa import DSAttention
 from asyncrl.model.grouped_router import GroupedSigmoidRouter
 from asyncrl.model.layers import (
@@ -117,7 +118,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.model = _Backbone(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args.rope_dim, args.rope_theta)
         self.mtp = PassthroughTensors()  # checkpoint MTP layers, kept and written back unchanged
         self.tie_weights()

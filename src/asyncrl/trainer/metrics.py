@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from asyncrl.model import ModelArgs
+from asyncrl.model.compute import linear
 from asyncrl.transport.metrics import MetricsWriter
 from asyncrl.transport.sinks import Sinks
 
@@ -38,15 +39,20 @@ def flops_per_token(args: ModelArgs, mean_context: float) -> float:
 def measure_matmul_peak(
     device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5
 ) -> float:
-    """Achieved FLOP/s of a square matmul on this device; the MFU denominator when none is configured."""
+    """Achieved FLOP/s of a square matmul on this device; the MFU denominator when none is configured.
+
+    The matmul goes through `asyncrl.model.compute.linear`, the path the model's own matmuls take:
+    on a CPU without native bf16 kernels a bf16 peak is then the fp32 one (less the casts), not
+    torch's ~100x slower reference loop.
+    """
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(2):
-        a @ b
+        linear(a, b)
     _sync(device)
     iters, start = 0, time.perf_counter()
     while True:
-        a @ b
+        linear(a, b)
         iters += 1
         if iters % 4 == 0:
             _sync(device)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from asyncrl.model import preset_args
+from asyncrl.model.compute import cpu_upcast
 from asyncrl.trainer.metrics import flops_per_token
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -145,4 +146,10 @@ def test_grouped_vs_loop_check_runs_on_cpu(monkeypatch):
 
     ctx = Ctx(device=torch.device("cpu"), sizes=TINY, seed=0, deadline=time.perf_counter() + 60)
     check = _grouped_vs_loop(ctx, [30, 0, 10, 15, 5, 20, 12, 8])
-    assert check.passed is True and check.value == 0.0
+    assert check.passed is True
+    if cpu_upcast(torch.zeros(1, dtype=torch.bfloat16)):
+        # no bf16 kernels on this CPU: the default path computes in fp32 (asyncrl.model.compute)
+        # while the hooked loop multiplies in bf16, so the two differ by bf16 rounding only
+        assert 0.0 < check.value < 1e-2
+    else:
+        assert check.value == 0.0

@@ -1,0 +1,75 @@
+"""Matmul-heavy ops (linear, attention) that stay fast in bf16/fp16 on CPUs without native kernels.
+
+On a CPU without AVX-512 BF16 / AMX (oneDNN reports no bf16 support), torch's bf16 matmul and
+attention fall back to scalar reference loops: on an AVX2 machine a bf16 1024^3 matmul runs ~100x
+slower than fp32, so a bf16 model trains and decodes ~15-20x slower than the same model in fp32.
+There these ops cast their low-precision operands to fp32, compute, and round the result back to
+the input's dtype. Products of bf16 numbers are exact in fp32 and the native kernels accumulate in
+fp32 too, so the result is what a native bf16 kernel gives up to summation order; weights and
+activations stay in bf16 between ops (memory and the numerics of everything else unchanged).
+On CUDA and on CPUs with native bf16 nothing changes.
+
+    from asyncrl.model.compute import Linear, linear, sdpa
+    y = linear(x, w)               # F.linear, upcast where the CPU lacks native kernels for x.dtype
+    o = sdpa(q, k, v, is_causal=True)
+
+The MoE experts (asyncrl.model.moe.grouped_swiglu) ask `cpu_upcast` and run their SwiGLU in fp32.
+
+`set_cpu_upcast(True | False | None)` forces the choice (None: detect), for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Linear", "cpu_upcast", "linear", "sdpa", "set_cpu_upcast"]
+
+_FORCED: bool | None = None
+
+
+@functools.cache
+def _cpu_native(dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def set_cpu_upcast(value: bool | None) -> None:
+    """Force (True/False) or restore detection (None) of the fp32 path for low-precision CPU ops."""
+    global _FORCED
+    _FORCED = value
+
+
+def cpu_upcast(x: torch.Tensor) -> bool:
+    """Whether ops on `x` take the fp32 path: a bf16/fp16 CPU tensor without native kernels."""
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return _FORCED if _FORCED is not None else not _cpu_native(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b); in fp32 and rounded back to x's dtype where `cpu_upcast(x)`."""
+    if not cpu_upcast(x):
+        return F.linear(x, w, b)
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """F.scaled_dot_product_attention; in fp32 where `cpu_upcast(q)` (a float mask is upcast too)."""
+    if not cpu_upcast(q):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    mask = kw.get("attn_mask")
+    if mask is not None and mask.is_floating_point():
+        kw["attn_mask"] = mask.float()
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear`: same parameters and state-dict keys."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

@@ -1,0 +1,80 @@
+"""The fp32 path of low-precision CPU ops (asyncrl.model.compute) against torch's own bf16 kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncrl.model import Transformer, preset_args
+from asyncrl.model.compute import cpu_upcast, linear, sdpa, set_cpu_upcast
+
+
+@pytest.fixture
+def forced():
+    """Set the upcast choice for one test; detection is restored afterwards."""
+    yield set_cpu_upcast
+    set_cpu_upcast(None)
+
+
+def test_only_low_precision_cpu_tensors_are_upcast(forced):
+    forced(True)
+    assert cpu_upcast(torch.zeros(2, dtype=torch.bfloat16))
+    assert cpu_upcast(torch.zeros(2, dtype=torch.float16))
+    assert not cpu_upcast(torch.zeros(2, dtype=torch.float32))
+    forced(False)
+    assert not cpu_upcast(torch.zeros(2, dtype=torch.bfloat16))
+
+
+def test_linear_and_sdpa_match_native_bf16_and_keep_dtypes(forced):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 64, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(32, 64, generator=gen).bfloat16().requires_grad_()
+    b = torch.randn(32, generator=gen).bfloat16()
+    forced(True)
+    y = linear(x, w, b)
+    assert y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    ref = F.linear(x.float(), w.float(), b.float())
+    native = F.linear(x, w, b).float()
+    # both round an fp32-accumulated result to bf16: each within one bf16 step of the fp32 value
+    tol = ref.abs() * 2**-7 + 1e-3
+    assert (y.float() - ref).abs().le(tol).all() and (native - ref).abs().le(tol).all()
+
+    q, k, v = (torch.randn(1, 2, 5, 16, generator=gen).bfloat16() for _ in range(3))
+    o = sdpa(q, k, v, is_causal=True)
+    o_ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert o.dtype == torch.bfloat16
+    assert (o.float() - o_ref).abs().max() < 2e-2
+
+
+def test_bf16_model_upcast_close_to_native_and_fp32(forced):
+    model = Transformer(preset_args("tiny-moe"))
+    model.init_weights(seed=0)
+    ids = torch.randint(0, model.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        model.bfloat16()
+        forced(False)
+        native = model(ids).logits.float()
+        forced(True)
+        upcast = model(ids).logits.float()
+    assert not torch.equal(upcast, native)  # the two paths really differ (rounding points)
+    err_native = (native - ref).abs().max()
+    err_upcast = (upcast - ref).abs().max()
+    assert err_upcast < 2 * err_native + 1e-3, (err_upcast, err_native)
+
+
+def test_rms_norm_fused_inference_path_equals_the_autograd_path():
+    from asyncrl.model.layers import RMSNorm
+
+    norm = RMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 7, 48, generator=torch.Generator().manual_seed(0)) * 3
+    for dtype in (torch.float32, torch.bfloat16):
+        norm.to(dtype)
+        with torch.no_grad():
+            fused = norm(x.to(dtype))
+        assert torch.equal(fused, norm(x.to(dtype)).detach())
