@@ -107,8 +107,14 @@ def test_cancel_aborts_the_request_on_the_server(server):
     async def go():
         backend = VLLMBackend(server.url, timeout_s=300)
         req = GenerateRequest(prompt_token_ids=PROMPTS[0], max_tokens=1900, temperature=0.0, ignore_eos=True)
+        t0 = time.monotonic()
+        await backend.generate(req.model_copy(update={"max_tokens": 200, "cache_salt": "probe"}))
+        per_token = (time.monotonic() - t0) / 200
         task = asyncio.create_task(backend.generate(req))
-        await _wait_running(server.url, 1.0)
+        # ~15% into the request by this machine's own pace (polling vLLM's running gauge can miss a
+        # short request entirely on a fast machine)
+        await asyncio.sleep(max(0.5, 0.15 * 1900 * per_token))
+        assert not task.done()  # (vLLM's running gauge lags by seconds, so it is not asked here)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -116,6 +122,31 @@ def test_cancel_aborts_the_request_on_the_server(server):
         await backend.aclose()
 
     _run(go())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="vLLM 0.32 CPU build: an in-place reload_weights corrupts the served model on this CPU "
+    "(reloading the very weights it serves changes its logprobs); docs/inference.md, Known defects",
+)
+def test_reloading_the_served_weights_leaves_the_logprobs_unchanged(server, models):
+    """Runs before any other reload in this module: the server still holds its start-up weights."""
+    req = GenerateRequest(
+        prompt_token_ids=PROMPTS[2], max_tokens=64, temperature=1.0, seed=7, ignore_eos=True
+    )
+
+    async def go():
+        backend = VLLMBackend(server.url, timeout_s=300)
+        before = await backend.generate(req.model_copy(update={"cache_salt": "reload-before"}))
+        await backend.update_weights(UpdateWeightsRequest(path=str(models[0]), version=0))
+        after = await backend.generate(req.model_copy(update={"cache_salt": "reload-after"}))
+        await backend.aclose()
+        return before, after
+
+    before, after = _run(go())
+    assert after.token_ids == before.token_ids
+    diff = max(abs(a - b) for a, b in zip(after.logprobs, before.logprobs, strict=True))
+    assert diff < 1e-3, f"reloading the same weights moved a logprob by {diff:.3g}"
 
 
 def test_update_in_flight_keeps_the_request_and_stamps_each_token(server, models):
@@ -126,10 +157,12 @@ def test_update_in_flight_keeps_the_request_and_stamps_each_token(server, models
 
     async def go():
         backend = VLLMBackend(server.url, timeout_s=300)
+        t0 = time.monotonic()
         old = await backend.generate(req)  # v0 all the way: the reference
+        duration = time.monotonic() - t0
         task = asyncio.create_task(backend.generate(req.model_copy(update={"cache_salt": "0-inflight"})))
-        await _wait_running(server.url, 1.0)
-        await asyncio.sleep(0.3)  # let it sample some tokens under v0
+        await asyncio.sleep(0.25 * duration)  # a quarter of the tokens under v0, by this machine's pace
+        assert not task.done()
         t0 = time.monotonic()
         await backend.pause(PauseRequest(mode="keep"))
         update = await backend.update_weights(UpdateWeightsRequest(path=str(models[1]), version=1))
