@@ -2,7 +2,10 @@
 # The reverse-text demo in one command: init-model -> sft-data -> sft -> eval -> rl -> eval.
 #
 #   bash examples/reverse_text/run.sh                 # outputs under outputs/reverse_text
-#   OUT=/tmp/rt PORT=8600 bash examples/reverse_text/run.sh
+#   OUT=/tmp/rt PORT=8600 SEED=1 bash examples/reverse_text/run.sh
+#
+# SEED (default 0) seeds the model init, the SFT data, SFT and RL. The eval keeps seed 0, so every
+# seed's models are scored on the same 128 held-out tasks.
 #
 # Every stage prints progress; the last lines compare the SFT and RL models on held-out tasks.
 # Re-running overwrites the previous run's stages (only the directories this script writes).
@@ -11,6 +14,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${OUT:-outputs/reverse_text}"
 PORT="${PORT:-8400}"
+SEED="${SEED:-0}"
 # Must match [[orchestrator.envs.envs]] args in rl.toml: SFT data, RL tasks and eval share one env.
 ENV_ARGS='{"min_len": 3, "max_len": 5}'
 SFT_ROWS="${SFT_ROWS:-20000}"
@@ -28,15 +32,15 @@ rm -rf "$OUT/base" "$OUT/data" "$OUT/sft" "$OUT/rl" "$OUT/eval.jsonl"
 mkdir -p "$OUT"
 
 stage "1/6 init-model: a random tiny MoE"
-$ASYNCRL init-model --preset tiny-moe --out "$OUT/base" --seed 0
+$ASYNCRL init-model --preset tiny-moe --out "$OUT/base" --seed "$SEED"
 
 stage "2/6 sft-data: $SFT_ROWS reference answers, ${CORRUPT_PROB} of them with one wrong character"
 $ASYNCRL sft-data --env reverse-text --num "$SFT_ROWS" --out "$OUT/data/sft.jsonl" \
-    --corrupt-prob "$CORRUPT_PROB" --env-args "$ENV_ARGS"
+    --corrupt-prob "$CORRUPT_PROB" --env-args "$ENV_ARGS" --seed "$SEED"
 
 stage "3/6 sft: imperfect demonstrations -> the RL start point"
 $ASYNCRL sft @ "$HERE/sft.toml" --model.path "$OUT/base" --data.path "$OUT/data/sft.jsonl" \
-    --run-dir "$OUT/sft"
+    --run-dir "$OUT/sft" --seed "$SEED"
 SFT_MODEL="$(last_weights "$OUT/sft")"
 
 evaluate() {  # $1 label, $2 model
@@ -48,7 +52,8 @@ stage "4/6 eval of the SFT model ($EVAL_TASKS held-out tasks, greedy and at temp
 evaluate sft "$SFT_MODEL"
 
 stage "5/6 rl: inference server + orchestrator + trainer, asynchronous"
-$ASYNCRL rl @ "$HERE/rl.toml" --model "$SFT_MODEL" --run-dir "$OUT/rl" --deployment.base-port "$PORT"
+$ASYNCRL rl @ "$HERE/rl.toml" --model "$SFT_MODEL" --run-dir "$OUT/rl" --deployment.base-port "$PORT" \
+    --seed "$SEED"
 RL_MODEL="$(last_weights "$OUT/rl")"
 
 stage "6/6 eval of the RL model"

@@ -28,6 +28,7 @@ __all__ = [
     "RLTrainerConfig",
     "SFTConfig",
     "SFTDataConfig",
+    "SFTStopConfig",
     "ScheduleConfig",
 ]
 
@@ -148,7 +149,22 @@ class SFTDataConfig(BaseConfig):
     shuffle: bool = True
 
 
+class SFTStopConfig(BaseConfig):
+    """Stop before max_steps once the mean loss of the last `window` steps is at most `loss`.
+
+    A step's loss is measured before the update on rows the model has not trained on yet, as long as
+    max_steps * batch_size stays within one pass over the data: it is then a held-out loss, and a
+    threshold that only a learned skill reaches ends the run when the skill is there, wherever the
+    run's numerics put that point. max_steps stays the cap. The last step is published and
+    checkpointed as the final one.
+    """
+
+    loss: float | None = Field(None, gt=0)  # None: always run max_steps
+    window: int = Field(25, ge=1)  # steps averaged; one batch alone is noisy
+
+
 class SFTConfig(CommonTrainConfig):
     """`asyncrl sft`: cross-entropy on chat / prompt-completion data, same outputs as the RL trainer."""
 
     data: SFTDataConfig
+    stop: SFTStopConfig = SFTStopConfig()
