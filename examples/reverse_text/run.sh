@@ -17,7 +17,7 @@ PORT="${PORT:-8400}"
 SEED="${SEED:-0}"
 # Must match [[orchestrator.envs.envs]] args in rl.toml: SFT data, RL tasks and eval share one env.
 ENV_ARGS='{"min_len": 3, "max_len": 5}'
-SFT_ROWS="${SFT_ROWS:-20000}"
+SFT_ROWS="${SFT_ROWS:-26000}"
 CORRUPT_PROB="${CORRUPT_PROB:-0.3}"
 EVAL_TASKS="${EVAL_TASKS:-128}"
 MAX_TOKENS="${MAX_TOKENS:-10}"
@@ -32,7 +32,7 @@ rm -rf "$OUT/base" "$OUT/data" "$OUT/sft" "$OUT/rl" "$OUT/eval.jsonl"
 mkdir -p "$OUT"
 
 stage "1/6 init-model: a random tiny MoE"
-$ASYNCRL init-model --preset tiny-moe --out "$OUT/base" --seed "$SEED"
+$ASYNCRL init-model --preset tiny-moe --init-std 0.06 --out "$OUT/base" --seed "$SEED"
 
 stage "2/6 sft-data: $SFT_ROWS reference answers, ${CORRUPT_PROB} of them with one wrong character"
 $ASYNCRL sft-data --env reverse-text --num "$SFT_ROWS" --out "$OUT/data/sft.jsonl" \
@@ -64,6 +64,9 @@ python - "$OUT" <<'PY'
 import json, sys
 rows = {(r["label"], r["temperature"]): r for r in map(json.loads, open(f"{sys.argv[1]}/eval.jsonl"))}
 orch = [r for r in map(json.loads, open(f"{sys.argv[1]}/rl/metrics.jsonl")) if r.get("role") == "orchestrator"]
+sft = [json.loads(line) for line in open(f"{sys.argv[1]}/sft/metrics.jsonl")]
+tail = [r["loss"] for r in sft[-25:]]
+print(f"SFT: {len(sft)} steps, mean loss of the last {len(tail)} {sum(tail) / len(tail):.3f}")
 k = max(1, len(orch) // 4)
 first = sum(r["reward/mean"] for r in orch[:k]) / k
 last = sum(r["reward/mean"] for r in orch[-k:]) / k
