@@ -30,6 +30,7 @@ import torch
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.trainer import LossConfig, OptimConfig, ScheduleConfig
+from asyncrl.distributed import DistInfo
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.request import SamplingOptions
 from asyncrl.launcher.init_model import init_model
@@ -41,7 +42,6 @@ from asyncrl.trainer.loss import rl_loss
 from asyncrl.trainer.mismatch import MismatchSums, mismatch_sums, routing_agreement
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.packing import pack_samples
-from asyncrl.trainer.parallel import DistInfo
 from asyncrl.wire import RolloutSample
 from report import write_section
 

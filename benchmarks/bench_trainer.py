@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.config.trainer import LossConfig, OptimConfig, ScheduleConfig
+from asyncrl.distributed import DistInfo
 from asyncrl.model import Transformer, preset_args
 from asyncrl.trainer.engine import StepEngine
 from asyncrl.trainer.loss import rl_loss
 from asyncrl.trainer.metrics import flops_per_token, measure_matmul_peak
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.packing import MicroBatch, pack_samples
-from asyncrl.trainer.parallel import DistInfo
 from asyncrl.trainer.synthetic import synthetic_batch
 from report import write_section
 

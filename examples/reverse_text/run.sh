@@ -3,6 +3,7 @@
 #
 #   bash examples/reverse_text/run.sh                 # outputs under outputs/reverse_text
 #   OUT=/tmp/rt PORT=8600 SEED=1 bash examples/reverse_text/run.sh
+#   BACKEND=vllm bash examples/reverse_text/run.sh    # RL stage on vLLM (bash scripts/setup-vllm.sh first)
 #
 # SEED (default 0) seeds the model init, the SFT data, SFT and RL. The eval keeps seed 0, so every
 # seed's models are scored on the same 128 held-out tasks.
@@ -22,6 +23,12 @@ CORRUPT_PROB="${CORRUPT_PROB:-0.3}"
 EVAL_TASKS="${EVAL_TASKS:-128}"
 MAX_TOKENS="${MAX_TOKENS:-10}"
 ASYNCRL="${ASYNCRL:-python -m asyncrl}"
+BACKEND="${BACKEND:-embedded}"
+case "$BACKEND" in
+  embedded) BACKEND_CFG=() ;;
+  vllm) BACKEND_CFG=(@ "$HERE/rl-vllm.toml") ;;
+  *) echo "BACKEND must be embedded or vllm, got '$BACKEND'" >&2; exit 2 ;;
+esac
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 stage() { printf '\n=== [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -51,9 +58,9 @@ evaluate() {  # $1 label, $2 model
 stage "4/6 eval of the SFT model ($EVAL_TASKS held-out tasks, greedy and at temperature 1)"
 evaluate sft "$SFT_MODEL"
 
-stage "5/6 rl: inference server + orchestrator + trainer, asynchronous"
-$ASYNCRL rl @ "$HERE/rl.toml" --model "$SFT_MODEL" --run-dir "$OUT/rl" --deployment.base-port "$PORT" \
-    --seed "$SEED"
+stage "5/6 rl: inference server ($BACKEND) + orchestrator + trainer, asynchronous"
+$ASYNCRL rl @ "$HERE/rl.toml" "${BACKEND_CFG[@]}" --model "$SFT_MODEL" --run-dir "$OUT/rl" \
+    --deployment.base-port "$PORT" --seed "$SEED"
 RL_MODEL="$(last_weights "$OUT/rl")"
 
 stage "6/6 eval of the RL model"

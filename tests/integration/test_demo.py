@@ -10,8 +10,6 @@ mismatch KL to the inference logprobs stays small, and rollouts sampled by updat
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,28 +21,18 @@ import tomli_w
 from asyncrl.config import load_config
 from asyncrl.config.trainer import SFTConfig
 from asyncrl.launcher.init_model import init_model
-from asyncrl.launcher.sft_data import write_sft_data
+from asyncrl.launcher.report import write_report
+from asyncrl.launcher.sft_export import write_sft_data
 from asyncrl.trainer.sft import run_sft
 from asyncrl.transport import weights_dir
 from asyncrl.transport.rollouts import read_batch
+from helpers import child_env, free_port
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 # One letter out of eight: the same copy-the-right-character skill as the demo, learned by a short SFT
 # (the copy mechanism appears near step 250 on this model), and few enough tasks for a quick RL signal.
 ENV_ARGS = {"min_len": 1, "max_len": 1, "alphabet": "abcdefgh"}
 SFT_STEPS = 300
 RL_STEPS = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
-    return os.environ | {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def sft(tmp_path: Path) -> Path:
@@ -125,3 +113,9 @@ def test_demo_reward_rises_with_small_mismatch_and_in_flight_updates(tmp_path):
         batch = read_batch(run_dir, step, timeout_s=1.0)
         versions |= {int(v) for s in batch.samples for v in s.policy_versions[s.loss_mask]}
     assert max(versions) > 0 and max(versions) >= RL_STEPS // 2, sorted(versions)
+
+    # `asyncrl report` on the real run: every figure drawn (eval results are not part of this run)
+    index = write_report(run_dir)
+    for name in ("reward", "mismatch", "dropped", "inference", "trainer", "prefix_cache", "staleness"):
+        assert (index.parent / f"{name}.png").stat().st_size > 5000, name
+    assert "not logged" not in index.read_text()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,22 +13,11 @@ from pathlib import Path
 import pytest
 
 from asyncrl.launcher.init_model import init_model
+from helpers import child_env, free_port
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
-    return os.environ | {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def descendants(root: int) -> dict[int, str]:

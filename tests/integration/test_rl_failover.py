@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,21 +18,9 @@ import pytest
 
 from asyncrl.launcher.init_model import init_model
 from asyncrl.transport.rollouts import read_batch
+from helpers import free_port_run
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port_pair() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 def _orchestrator_records(run_dir: Path) -> list[dict]:
@@ -52,7 +39,7 @@ def test_killing_one_of_two_servers_mid_run(tmp_path):
     model = tmp_path / "model"
     init_model("tiny-moe", model, seed=0)
     run_dir = tmp_path / "run"
-    port = _free_port_pair()
+    port = free_port_run(2)
     cmd = [
         sys.executable, "-m", "asyncrl", "rl", "--model", str(model), "--run-dir", str(run_dir),
         "--max-steps", "5", "--seq-len", "256", "--deployment.num_inference_servers", "2",

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import difflib
 import json
+import textwrap
 import tomllib
+import typing
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import PydanticUndefined
 
-__all__ = ["BaseConfig", "ConfigError", "load_config", "merge_dicts", "parse_cli_overrides"]
+__all__ = ["BaseConfig", "ConfigError", "config_help", "load_config", "merge_dicts", "parse_cli_overrides"]
 
 
 class ConfigError(ValueError):
@@ -160,3 +164,101 @@ def load_config(cls: type[C], argv: list[str] | dict[str, Any], prefix: str = ""
         return cls.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(cls, e, prefix)) from None
+
+
+def _jsonable(value: Any) -> Any:
+    """A default as it would be written in TOML (sections show only their non-default keys)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_defaults=True)
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return str(value) if isinstance(value, Path) else value
+
+
+def _default_text(field: Any, value: Any) -> str:
+    if value is PydanticUndefined:
+        return "(required)"
+    if value is None:
+        return "= (unset)"
+    try:
+        return "= " + json.dumps(_jsonable(value))  # TOML-like: "text", true, [0.9, 0.999]
+    except TypeError:
+        return f"= {value!r}"
+
+
+def _choices(annotation: Any) -> str:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return " | ".join(json.dumps(a) for a in args)
+    inner = [_choices(a) for a in args]  # Literal[...] | None
+    return next((c for c in inner if c), "")
+
+
+def _config_class(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _list_item_class(annotation: Any) -> type[BaseModel] | None:
+    args = typing.get_args(annotation)
+    return _config_class(args[0]) if typing.get_origin(annotation) is list and args else None
+
+
+def config_help(
+    cls: type[BaseModel],
+    section: str = "",
+    exclude: Collection[str] = (),
+    width: int = 110,
+    defaults: BaseModel | None = None,
+    about: str | None = None,
+) -> str:
+    """Every key of `cls` with its default and its Field description, one table per nested section.
+
+    `section` is the dotted name the keys sit under (`"orchestrator"` prints `[orchestrator]`, then
+    `[orchestrator.sampling]`, ...); `exclude` leaves out keys that are set elsewhere (dotted for nested ones: "model.path");
+    `defaults` is the instance whose values are shown (a section's own default, which may differ
+    from its class's); `about` follows the section's title (default: the class docstring's first
+    line). Example line: `  batch_size = 32            samples per batch (one trainer step)`.
+    """
+    rows: list[tuple[str, str]] = []
+    nested: list[tuple[str, str]] = []
+    for name, field in cls.model_fields.items():
+        if name in exclude:
+            continue
+        if defaults is not None:
+            value = getattr(defaults, name)
+        else:
+            value = PydanticUndefined if field.is_required() else field.get_default(call_default_factory=True)
+        sub_section = f"{section}.{name}" if section else name
+        if sub := _config_class(field.annotation):
+            sub_defaults = value if isinstance(value, BaseModel) else None
+            sub_exclude = [e.removeprefix(f"{name}.") for e in exclude if e.startswith(f"{name}.")]
+            text = config_help(
+                sub, sub_section, sub_exclude, width, defaults=sub_defaults, about=field.description
+            )
+            nested.append((sub_section, text))
+            continue
+        if item := _list_item_class(field.annotation):
+            item_help = config_help(item, sub_section, width=width).split("\n", 1)[1]
+            nested.append((sub_section, f"[[{sub_section}]]  (a list; one table per item)\n{item_help}"))
+        text = field.description or ""
+        if choices := _choices(field.annotation):
+            text = f"{text} (one of {choices})" if text else f"one of {choices}"
+        rows.append((f"{name} {_default_text(field, value)}", text))
+    about = about or (cls.__doc__ or "").strip().split("\n")[0]
+    title = (f"[{section}]" if section else "(top level)") + (f"  {about}" if about else "")
+    return "\n\n".join(["\n".join([title, *_table(rows, width)]), *(text for _, text in nested)])
+
+
+def _table(rows: list[tuple[str, str]], width: int) -> list[str]:
+    """`  key = default   description`, the description wrapped in its column."""
+    key_width = min(34, max((len(k) for k, _ in rows), default=0))
+    indent = " " * (key_width + 4)
+    lines = []
+    for key, text in rows:
+        wrapped = textwrap.wrap(text, width=max(40, width - len(indent))) or [""]
+        first = f"  {key:<{key_width}}  " if len(key) <= key_width else f"  {key}\n{indent}"
+        lines.append((first + wrapped[0]).rstrip())
+        lines += [indent + w for w in wrapped[1:]]
+    return lines

@@ -14,6 +14,10 @@ Example (TOML)::
     name = "calculator"
     max_turns = 4
     latency = { median_s = 0.5, sigma = 1.5 }   # heavy-tailed (lognormal) delay on every env step
+
+    [[envs.envs]]
+    name = "swe-lite"                # runs model-written code in the bubblewrap sandbox
+    args = { wall_s = 20.0, allow_weak_isolation = false }   # true: accept the guard alone where bwrap cannot run
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ class LatencyConfig(BaseConfig):
     `sigma` gives a heavier tail. `median_s = 0` turns the knob off.
     """
 
-    median_s: float = Field(0.0, ge=0.0)
-    sigma: float = Field(1.0, ge=0.0, le=5.0)
-    max_s: float = Field(60.0, gt=0.0)
+    median_s: float = Field(0.0, ge=0.0, description="median delay; 0 = off")
+    sigma: float = Field(1.0, ge=0.0, le=5.0, description="lognormal sigma: larger = heavier tail")
+    max_s: float = Field(60.0, gt=0.0, description="cap of one delay")
 
     @property
     def enabled(self) -> bool:
@@ -57,8 +61,8 @@ class EnvConfig(BaseConfig):
     tool_timeout_s: float = Field(
         30.0, gt=0.0, description="limit of one tool call; an error goes to the model"
     )
-    max_tool_output_chars: int = Field(4000, ge=16)
-    latency: LatencyConfig = Field(default_factory=LatencyConfig)
+    max_tool_output_chars: int = Field(4000, ge=16, description="longer tool output is truncated")
+    latency: LatencyConfig = Field(default_factory=LatencyConfig, description="simulated env-step latency")
     stitching: Literal["strict", "bridge"] = Field(
         "strict",
         description="strict: a completion whose text does not re-encode to its ids starts a new sample; "
@@ -69,5 +73,9 @@ class EnvConfig(BaseConfig):
 class EnvsConfig(BaseConfig):
     """The environment mixture. Task generation is deterministic under `seed`."""
 
-    envs: list[EnvConfig] = Field(default_factory=lambda: [EnvConfig(name="reverse-text")], min_length=1)
-    seed: int = 0
+    envs: list[EnvConfig] = Field(
+        default_factory=lambda: [EnvConfig(name="reverse-text")],
+        min_length=1,
+        description="the environments, one [[envs.envs]] table each",
+    )
+    seed: int = Field(0, description="seed of every environment's task generation")

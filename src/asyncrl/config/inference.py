@@ -11,34 +11,86 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
 from asyncrl.config.mismatch import FP8Config
+from asyncrl.config.vllm import VLLMConfig
 
-__all__ = ["InferenceConfig"]
+__all__ = ["InferenceConfig", "is_loopback"]
 
 
 class InferenceConfig(BaseConfig):
     """Engine and HTTP server settings. Only `model` is required."""
 
     model: str = Field(description="Hugging Face model directory (config.json, safetensors, tokenizer)")
+    backend: Literal["embedded", "vllm"] = Field(
+        "embedded",
+        description="'embedded': asyncrl's engine; 'vllm': a vLLM OpenAI server (docs/inference.md)",
+    )
     served_model_name: str | None = Field(None, description="name clients pass as `model`; default: dir name")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = Field(None, description="when set, requests need `Authorization: Bearer KEY`")
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 serves other machines")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    api_key: str | None = Field(
+        None, description="when set, requests need `Authorization: Bearer KEY`; required off loopback"
+    )
+    update_weights_roots: list[str] | None = Field(
+        None,
+        description="/update_weights loads only from directories under these; None: anywhere "
+        "(allowed on loopback only)",
+    )
+    max_request_bytes: int = Field(16 * 2**20, ge=1024, description="larger request bodies get 413")
+    allow_request_chat_template: bool = Field(
+        False, description="let chat requests carry `chat_template` (rendered sandboxed, time and size bound)"
+    )
+    chat_template_timeout_s: float = Field(1.0, gt=0, description="time bound of a request's chat template")
+    chat_template_max_chars: int = Field(
+        1_000_000, ge=1, description="size bound of a rendered chat template"
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="weights and compute; float32 with a float32 trainer is exactly on-policy"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     max_num_seqs: int = Field(64, ge=1, description="most sequences in the running batch")
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
     kv_cache_tokens: int = Field(32768, ge=16, description="KV pool capacity in tokens")
     max_model_len: int | None = Field(None, ge=2, description="context limit; default: the model's")
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     seed: int = Field(0, description="seed of the engine's generator for requests without a seed")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="server log level")
     fp8: FP8Config = Field(
         default_factory=FP8Config, description="FP8 block-scale inference (docs/mismatch.md)"
     )
+    vllm: VLLMConfig = Field(
+        default_factory=VLLMConfig, description="vLLM engine arguments (backend = 'vllm' only)"
+    )
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> InferenceConfig:
+        if is_loopback(self.host):
+            return self
+        if not self.api_key:
+            raise ValueError(
+                f"host = {self.host!r} is reachable from other machines: set api_key "
+                "(`asyncrl rl` generates one per run)"
+            )
+        if self.update_weights_roots is None:
+            raise ValueError(
+                f"host = {self.host!r} is reachable from other machines: set update_weights_roots "
+                "(the directories /update_weights may load from)"
+            )
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a server reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve anywhere
+        return False

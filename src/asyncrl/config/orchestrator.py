@@ -11,7 +11,7 @@ Example (TOML)::
     max_async_steps = 1                  # 0 = synchronous on-policy RL
     max_off_policy_steps = 1
 
-    [sampling]
+    [sampling]                           # RL rollouts: temperature > 0, no top_p / top_k / min_p
     temperature = 1.0
     max_tokens = 32
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import BaseConfig
 from asyncrl.config.envs import EnvsConfig
@@ -32,24 +32,35 @@ __all__ = ["AdvantageConfig", "OrchestratorConfig"]
 class AdvantageConfig(BaseConfig):
     """Group-relative advantages: A = r - mean(group) [/ (std(group) + eps)]."""
 
-    normalize_std: bool = False
-    std_eps: float = Field(1e-6, gt=0.0)
+    normalize_std: bool = Field(False, description="divide by the group's reward std (GRPO) as well")
+    std_eps: float = Field(1e-6, gt=0.0, description="added to the std before dividing")
     filter_zero_advantage: bool = Field(True, description="drop groups whose rewards are all equal")
-    failed_episodes: Literal["zero", "exclude"] = Field(
-        "zero", description="'zero': keep failed episodes with reward 0; 'exclude': drop them"
-    )
 
 
 class OrchestratorConfig(BaseConfig):
     run_dir: str = Field("outputs/run", description="run directory shared with the trainer")
     model: str = Field(description="model directory whose tokenizer and chat template render prompts")
-    servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
-    api_key: str | None = None
-    envs: EnvsConfig = Field(default_factory=EnvsConfig)
-    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_tokens=64))
+    servers: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"],
+        min_length=1,
+        description="base URLs of the inference servers",
+    )
+    inference_backend: Literal["embedded", "vllm"] = Field(
+        "embedded", description="what the servers are: asyncrl's HTTP API or vLLM's (docs/inference.md)"
+    )
+    api_key: str | None = Field(None, description="sent as `Authorization: Bearer KEY` to the servers")
+    envs: EnvsConfig = Field(default_factory=EnvsConfig, description="the environment mixture")
+    sampling: SamplingParams = Field(
+        default_factory=lambda: SamplingParams(max_tokens=64), description="sampling of every rollout request"
+    )
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     max_steps: int = Field(10, ge=1, description="last trainer step to produce a batch for")
     start_step: int = Field(1, ge=1, description="first batch to write (resume: the trainer's next step)")
+    resume: bool = Field(
+        False,
+        description="continue from the checkpoint written with the newest RUN/rollouts/step_n "
+        "(start_step is then ignored); a fresh start if there is none",
+    )
     batch_size: int = Field(32, ge=1, description="samples per batch (one trainer step)")
     group_size: int = Field(4, ge=1, description="rollouts per task")
     max_concurrent_groups: int | None = Field(
@@ -61,13 +72,50 @@ class OrchestratorConfig(BaseConfig):
     )
     return_routed_experts: bool = Field(True, description="ask inference for routing (router replay)")
     max_episode_retries: int = Field(3, ge=0, description="re-runs of an episode whose server failed")
-    weights_poll_s: float = Field(0.2, gt=0.0)
-    health_poll_s: float = Field(1.0, gt=0.0)
-    request_timeout_s: float = Field(600.0, gt=0.0)
+    weights_poll_s: float = Field(0.2, gt=0.0, description="how often to look for new RUN/weights/step_n")
+    health_poll_s: float = Field(1.0, gt=0.0, description="how often to probe each server's /health")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="HTTP timeout of one inference request")
     server_ready_timeout_s: float = Field(
         600.0, gt=0.0, description="wait at start for every server's /health"
     )
-    seed: int = 0
+    seed: int = Field(0, description="seed of the environment choice per group")
+    fill_status_interval_s: float = Field(
+        10.0, gt=0.0, description="while a batch fills, print how full it is and why groups drop this often"
+    )
+    max_fill_groups: int | None = Field(
+        None,
+        ge=1,
+        description="groups that may finish (or go stale) while one batch fills before the run stops "
+        "with an error naming why they were dropped; default 50 x (batch_size / group_size)",
+    )
+
+    @field_validator("sampling")
+    @classmethod
+    def _check_sampling(cls, sampling: SamplingParams) -> SamplingParams:
+        """Reject sampling the RL loss cannot honour (eval keeps greedy / top-p: asyncrl eval)."""
+        if sampling.temperature == 0:
+            raise ValueError(
+                "temperature = 0 (greedy) cannot train: the trainer scores each token under "
+                "softmax(logits / temperature), which is undefined at 0, so every loss is NaN and every "
+                "step is skipped; use a temperature > 0 (e.g. 1.0) for RL rollouts"
+            )
+        truncating = [
+            f"{name} = {value}"
+            for name, value, off in (
+                ("top_p", sampling.top_p, sampling.top_p == 1.0),
+                ("top_k", sampling.top_k, sampling.top_k <= 0),
+                ("min_p", sampling.min_p, sampling.min_p == 0.0),
+            )
+            if not off
+        ]
+        if truncating:
+            raise ValueError(
+                f"{', '.join(truncating)} would truncate the distribution tokens are sampled from, but the "
+                "engine reports (and the trainer recomputes) logprobs of the full temperature-scaled "
+                "distribution, so the importance ratios would be wrong; RL rollouts need top_p = 1, "
+                "top_k = -1 and min_p = 0 (shape sampling with temperature only)"
+            )
+        return sampling
 
     @model_validator(mode="after")
     def _check(self) -> OrchestratorConfig:
@@ -87,6 +135,10 @@ class OrchestratorConfig(BaseConfig):
     @property
     def groups_per_batch(self) -> int:
         return self.batch_size // self.group_size
+
+    @property
+    def fill_group_limit(self) -> int:
+        return self.max_fill_groups or 50 * self.groups_per_batch
 
     @property
     def concurrent_groups(self) -> int:

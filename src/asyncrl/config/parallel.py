@@ -44,19 +44,19 @@ class SlurmConfig(BaseConfig):
     env = { NCCL_IB_HCA = "mlx5" }
     """
 
-    inference_nodes: int = Field(1, ge=1)
-    trainer_nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(8, ge=1)
+    inference_nodes: int = Field(1, ge=1, description="nodes running inference servers")
+    trainer_nodes: int = Field(1, ge=1, description="nodes running the trainer (torchrun)")
+    gpus_per_node: int = Field(8, ge=1, description="GPUs per node (both groups)")
     servers_per_inference_node: int = Field(1, ge=1, description="GPUs of a node split evenly among them")
-    job_name: str = "asyncrl"
-    partition: str | None = None
-    account: str | None = None
+    job_name: str = Field("asyncrl", description="sbatch --job-name")
+    partition: str | None = Field(None, description="sbatch --partition")
+    account: str | None = Field(None, description="sbatch --account")
     time: str | None = Field(None, description="Slurm time limit, e.g. '24:00:00'")
     rdzv_port: int = Field(29500, ge=1, le=65535, description="torchrun c10d rendezvous port")
     orchestrator_on: Literal["trainer", "inference"] = Field(
         "trainer", description="which node group's first node runs the orchestrator (CPU only)"
     )
-    python: str = "python"
+    python: str = Field("python", description="interpreter that runs `-m asyncrl` on the nodes")
     setup: list[str] = Field(default_factory=list, description="shell lines run first on every node")
     env: dict[str, str] = Field(default_factory=dict, description="exported to every process")
     extra_sbatch: list[str] = Field(

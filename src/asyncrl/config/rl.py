@@ -24,22 +24,25 @@ visible place; a section that sets a shared key itself is an error (not silently
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig, ConfigError, load_config
-from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.inference import InferenceConfig, is_loopback
 from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.config.sinks import SinksConfig
 from asyncrl.config.trainer import RLTrainerConfig
 
 __all__ = ["DeploymentConfig", "RLConfig", "ResolvedRL"]
 
 # section -> keys that come from the top level
 _SHARED = {
-    "inference": ("model", "port", "seed"),
-    "orchestrator": ("model", "run_dir", "max_steps", "servers", "seed"),
+    "inference": ("model", "port", "seed", "api_key"),
+    "orchestrator": ("model", "run_dir", "max_steps", "servers", "seed", "api_key", "inference_backend"),
     "trainer": ("run_dir", "max_steps", "seq_len", "seed"),  # [trainer.model] may set dtype/device
 }
 
@@ -47,9 +50,9 @@ _SHARED = {
 class DeploymentConfig(BaseConfig):
     """Where the processes run. On one machine: servers on consecutive ports from `base_port`."""
 
-    num_inference_servers: int = Field(1, ge=1)
-    host: str = "127.0.0.1"
-    base_port: int = Field(8000, ge=1, le=65535)
+    num_inference_servers: int = Field(1, ge=1, description="inference servers to start")
+    host: str = Field("127.0.0.1", description="address the servers bind and the orchestrator calls")
+    base_port: int = Field(8000, ge=1, le=65535, description="port of server 0; server i uses base_port + i")
     trainer_nproc: int = Field(1, ge=1, description="trainer processes; > 1 launches through torchrun")
     inference_devices: list[str] = Field(
         default_factory=list, description="CUDA_VISIBLE_DEVICES per server, e.g. ['0', '1']; empty = inherit"
@@ -78,11 +81,20 @@ class ResolvedRL:
 
 class RLConfig(BaseConfig):
     model: str = Field(description="HF model directory: served by inference, trained by the trainer")
-    run_dir: str = "outputs/rl"
-    max_steps: int = Field(10, ge=1)
-    seq_len: int = Field(2048, gt=0)
-    seed: int = 0
+    run_dir: str = Field("outputs/rl", description="run directory: configs, logs, rollouts, weights, metrics")
+    max_steps: int = Field(10, ge=1, description="trainer steps (= rollout batches = policy versions)")
+    seq_len: int = Field(2048, gt=0, description="trainer: max tokens in one packed micro-batch row")
+    seed: int = Field(0, description="base seed; inference server i gets seed + i")
+    api_key: str | None = Field(
+        None,
+        description="key of the inference servers, handed to the orchestrator; the launcher generates "
+        "one per run when a server binds a non-loopback address",
+    )
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    sinks: SinksConfig = Field(
+        default_factory=SinksConfig,
+        description="W&B / TensorBoard mirrors of metrics.jsonl (the launcher feeds them)",
+    )
     inference: dict[str, Any] = Field(default_factory=dict, description="InferenceConfig keys")
     orchestrator: dict[str, Any] = Field(default_factory=dict, description="OrchestratorConfig keys")
     trainer: dict[str, Any] = Field(default_factory=dict, description="RLTrainerConfig keys")
@@ -91,6 +103,13 @@ class RLConfig(BaseConfig):
     def server_urls(self) -> list[str]:
         d = self.deployment
         return [f"http://{d.host}:{d.base_port + i}" for i in range(d.num_inference_servers)]
+
+    def with_run_api_key(self, *, exposed: bool) -> RLConfig:
+        """This config with a fresh random api_key when servers are `exposed` (or bind off loopback)
+        and none is set; otherwise unchanged."""
+        if self.api_key is not None or not (exposed or not is_loopback(self.deployment.host)):
+            return self
+        return self.model_copy(update={"api_key": secrets.token_urlsafe(32)})
 
     def resolve(self) -> ResolvedRL:
         """Each process's full config, with the shared keys filled in; errors name the section."""
@@ -106,21 +125,31 @@ class RLConfig(BaseConfig):
             _section(
                 InferenceConfig,
                 "inference",
-                self.inference
-                | {"model": self.model, "host": d.host, "port": d.base_port + i, "seed": self.seed + i},
+                {"update_weights_roots": [str(Path(self.run_dir, "weights").resolve())]}
+                | self.inference
+                | {
+                    "model": self.model,
+                    "host": d.host,
+                    "port": d.base_port + i,
+                    "seed": self.seed + i,
+                    "api_key": self.api_key,
+                },
             )
             for i in range(d.num_inference_servers)
         ]
         orchestrator = _section(
             OrchestratorConfig,
             "orchestrator",
-            self.orchestrator
+            self._routing_replay(inference[0])
+            | self.orchestrator
             | {
+                "inference_backend": inference[0].backend,
                 "model": self.model,
                 "run_dir": self.run_dir,
                 "max_steps": self.max_steps,
                 "servers": self.server_urls,
                 "seed": self.seed,
+                "api_key": self.api_key,
             },
         )
         trainer_model = dict(self.trainer.get("model", {}))
@@ -141,6 +170,19 @@ class RLConfig(BaseConfig):
             },
         )
         return ResolvedRL(inference=inference, orchestrator=orchestrator, trainer=trainer)
+
+    def _routing_replay(self, inference: InferenceConfig) -> dict[str, Any]:
+        """Router replay needs servers that return routed experts: a vLLM server does only with
+        `enable_return_routed_experts` (GPU builds). Without it replay is off by default, and
+        asking for it is an error (`asyncrl rl` says so at start either way)."""
+        if inference.backend != "vllm" or inference.vllm.enable_return_routed_experts:
+            return {}
+        if self.orchestrator.get("return_routed_experts") is True:
+            raise ConfigError(
+                "[orchestrator] return_routed_experts = true needs [inference.vllm] "
+                "enable_return_routed_experts = true (a GPU build of vLLM)"
+            )
+        return {"return_routed_experts": False}
 
 
 def _section(cls, name: str, data: dict[str, Any]):

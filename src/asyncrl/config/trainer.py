@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 from asyncrl.config.base import BaseConfig
 from asyncrl.config.mismatch import FP8Config, MismatchConfig
 from asyncrl.config.parallel import ParallelConfig
+from asyncrl.config.sinks import SinksConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -36,9 +37,9 @@ __all__ = [
 class ModelLoadConfig(BaseConfig):
     """Which Hugging Face directory to train, and in what precision."""
 
-    path: Path  # HF directory: config.json + safetensors + tokenizer files
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "cpu"  # "cpu", "cuda" (each rank uses cuda:LOCAL_RANK)
+    path: Path = Field(description="HF directory: config.json + safetensors + tokenizer files")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter and compute dtype")
+    device: str = Field("cpu", description="'cpu' or 'cuda' (each rank uses cuda:LOCAL_RANK)")
 
 
 class LossConfig(BaseConfig):
@@ -50,17 +51,40 @@ class LossConfig(BaseConfig):
       tis           truncated importance sampling: weight min(r, tis_cap), detached
       mis           mask tokens with r outside [mis_low, mis_high] (IcePop style)
       sequence      mask whole sequences whose geometric-mean ratio lies outside [seq_low, seq_high]
+
+    ratio_cap bounds the importance weight r of every token in the -r * A variants (trust_region,
+    mis, sequence); tis has its own tis_cap. Inside the trust region's probability band a token the
+    engine sampled at mu = 1e-4 that the trainer gives pi = 0.15 would otherwise weigh r = 1500.
     """
 
-    variant: Literal["trust_region", "tis", "mis", "sequence"] = "trust_region"
-    delta_low: float = Field(0.2, gt=0)  # allowed drop of pi below mu where the advantage is negative
-    delta_high: float = Field(0.2, gt=0)  # allowed rise of pi above mu where the advantage is positive
-    kl_coef: float = Field(1e-3, ge=0)  # weight of the (log r)^2 penalty (every variant)
-    tis_cap: float = Field(2.0, gt=0)
-    mis_low: float = Field(0.5, gt=0)
-    mis_high: float = Field(2.0, gt=0)
-    seq_low: float = Field(0.5, gt=0)
-    seq_high: float = Field(2.0, gt=0)
+    variant: Literal["trust_region", "tis", "mis", "sequence"] = Field(
+        "trust_region",
+        description="trust_region: masks tokens leaving [mu - delta_low, mu + delta_high]; "
+        "tis: truncated importance weights; mis: masks tokens by ratio; sequence: masks whole sequences",
+    )
+    delta_low: float = Field(
+        0.2, gt=0, description="trust_region: allowed drop of pi below mu where the advantage is negative"
+    )
+    delta_high: float = Field(
+        0.2, gt=0, description="trust_region: allowed rise of pi above mu where the advantage is positive"
+    )
+    kl_coef: float = Field(1e-3, ge=0, description="weight of the (log r)^2 penalty (every variant)")
+    ratio_cap: float = Field(
+        2.0,
+        ge=1,
+        description="cap C on the token importance weight r = pi/mu in trust_region, mis and sequence; "
+        "inf: uncapped",
+    )
+    ratio_cap_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="tokens with r > ratio_cap: 'truncate' weighs them C (gradient -C * A * grad log pi, "
+        "as TIS); 'mask' drops their policy-gradient term (as IcePop)",
+    )
+    tis_cap: float = Field(2.0, gt=0, description="tis: importance weights are capped at this")
+    mis_low: float = Field(0.5, gt=0, description="mis: tokens with r below this are masked")
+    mis_high: float = Field(2.0, gt=0, description="mis: tokens with r above this are masked")
+    seq_low: float = Field(0.5, gt=0, description="sequence: lower bound of the geometric-mean ratio")
+    seq_high: float = Field(2.0, gt=0, description="sequence: upper bound of the geometric-mean ratio")
 
     @model_validator(mode="after")
     def _check_bounds(self) -> LossConfig:
@@ -73,63 +97,79 @@ class LossConfig(BaseConfig):
 
 
 class OptimConfig(BaseConfig):
-    lr: float = Field(1e-5, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    """AdamW."""
+
+    lr: float = Field(1e-5, gt=0, description="peak learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2)")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
 
 
 class ScheduleConfig(BaseConfig):
     """Linear warmup, then constant or cosine decay to min_lr_ratio * lr at max_steps."""
 
-    kind: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    kind: Literal["constant", "cosine"] = Field("constant", description="shape after warmup")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warmup from 0 to lr")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: final lr as a fraction of lr")
 
 
 class CheckpointConfig(BaseConfig):
     """Full training state (model, optimizer, scheduler, RNG, step) via torch.distributed.checkpoint."""
 
-    interval: int = Field(0, ge=0)  # save every N steps; 0 = never (the final step is still saved if > 0)
-    keep_last: int = Field(2, ge=1)
+    interval: int = Field(0, ge=0, description="save every N steps (and at the last step); 0 = never")
+    keep_last: int = Field(2, ge=1, description="checkpoints/step_n directories kept on disk")
 
 
 class PublishConfig(BaseConfig):
     """Where each policy version goes after its optimizer step."""
 
-    kind: Literal["filesystem"] = "filesystem"  # a torch.distributed broadcast can be added later
-    keep_last: int = Field(3, ge=1)  # weights/step_n directories kept on disk
-    interval: int = Field(1, ge=1)  # publish every N steps
+    kind: Literal["filesystem"] = Field(
+        "filesystem", description="weight transport: RUN/weights/step_n (HF safetensors)"
+    )
+    keep_last: int = Field(3, ge=1, description="weights/step_n directories kept on disk")
+    interval: int = Field(1, ge=1, description="publish every N steps (and at the last step)")
 
 
 class CommonTrainConfig(BaseConfig):
     """Sections shared by the RL trainer and SFT: model, run directory, optimizer, checkpoints, publishing."""
 
     model: ModelLoadConfig
-    run_dir: Path = Path("outputs/run")
-    max_steps: int = Field(..., ge=1)
-    seq_len: int = Field(2048, gt=0)  # max tokens in one packed micro-batch row
-    seed: int = 0
-    resume: bool = False  # `--resume`: continue from the latest checkpoint under run_dir/checkpoints
-    resume_step: int | None = Field(None, ge=1)  # `--resume-step N`: continue from step N's checkpoint
+    run_dir: Path = Field(Path("outputs/run"), description="run directory (rollouts, weights, checkpoints)")
+    max_steps: int = Field(..., ge=1, description="optimizer steps to run")
+    seq_len: int = Field(2048, gt=0, description="max tokens in one packed micro-batch row")
+    seed: int = Field(0, description="torch seed of the trainer processes; SFT data order")
+    resume: bool = Field(False, description="continue from the latest checkpoint under run_dir/checkpoints")
+    resume_step: int | None = Field(None, ge=1, description="continue from step N's checkpoint")
     optim: OptimConfig = OptimConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     publish: PublishConfig = PublishConfig()
-    peak_flops: float | None = Field(None, gt=0)  # per device, for MFU; None = measure a matmul at start
-    logits_chunk_size: int = Field(1024, gt=0)  # tokens per LM-head chunk (bounds [chunk, vocab] memory)
-    fp8: FP8Config = FP8Config()  # block-scale FP8 training (match an FP8 inference server)
-    parallel: ParallelConfig = ParallelConfig()  # FSDP2 / EP / CP degrees under torchrun (docs/scaling.md)
+    peak_flops: float | None = Field(
+        None, gt=0, description="per-device FLOP/s for MFU; unset = measure a matmul at start"
+    )
+    logits_chunk_size: int = Field(
+        1024, gt=0, description="tokens per LM-head chunk (bounds [chunk, vocab] memory)"
+    )
+    fp8: FP8Config = Field(
+        FP8Config(), description="block-scale FP8 training (match an FP8 inference server)"
+    )
+    parallel: ParallelConfig = Field(
+        ParallelConfig(), description="FSDP2 / EP / CP degrees under torchrun (docs/scaling.md)"
+    )
 
 
 class RLTrainerConfig(CommonTrainConfig):
     """`asyncrl trainer`: consume rollouts/step_n, produce weights/step_n."""
 
     loss: LossConfig = LossConfig()
-    router_replay: bool = True  # replay the inference engine's expert choices when a sample carries them
-    batch_timeout_s: float = Field(600.0, gt=0)  # how long to wait for rollouts/step_n
-    mismatch: MismatchConfig = MismatchConfig()  # per-step mismatch metrics and the max_mismatch_kl gate
+    router_replay: bool = Field(
+        True, description="replay the inference engine's expert choices when a sample carries them"
+    )
+    batch_timeout_s: float = Field(600.0, gt=0, description="how long to wait for rollouts/step_n")
+    mismatch: MismatchConfig = Field(
+        MismatchConfig(), description="per-step mismatch metrics and the max_mismatch_kl gate"
+    )
 
     @model_validator(mode="after")
     def _check_cp_loss(self) -> RLTrainerConfig:
@@ -144,9 +184,9 @@ class RLTrainerConfig(CommonTrainConfig):
 class SFTDataConfig(BaseConfig):
     """JSONL rows: {"messages": [...]} (loss on assistant turns) or {"prompt": .., "completion": ..}."""
 
-    path: Path
-    batch_size: int = Field(8, ge=1)  # sequences per optimizer step (over all ranks)
-    shuffle: bool = True
+    path: Path = Field(description="JSONL file of chat or prompt-completion rows")
+    batch_size: int = Field(8, ge=1, description="sequences per optimizer step (over all ranks)")
+    shuffle: bool = Field(True, description="shuffle rows each epoch (under `seed`)")
 
 
 class SFTStopConfig(BaseConfig):
@@ -159,12 +199,19 @@ class SFTStopConfig(BaseConfig):
     checkpointed as the final one.
     """
 
-    loss: float | None = Field(None, gt=0)  # None: always run max_steps
-    window: int = Field(25, ge=1)  # steps averaged; one batch alone is noisy
+    loss: float | None = Field(
+        None, gt=0, description="stop once the windowed mean loss is at most this (None: run max_steps)"
+    )
+    window: int = Field(25, ge=1, description="steps in the mean loss (one batch alone is noisy)")
 
 
 class SFTConfig(CommonTrainConfig):
     """`asyncrl sft`: cross-entropy on chat / prompt-completion data, same outputs as the RL trainer."""
 
     data: SFTDataConfig
-    stop: SFTStopConfig = SFTStopConfig()
+    stop: SFTStopConfig = Field(
+        default_factory=SFTStopConfig, description="early stop at a loss threshold (max_steps is the cap)"
+    )
+    sinks: SinksConfig = Field(
+        default_factory=SinksConfig, description="W&B / TensorBoard mirrors of metrics.jsonl"
+    )

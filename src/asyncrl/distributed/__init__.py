@@ -1,4 +1,4 @@
-"""Scale-out training: parallel dims and meshes, FSDP2, expert parallel, context parallel, DCP.
+"""Scale-out training: process groups, parallel dims and meshes, FSDP2, EP, CP, DCP.
 
 Applied to an `asyncrl.model.Transformer` from outside; the model knows nothing about distribution.
 See docs/scaling.md for the layout rules and how the trainer calls this package.
@@ -7,9 +7,9 @@ See docs/scaling.md for the layout rules and how the trainer calls this package.
 from asyncrl.distributed.checkpoint import (
     gather_to_rank0,
     iter_hf_tensors,
+    load_dcp,
     load_full_state_dict,
-    load_model_dcp,
-    save_model_dcp,
+    save_dcp,
 )
 from asyncrl.distributed.context_parallel import (
     ContextParallelAttention,
@@ -20,24 +20,29 @@ from asyncrl.distributed.context_parallel import (
 from asyncrl.distributed.dims import Meshes, ParallelDims, ParallelDimsError
 from asyncrl.distributed.expert_parallel import ExpertParallelExperts, all_to_all, apply_expert_parallel
 from asyncrl.distributed.parallelize import apply_parallelism, clip_grad_norm_, mixed_precision_policy
+from asyncrl.distributed.process_group import DistInfo, all_reduce_, barrier, init_distributed
 
 __all__ = [
     "ContextParallelAttention",
+    "DistInfo",
     "ExpertParallelExperts",
     "Meshes",
     "ParallelDims",
     "ParallelDimsError",
+    "all_reduce_",
     "all_to_all",
     "apply_expert_parallel",
     "apply_parallelism",
+    "barrier",
     "clip_grad_norm_",
     "gather_from_cp",
     "gather_to_rank0",
+    "init_distributed",
     "iter_hf_tensors",
+    "load_dcp",
     "load_full_state_dict",
-    "load_model_dcp",
     "mixed_precision_policy",
     "pad_for_cp",
-    "save_model_dcp",
+    "save_dcp",
     "split_for_cp",
 ]

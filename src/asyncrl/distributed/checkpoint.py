@@ -3,14 +3,17 @@
 DCP: after `apply_parallelism` every parameter is a DTensor that knows its full shape, dense ones
 sharded over the FSDP mesh and expert ones over (expert_shard, ep). torch.distributed.checkpoint
 writes each rank's shards with their global offsets, so a checkpoint written at one world size
-and layout loads at any other (including world size 1 with a plain, unsharded model).
+and layout loads at any other (including world size 1 with a plain, unsharded model). This is the
+one DCP save/load; the trainer adds its own entries (scheduler, RNG, step) through `extra`.
 
-    save_model_dcp(model, path, optimizer)      # every rank
-    load_model_dcp(model, path, optimizer)      # every rank, any layout
+    save_dcp(path, model, optimizer, extra={"trainer": {...}})            # every rank
+    extra = load_dcp(path, model, optimizer, extra={"trainer": template})  # every rank, any layout
 
-Publishing: `iter_hf_tensors` walks the parameters in Hugging Face names and gathers ONE full
-tensor at a time onto rank 0 only (stacked experts are unstacked per expert): no rank ever holds
-the whole model, and ranks other than 0 never hold more than their own shards.
+On disk the state is {"model": model state, "optim": optimizer state, **extra}.
+
+Publishing: `iter_hf_tensors` walks the parameters in Hugging Face names (`asyncrl.model.hf`) and
+gathers ONE full tensor at a time onto rank 0 only (stacked experts are unstacked per expert): no
+rank ever holds the whole model, and ranks other than 0 never hold more than their own shards.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,15 +39,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from asyncrl.model import Transformer
+from asyncrl.model.hf import is_hf_tensor, to_hf_tensors
+
 __all__ = [
     "gather_to_rank0",
     "iter_hf_tensors",
+    "load_dcp",
     "load_full_state_dict",
-    "load_model_dcp",
-    "save_model_dcp",
+    "save_dcp",
 ]
 
-_AC_PREFIX = "_checkpoint_wrapped_module."
+_RESERVED_KEYS = ("model", "optim")
 
 
 @contextmanager
@@ -54,34 +61,53 @@ def _single_process_quiet():
         yield
 
 
-def save_model_dcp(
-    model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None
-) -> None:
-    """Write model (and optimizer) state with DCP; collective over all ranks."""
+def _dcp_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None
+) -> dict[str, Any]:
+    clash = sorted(set(extra or {}) & set(_RESERVED_KEYS))
+    if clash:
+        raise ValueError(f"extra checkpoint entries may not be named {clash}: DCP keeps model/optim there")
     if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        state = {"model": model_sd, "optim": optim_sd}
+    return state | (extra or {})
+
+
+def save_dcp(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write model (and optimizer, and `extra` entries: tensors or plain values) with DCP; collective."""
+    state = _dcp_state(model, optimizer, extra)
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
 
-def load_model_dcp(
-    model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None
-) -> None:
-    """Load a DCP checkpoint written at any world size / layout into `model` (and optimizer)."""
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        set_model_state_dict(model, state["model"])
-        return
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
+def load_dcp(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load a DCP checkpoint written at any world size / layout into `model` (and optimizer).
+
+    `extra` holds templates of the entries `save_dcp` was given (same keys, values of the same
+    kind); they are filled from the checkpoint and returned.
+    """
+    state = _dcp_state(model, optimizer, extra)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {key: state[key] for key in extra or {}}
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None) -> None:
@@ -132,25 +158,18 @@ def gather_to_rank0(value: torch.Tensor) -> torch.Tensor | None:
     return full
 
 
-def iter_hf_tensors(
-    model: nn.Module, *, tie_word_embeddings: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, full tensor) on rank 0; every rank must exhaust the iterator.
 
     Tensors are gathered one at a time onto rank 0 only (`gather_to_rank0`): the other ranks never
-    hold more than their own shards, and rank 0 at most one full tensor beyond its shards.
+    hold more than their own shards, and rank 0 at most one full tensor beyond its shards. Names
+    and expert unstacking are `asyncrl.model.hf`'s, so the pairs feed `HFCheckpointWriter`.
     """
-    for name, value in model.state_dict().items():
-        name = name.replace(_AC_PREFIX, "")
-        if name == "lm_head.weight" and tie_word_embeddings:
+    for name, value in model.state_dict().items():  # checkpoint wrappers drop their prefix here
+        if not is_hf_tensor(name, model.args):
             continue
         full = gather_to_rank0(value) if dist.is_initialized() else value
         if full is None:
             continue
-        if name.startswith("model.layers.") and ".mlp.experts." in name:
-            prefix, proj = name.rsplit(".", 1)
-            for e in range(full.shape[0]):
-                yield f"{prefix}.{e}.{proj}.weight", full[e]
-        else:
-            yield name, full
+        yield from to_hf_tensors(name, full)
         del full

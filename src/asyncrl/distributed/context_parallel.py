@@ -18,6 +18,10 @@ to the most keys); a zig-zag split would balance it and is not done here.
 Rows whose length is not a multiple of cp are padded at the end (`pad_for_cp`); padded tokens
 have no loss and, being later in causal order, never affect real tokens.
 
+MLA layers (`attend_latent`) all-gather the per-token latent state (kv_lora_rank + rope dims)
+instead of per-head K/V and expand it locally; DSA layers also gather the indexer keys, so the
+indexer ranks every key of the row (the selection for shared layers is kept per layer).
+
 Logprobs (and any per-token output) are gathered back with `gather_from_cp`.
 
 Shape legend: B batch, T tokens of the full row, Tc tokens of this rank's chunk, H query heads,
@@ -26,11 +30,14 @@ G kv heads, Dh head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from asyncrl.model.layers import segment_ids_from_positions
+from asyncrl.model.sparse_index import IndexQuery, select_topk
 
 __all__ = ["ContextParallelAttention", "gather_from_cp", "pad_for_cp", "split_for_cp"]
 
@@ -105,6 +112,28 @@ class ContextParallelAttention:
         causal_tT = cols[None, :] <= rows[:, None]
         same_BtT = segments_BT[:, rows, None] == segments_BT[:, None, :]
         self.mask_B1tT = (same_BtT & causal_tT).unsqueeze(1)
+        self.dsa_selection: dict[int, torch.Tensor] = {}
+
+    def attend_latent(
+        self,
+        q_BHtd: torch.Tensor,
+        state_Btc: torch.Tensor,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        layer_idx: int,
+        *,
+        index: IndexQuery | None = None,
+    ) -> torch.Tensor:
+        """MLA: gather the latent state of the whole row, expand it to K/V here."""
+        k_BHTd, v_BHTv = expand(_GatherSeq.apply(state_Btc.unsqueeze(1), self.group).squeeze(1))
+        mask_BtT = self.mask_B1tT.squeeze(1)
+        if index is not None:
+            if index.q_BHTd is None:
+                mask_BtT = self.dsa_selection[index.source_layer]
+            else:
+                keys_BTd = gather_from_cp(index.k_BTd, self.group, dim=1)  # the indexer has no gradient
+                mask_BtT = select_topk(index.q_BHTd, index.w_BTH, keys_BTd, mask_BtT, index.topk)
+                self.dsa_selection[layer_idx] = mask_BtT
+        return F.scaled_dot_product_attention(q_BHtd, k_BHTd, v_BHTv, attn_mask=mask_BtT.unsqueeze(1))
 
     def __call__(
         self, q_BHtd: torch.Tensor, k_BGtd: torch.Tensor, v_BGtd: torch.Tensor, layer_idx: int

@@ -10,6 +10,7 @@ Typical use (the orchestrator wraps the client with routing and retries)::
 See docs/envs.md.
 """
 
+from asyncrl.envs.backend import HttpBackend, InferenceBackend, InferenceError, ServerUnavailable
 from asyncrl.envs.base import (
     Environment,
     EpisodeState,
@@ -21,7 +22,7 @@ from asyncrl.envs.base import (
     iter_reference_examples,
 )
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.client import HttpInferenceClient, InferenceClient, InferenceError
+from asyncrl.envs.client import HttpInferenceClient, InferenceClient
 from asyncrl.envs.policy import ChatPolicy, Policy, TokenPolicy, Turn
 from asyncrl.envs.registry import EnvConfigError, EnvMixture, available_envs, build_env, register_env
 from asyncrl.envs.rollout import Episode, run_episode, sample_latency
@@ -38,7 +39,9 @@ __all__ = [
     "Environment",
     "Episode",
     "EpisodeState",
+    "HttpBackend",
     "HttpInferenceClient",
+    "InferenceBackend",
     "InferenceClient",
     "InferenceError",
     "Policy",
@@ -46,6 +49,7 @@ __all__ = [
     "Reward",
     "Rubric",
     "ScriptedClient",
+    "ServerUnavailable",
     "Split",
     "Task",
     "TokenPolicy",

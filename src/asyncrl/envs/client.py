@@ -1,24 +1,23 @@
-"""How environments reach a policy: the token-in/token-out inference client protocol.
+"""How environments reach a policy: the token-in/token-out `InferenceClient` protocol.
 
-`InferenceClient` is what the rollout loop calls once per model turn. `HttpInferenceClient` speaks
-`POST <base_url>/v1/generate` (ARCHITECTURE.md, Inference HTTP API); the orchestrator wraps it with
-routing and retries. Tests use in-process fakes (see `asyncrl.envs.scripted`).
+`InferenceClient` is what the rollout loop calls once per model turn. `RequestClient` adapts any
+function that answers a `GenerateRequest` to it: `HttpInferenceClient` is one over a single
+`HttpBackend` (asyncrl.envs.backend, `POST <base_url>/v1/generate`), and the orchestrator's pool
+hands out one per episode that routes to a server. Tests use in-process fakes (see
+`asyncrl.envs.scripted`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Protocol, runtime_checkable
 
 import httpx
-from pydantic import ValidationError
 
+from asyncrl.envs.backend import HttpBackend
 from asyncrl.wire import GenerateRequest, GenerateResponse, SamplingParams
 
-__all__ = ["HttpInferenceClient", "InferenceClient", "InferenceError", "parse_generate_response"]
-
-
-class InferenceError(RuntimeError):
-    """The inference server failed or answered outside the contract (not an environment bug)."""
+__all__ = ["HttpInferenceClient", "InferenceClient", "RequestClient"]
 
 
 @runtime_checkable
@@ -41,22 +40,11 @@ class InferenceClient(Protocol):
     ) -> GenerateResponse: ...
 
 
-class HttpInferenceClient:
-    """`InferenceClient` over HTTP. One instance shares a connection pool; close it with `aclose()`."""
+class RequestClient:
+    """`InferenceClient` over `send`, which answers one `GenerateRequest` (a backend, or a routed pool)."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        api_key: str | None = None,
-        timeout_s: float = 600.0,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport
-        )
+    def __init__(self, send: Callable[[GenerateRequest], Awaitable[GenerateResponse]]) -> None:
+        self._send = send
 
     async def generate(
         self,
@@ -74,40 +62,29 @@ class HttpInferenceClient:
             return_routed_experts=return_routed_experts,
             routed_experts_start=routed_experts_start,
         )
-        try:
-            response = await self._http.post("/v1/generate", json=request.model_dump(exclude_none=True))
-        except httpx.HTTPError as e:
-            raise InferenceError(f"POST {self.base_url}/v1/generate failed: {type(e).__name__}: {e}") from e
-        if response.status_code != 200:
-            raise InferenceError(
-                f"POST {self.base_url}/v1/generate -> {response.status_code}: {response.text[:500]}"
-            )
-        return parse_generate_response(response.content, f"POST {self.base_url}/v1/generate")
+        return await self._send(request)
+
+
+class HttpInferenceClient(RequestClient):
+    """`InferenceClient` over one server's HTTP API. Close it with `aclose()` (or `async with`)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.backend = HttpBackend(base_url, api_key=api_key, timeout_s=timeout_s, transport=transport)
+        self.base_url = self.backend.url
+        super().__init__(self.backend.generate)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self.backend.aclose()
 
     async def __aenter__(self) -> HttpInferenceClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-def parse_generate_response(content: bytes, where: str) -> GenerateResponse:
-    """Decode a 200 answer of /v1/generate, checking the schema and the per-token list lengths."""
-    try:
-        out = GenerateResponse.model_validate_json(content)
-    except ValidationError as e:
-        raise InferenceError(f"{where}: response breaks the contract: {e}") from None
-    _check_lengths(out)
-    return out
-
-
-def _check_lengths(out: GenerateResponse) -> None:
-    n = len(out.token_ids)
-    if len(out.logprobs) != n or len(out.policy_versions) != n:
-        raise InferenceError(
-            f"/v1/generate returned {n} token_ids but {len(out.logprobs)} logprobs and "
-            f"{len(out.policy_versions)} policy_versions"
-        )

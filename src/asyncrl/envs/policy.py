@@ -15,8 +15,9 @@ from typing import Any, Protocol
 import httpx
 
 from asyncrl.config.envs import EnvConfig
+from asyncrl.envs.backend import InferenceError
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.client import InferenceClient, InferenceError
+from asyncrl.envs.client import InferenceClient
 from asyncrl.envs.trajectory import TrajectoryBuilder
 from asyncrl.wire import RolloutSample, SamplingParams
 

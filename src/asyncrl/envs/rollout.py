@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.config.envs import EnvConfig, LatencyConfig
+from asyncrl.envs.backend import InferenceError
 from asyncrl.envs.base import Environment, EpisodeState, Task
-from asyncrl.envs.client import InferenceError
 from asyncrl.envs.policy import EpisodeBudgetExhausted, Policy
 from asyncrl.envs.tools import call_tool, parse_tool_calls
 from asyncrl.wire import RolloutSample

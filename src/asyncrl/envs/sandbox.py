@@ -5,17 +5,21 @@
     result = await sandbox.run_python("main.py")   # SandboxResult(returncode=0, stdout="2\\n", ...)
     sandbox.close()
 
-Mechanisms (each reported in `SandboxResult.isolation`):
-- own working directory: a fresh `tempfile.mkdtemp`; host-side file tools resolve every path
-  against it and refuse `..`, absolute paths and symlinks leaving it (`SandboxPathError`);
-- limits: RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC (not enforced by Linux for root; fork is also refused
-  by the guard), RLIMIT_FSIZE, RLIMIT_NOFILE, no core files; an output cap that kills the process
-  once stdout + stderr exceed it; a wall-clock timeout that SIGKILLs the whole process group;
-- network: the child runs under `unshare --net` (a fresh network namespace with no interfaces)
-  when the platform allows it, else with `--map-root-user` in a user namespace, else not at all
-  (`isolation["network"]` then says "guard-only"); socket creation is refused by the guard too;
-- file and process access: the in-child audit-hook guard of `asyncrl.envs.sandbox_guard`, best
-  effort (read its docstring for the limits).
+Layers (each reported in `SandboxResult.isolation`):
+- the boundary: bubblewrap (`asyncrl.envs.sandbox_bwrap`): mount, PID, network, IPC, UTS and user
+  namespaces; only the working directory is writable, nothing of the host outside the interpreter
+  and system libraries is visible; uid 65534 without capabilities; every descendant dies with the
+  call. Where bwrap cannot run, `Sandbox` refuses to start (`SandboxIsolationError`) unless it is
+  built with `allow_weak_isolation=True`; every result then says "WEAK" in `isolation["boundary"]`;
+- limits: RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC (not enforced by Linux for uid 0 on the host, which
+  is what a root caller's sandbox maps to), RLIMIT_FSIZE, RLIMIT_NOFILE, no core files; an output
+  cap that kills the call once stdout + stderr exceed it; one wall-clock deadline for the whole call
+  (stdin, the process and the collection of its output), after which everything is killed;
+- host-side file tools: every path is resolved against the directory; `..`, absolute paths and
+  symlinks leaving it raise `SandboxPathError`;
+- a second layer inside the child: the audit-hook guard of `asyncrl.envs.sandbox_guard` (best
+  effort; read its docstring for the limits). In weak mode it and `unshare --net` (when permitted)
+  are all there is.
 """
 
 from __future__ import annotations
@@ -35,13 +39,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Sandbox", "SandboxLimits", "SandboxPathError", "SandboxResult", "network_isolation_prefix"]
+from asyncrl.envs.sandbox_bwrap import Isolation, bwrap_argv, probe_isolation
+
+__all__ = [
+    "Isolation", "Sandbox", "SandboxIsolationError", "SandboxLimits", "SandboxPathError", "SandboxResult",
+    "network_isolation_prefix", "probe_isolation",
+]  # fmt: skip
 
 _GUARD = str(Path(__file__).with_name("sandbox_guard.py"))
+# After the deadline kills the call, its output pipes get this long to reach EOF. Under bwrap every
+# holder is dead by then; in weak mode an escaped descendant may keep them open, and is abandoned.
+_DRAIN_GRACE_S = 0.5
 
 
 class SandboxPathError(ValueError):
     """A path given to the sandbox's file tools points outside the sandbox directory."""
+
+
+class SandboxIsolationError(RuntimeError):
+    """The OS-level isolation is unavailable here and weak mode was not explicitly allowed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,8 +132,25 @@ class Sandbox:
     """A temporary directory plus a way to run Python in it under limits. Not thread-safe; one per episode."""
 
     def __init__(
-        self, *, limits: SandboxLimits | None = None, parent_dir: str | None = None, network: bool = False
+        self,
+        *,
+        limits: SandboxLimits | None = None,
+        parent_dir: str | None = None,
+        network: bool = False,
+        allow_weak_isolation: bool = False,
+        isolation: Isolation | None = None,
     ) -> None:
+        """`isolation`: what to use (default: `probe_isolation()`, probed once per process).
+
+        Raises SandboxIsolationError when it is "weak" and `allow_weak_isolation` is False.
+        """
+        self.isolation_mode = isolation or probe_isolation()
+        if self.isolation_mode.mode != "bwrap" and not allow_weak_isolation:
+            raise SandboxIsolationError(
+                f"the sandbox has no OS-level isolation here ({self.isolation_mode.detail}); refusing to "
+                "run untrusted code. Fix that, or pass allow_weak_isolation=True (env arg "
+                "`allow_weak_isolation = true`) to accept the in-process guard alone"
+            )
         self.limits = limits or SandboxLimits()
         self.dir = Path(tempfile.mkdtemp(prefix="asyncrl-sandbox-", dir=parent_dir)).resolve()
         self.network = network
@@ -169,25 +202,51 @@ class Sandbox:
                 "RLIMIT_FSIZE": lim.max_file_bytes, "RLIMIT_NOFILE": lim.max_open_files, "RLIMIT_CORE": 0,
             },
         }  # fmt: skip
-        prefix, _ = ((), "") if self.network else network_isolation_prefix()
-        cmd = [*prefix, sys.executable, "-I", "-S", _GUARD, json.dumps(config), script, *args]
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(self.dir), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+        argv = [sys.executable, "-I", "-S", _GUARD, json.dumps(config), script, *args]
+        if self.isolation_mode.mode == "bwrap":
+            assert self.isolation_mode.bwrap is not None
+            cmd = bwrap_argv(
+                self.isolation_mode.bwrap, self.dir, argv, network=self.network, read_only_files=(_GUARD,)
+            )
+        else:
+            prefix, _ = ((), "") if self.network else network_isolation_prefix()
+            cmd = [*prefix, *argv]
+        env = {
+            "PATH": "/usr/bin:/bin", "HOME": str(self.dir), "TMPDIR": str(self.dir), "LANG": "C.UTF-8",
+            "PYTHONHASHSEED": "0",
+        }  # fmt: skip
         return cmd, env
 
     def isolation(self) -> dict[str, str]:
-        network = "on (network=True)" if self.network else network_isolation_prefix()[1]
+        """How this sandbox's calls are confined, one line per concern (copied into every result)."""
         nproc = "not enforced for root" if os.geteuid() == 0 else "enforced"
+        limits = "RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, output cap, wall-clock deadline on the whole call"
+        if self.isolation_mode.mode == "bwrap":
+            return {
+                "boundary": f"bwrap ({self.isolation_mode.detail})",
+                "network": "on (network=True)" if self.network else "netns (bwrap; loopback only)",
+                "files": "mount namespace: only the working directory is writable; interpreter and "
+                "system libraries read-only; nothing else visible. Plus the audit-hook guard",
+                "processes": f"PID namespace: descendants die with the call; RLIMIT_NPROC {nproc}. "
+                "Plus the guard (fork/exec refused)",
+                "limits": limits,
+            }
+        network = "on (network=True)" if self.network else network_isolation_prefix()[1]
         return {
+            "boundary": f"WEAK, no OS isolation (allowed by allow_weak_isolation): {self.isolation_mode.detail}",
             "network": network,
-            "files": "audit-hook guard (best effort) + host path checks",
-            "processes": f"fork/exec refused by the guard; RLIMIT_NPROC {nproc}",
-            "limits": "RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, output cap, wall-clock kill of the process group",
+            "files": "audit-hook guard only (bypassable) + host path checks",
+            "processes": f"guard only (bypassable); escaped descendants may outlive the call; RLIMIT_NPROC {nproc}",
+            "limits": limits,
         }
 
     async def run_python(
         self, script: str, args: list[str] | None = None, *, stdin: str = ""
     ) -> SandboxResult:
-        """Run `script` (a file inside the sandbox) with the limits; never raises for what the script does."""
+        """Run `script` (a file inside the sandbox) with the limits; never raises for what the script does.
+
+        Returns within `limits.wall_s` plus a fraction of a second, whatever the script does.
+        """
         self.path(script)
         cmd, env = self._command(script, list(args or []))
         t0 = time.monotonic()
@@ -199,21 +258,58 @@ class Sandbox:
         readers = [asyncio.create_task(budget.drain(s, i)) for i, s in enumerate((proc.stdout, proc.stderr))]
         timed_out = False
         try:
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                proc.stdin.write(stdin.encode())  # type: ignore[union-attr]
-                await proc.stdin.drain()  # type: ignore[union-attr]
-                proc.stdin.close()  # type: ignore[union-attr]
-            await asyncio.wait_for(proc.wait(), self.limits.wall_s)
+            await asyncio.wait_for(_feed_and_wait(proc, stdin), self.limits.wall_s)
         except TimeoutError:
             timed_out = True
         finally:
-            _kill_group(proc.pid)
-            await proc.wait()
-            await asyncio.gather(*readers)
+            _kill_group(proc.pid)  # under bwrap this takes its PID namespace, so every descendant, along
+            await _exited(proc)
+            abandoned = await _finish_readers(proc, readers)
+            await proc.wait()  # returns now: the pipes are at EOF or closed
+        stderr = budget.text(1)
+        if abandoned:
+            stderr += "\nsandbox: a descendant process outlived the call holding its output; abandoned\n"
         return SandboxResult(
-            returncode=proc.returncode, stdout=budget.text(0), stderr=budget.text(1), timed_out=timed_out,
-            output_truncated=budget.exceeded, wall_s=time.monotonic() - t0, isolation=self.isolation(),
+            returncode=self._returncode(proc.returncode), stdout=budget.text(0), stderr=stderr,
+            timed_out=timed_out, output_truncated=budget.exceeded, wall_s=time.monotonic() - t0,
+            isolation=self.isolation(),
         )  # fmt: skip
+
+    def _returncode(self, returncode: int | None) -> int | None:
+        """bwrap reports a child killed by signal N as exit code 128 + N; give it back as -N."""
+        if self.isolation_mode.mode == "bwrap" and returncode is not None and 128 < returncode < 128 + 65:
+            return 128 - returncode
+        return returncode
+
+
+async def _feed_and_wait(proc: asyncio.subprocess.Process, stdin: str) -> None:
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        proc.stdin.write(stdin.encode())  # type: ignore[union-attr]
+        await proc.stdin.drain()  # type: ignore[union-attr]
+        proc.stdin.close()  # type: ignore[union-attr]
+    await _exited(proc)
+
+
+async def _exited(proc: asyncio.subprocess.Process) -> None:
+    """Wait for the process itself to exit. `proc.wait()` also waits for its pipes to close, which a
+    descendant holding stdout can put off forever, so poll the exit status instead."""
+    delay = 0.001
+    while proc.returncode is None:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.02)
+
+
+async def _finish_readers(proc: asyncio.subprocess.Process, readers: list[asyncio.Task[None]]) -> bool:
+    """Let the readers reach EOF for a short grace; True if one had to be abandoned (pipe still held)."""
+    _, pending = await asyncio.wait(readers, timeout=_DRAIN_GRACE_S)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+        # asyncio.subprocess.Process exposes no public way to close its pipes; closing the transport
+        # releases our ends, so the abandoned holder gets SIGPIPE instead of our fds leaking.
+        proc._transport.close()  # type: ignore[attr-defined]
+    return bool(pending)
 
 
 def _kill_group(pgid: int) -> None:

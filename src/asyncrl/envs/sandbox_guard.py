@@ -9,11 +9,12 @@ imports nothing from asyncrl. In order, it:
    introspection that would reach the guard's own objects;
 3. runs SCRIPT (relative to the sandbox directory) as `__main__`.
 
+This is the second layer. The boundary is the bubblewrap sandbox the parent starts this in
+(`asyncrl.envs.sandbox_bwrap`); only in explicitly allowed weak mode is this guard all there is.
 Limits, honestly: an audit hook is a best-effort guard against naive or accidental escapes by
-model-written code, not a security boundary. Native code is out of its reach and Python code can
-still monkeypatch the modules it relies on. The OS-level parts hold regardless: rlimits, the
-unshared network namespace (applied by the parent when available), the wall-clock kill of the
-process group, and the output cap. Run untrusted code inside a container or VM as well.
+model-written code, not a security boundary: paths relative to a directory descriptor, pidfd
+signals and `_posixsubprocess` get past it, native code is out of its reach, and Python code can
+monkeypatch the modules it relies on.
 """
 
 import json

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncrl.envs.client import InferenceError
+from asyncrl.envs.backend import InferenceError
 from asyncrl.wire import GenerateResponse, RolloutSample
 
 __all__ = ["NOT_SAMPLED_VERSION", "TrajectoryBuilder"]
@@ -52,6 +52,11 @@ class _Segment:
     @property
     def num_sampled(self) -> int:
         return sum(self.loss_mask)
+
+    def trimmed(self) -> _Segment:
+        """This segment up to and including its last sampled token."""
+        end = max(i for i, sampled in enumerate(self.loss_mask) if sampled) + 1
+        return _Segment(*(getattr(self, f)[:end] for f in _Segment.__dataclass_fields__))
 
     def known_routing_prefix(self) -> int:
         n = 0
@@ -112,11 +117,7 @@ class TrajectoryBuilder:
 
     def add_completion(self, response: GenerateResponse, *, temperature: float) -> None:
         """Append the sampled tokens and place the returned routing rows (prompt + completion positions)."""
-        ids = response.token_ids
-        if not (len(response.logprobs) == len(response.policy_versions) == len(ids)):
-            raise InferenceError(
-                "generate response: token_ids, logprobs and policy_versions differ in length"
-            )
+        ids = response.token_ids  # a GenerateResponse has one logprob and one version per token
         self._cur.append(
             list(ids),
             sampled=True,
@@ -146,7 +147,7 @@ class TrajectoryBuilder:
         self, *, reward: float, env: str, episode_id: str, metrics: dict[str, float]
     ) -> list[RolloutSample]:
         """One sample per stitched segment that holds at least one sampled token."""
-        segments = [s for s in [*self._done, self._cur] if s.num_sampled > 0]
+        segments = [s.trimmed() for s in [*self._done, self._cur] if s.num_sampled > 0]
         samples = []
         for i, seg in enumerate(segments):
             routed, routing_metrics = _stack_routing(seg.routing)

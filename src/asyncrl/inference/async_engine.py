@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from asyncrl.inference.engine import Engine
-from asyncrl.inference.request import RequestOutput, SamplingOptions
+from asyncrl.inference.request import RequestFailedError, RequestOutput, SamplingOptions
 
 __all__ = ["AsyncEngine"]
 
@@ -38,6 +38,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.num_step_errors = 0
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -50,6 +51,10 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def stats(self) -> dict[str, float]:
+        """The engine's counters plus this driver's (read from the event loop; a snapshot)."""
+        return self.engine.stats() | {"step_errors": self.num_step_errors}
 
     # -- called from the event loop ---------------------------------------------------------------
     async def call(self, fn: Callable[[], Any]) -> Any:
@@ -67,7 +72,10 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, **kwargs: Any
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes. Leaving early aborts it."""
+        """Add a request and yield its outputs until it finishes. Leaving early aborts it.
+
+        Raises RequestFailedError when the engine failed this request (the others go on).
+        """
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = stream
         finished = False
@@ -76,6 +84,8 @@ class AsyncEngine:
             while not finished:
                 out = await stream.get()
                 finished = out.finished
+                if out.error is not None:
+                    raise RequestFailedError(request_id, out.error)
                 yield out
         finally:
             self._streams.pop(request_id, None)
@@ -130,9 +140,12 @@ class AsyncEngine:
                 continue
             try:
                 outs = self.engine.step()
-            except Exception:  # the engine thread's top level: fail the batch, keep serving
-                log.exception("engine step failed; aborting all requests")
-                outs = self.engine.abort_all()
+            except Exception as e:  # the engine thread's top level: fail the batch, keep serving
+                # Per-request failures (the sampler) never get here; an error in the shared forward
+                # cannot be pinned on one request, so every request of the batch fails with it.
+                self.num_step_errors += 1
+                log.exception("engine step failed; failing requests %s", sorted(self.engine.requests))
+                outs = self.engine.fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self._deliver(outs)
 
     def _run_commands(self) -> None:

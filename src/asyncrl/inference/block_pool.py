@@ -1,7 +1,9 @@
 """Bookkeeping of the paged KV cache: free blocks, refcounts, and the automatic prefix cache.
 
 A full block is identified by a hash chain: h_i = blake2b(h_{i-1} || token ids of block i), with
-h_{-1} = blake2b(cache_salt). Equal prefixes under different salts therefore never share a block.
+h_{-1} = blake2b(weights epoch || cache_salt). Equal prefixes under different salts never share a
+block, and neither do prefixes computed by different weights: the engine's weights epoch counts
+weight loads, so after an update no request (salted or not) is served KV of the old weights.
 A block whose refcount drops to zero keeps its contents and its hash, and sits in an LRU list
 from which it can be revived by a later hit or evicted when a fresh block is needed.
 
@@ -24,10 +26,11 @@ def _digest(parent: bytes, token_ids: list[int]) -> bytes:
 
 
 def hash_blocks(
-    token_ids: list[int], block_size: int, cache_salt: str | None, known: list[bytes]
+    token_ids: list[int], block_size: int, cache_salt: str | None, known: list[bytes], weights_epoch: int = 0
 ) -> list[bytes]:
     """Hashes of every full block of `token_ids`, extending the already computed chain `known`."""
-    root = hashlib.blake2b(("salt:" + (cache_salt or "")).encode(), digest_size=16).digest()
+    key = weights_epoch.to_bytes(8, "little") + ("salt:" + (cache_salt or "")).encode()
+    root = hashlib.blake2b(key, digest_size=16).digest()
     hashes = list(known)
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else root

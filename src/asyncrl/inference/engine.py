@@ -15,6 +15,7 @@ Shape legend: N scheduled tokens, S sampled sequences, V vocab, D model dim, L l
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
@@ -26,6 +27,11 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.block_pool import BlockPool
 from asyncrl.inference.kv_cache import KVCache, PagedAttention, SeqSlice
 from asyncrl.inference.request import (
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MIN_TEMPERATURE,
     FinishReason,
     InvalidRequestError,
     Request,
@@ -35,9 +41,9 @@ from asyncrl.inference.request import (
 from asyncrl.inference.sampler import sample
 from asyncrl.inference.scheduler import ScheduledSeq, Scheduler
 from asyncrl.inference.stopping import check_stop
-from asyncrl.model import Transformer, from_pretrained
+from asyncrl.model import Transformer, from_pretrained, torch_dtype
 from asyncrl.model.fp8 import apply_fp8
-from asyncrl.model.hf import load_into, load_state_dict
+from asyncrl.model.hf import check_state_dict, load_into, load_state_dict
 
 __all__ = ["Engine", "resolve_device"]
 
@@ -80,6 +86,8 @@ class Engine:
             num_layers=args.num_hidden_layers, num_blocks=num_blocks, block_size=bs,
             num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
             routing_top_k=args.routing_top_k, dtype=self.dtype, device=self.device,
+            latent_dim=args.kv_lora_rank + args.qk_rope_head_dim if args.uses_mla else 0,
+            index_dim=args.index_head_dim if args.uses_dsa else 0,
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.pool, block_size=bs, max_num_seqs=config.max_num_seqs,
@@ -92,10 +100,11 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.num_steps = 0
+        self.num_failed_requests = 0
 
     @classmethod
     def from_config(cls, config: InferenceConfig, **kwargs) -> Engine:
-        dtype = getattr(torch, config.dtype)
+        dtype = torch_dtype(config.dtype)
         model = from_pretrained(config.model, dtype=dtype, device=str(resolve_device(config.device)))
         if config.fp8.enabled:
             report = apply_fp8(model, config.fp8.ignore, config.fp8.backend)
@@ -119,6 +128,9 @@ class Engine:
     ) -> None:
         """Queue a request; raises InvalidRequestError naming the field for input it cannot serve."""
         self._validate(request_id, prompt_token_ids, options)
+        _validate_options(options)
+        if cache_salt is not None and not _is_utf8(cache_salt):
+            raise InvalidRequestError("cache_salt", "is not valid Unicode (lone surrogate)")
         if options.seed is not None:
             seed = options.seed
         else:
@@ -174,18 +186,42 @@ class Engine:
     def abort_all(self) -> list[RequestOutput]:
         return [out for rid in list(self.requests) if (out := self.abort(rid)) is not None]
 
+    def fail(self, request_id: str, reason: str) -> RequestOutput | None:
+        """Finish a request the engine could not compute: an 'abort' output that carries `error`."""
+        out = self.abort(request_id)
+        if out is None:
+            return None
+        self.num_failed_requests += 1
+        log.error("request %s failed: %s", request_id, reason)
+        return dataclasses.replace(out, error=reason)
+
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        return [out for rid in list(self.requests) if (out := self.fail(rid, reason)) is not None]
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # -- weights ----------------------------------------------------------------------------------
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Swap in new weights between steps. Running requests keep their KV and continue."""
+        """Swap in new weights between steps. Running requests keep their KV and continue.
+
+        The prefix cache moves to a new weights epoch: blocks computed by the old weights are never
+        matched again (running requests keep theirs), and the unreferenced ones are freed now.
+        """
         load_into(self.model, state, where="weight update")
         self.version = version
+        self.scheduler.weights_epoch += 1
+        self.pool.reset_prefix_cache()
 
     def read_weights(self, path: str) -> dict[str, torch.Tensor]:
-        """Read an HF safetensors directory into this model's names and dtype (no swap yet)."""
-        return load_state_dict(path, self.model.args, self.dtype)
+        """Read and validate an HF safetensors directory in this model's names and dtype (no swap yet).
+
+        Every file is read in full and every name, shape and dtype checked here, before
+        `load_weights` copies anything: a rejected checkpoint leaves the served weights untouched.
+        """
+        state = load_state_dict(path, self.model.args, self.dtype)
+        check_state_dict(self.model, state, where=str(path))
+        return state
 
     # -- one step ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -224,17 +260,22 @@ class Engine:
             if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
             and not s.request.needs_final_routing
         ]  # fmt: skip
-        tokens, logprobs = [], []
+        tokens, logprobs, failures = [], [], {}
         if to_sample:
             logits_SV = self.model.lm_head(hidden_ND[[last_rows[i] for i in to_sample]])
             reqs = [batch[i].request for i in to_sample]
-            tokens, logprobs = sample(logits_SV, [r.options for r in reqs], [r.generator for r in reqs])
+            tokens, logprobs, failures = sample(
+                logits_SV, [r.options for r in reqs], [r.generator for r in reqs]
+            )
         sampled = dict(zip(to_sample, zip(tokens, logprobs)))
+        failed = {to_sample[row]: reason for row, reason in failures.items()}
         outputs = []
         for i, s in enumerate(batch):
             req = s.request
             self.scheduler.commit(req, s.num_new_tokens)
-            if req.needs_final_routing and req.num_computed_tokens == req.num_tokens:
+            if i in failed:  # this request alone fails; the rest of the batch goes on
+                outputs.append(self.fail(req.request_id, failed[i]))
+            elif req.needs_final_routing and req.num_computed_tokens == req.num_tokens:
                 req.needs_final_routing = False
                 outputs.append(self._finish(req, [], [], []))
             elif i in sampled:
@@ -291,8 +332,44 @@ class Engine:
             "prompt_tokens": self.num_prompt_tokens,
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
+            "failed_requests": self.num_failed_requests,
             "weight_version": self.version,
         }
+
+
+def _validate_options(o: SamplingOptions) -> None:
+    """What the sampler cannot compute, rejected before the request joins a batch."""
+    if not (o.temperature == 0 or MIN_TEMPERATURE <= o.temperature <= 100):
+        raise InvalidRequestError(
+            "temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], got {o.temperature}"
+        )
+    if not 0 < o.top_p <= 1:
+        raise InvalidRequestError("top_p", f"must be in (0, 1], got {o.top_p}")
+    if not 0 <= o.min_p <= 1:
+        raise InvalidRequestError("min_p", f"must be in [0, 1], got {o.min_p}")
+    if o.top_k < -1:
+        raise InvalidRequestError("top_k", f"must be -1 (off) or >= 0, got {o.top_k}")
+    if o.seed is not None and not 0 <= o.seed <= MAX_SEED:
+        raise InvalidRequestError("seed", f"must be in [0, {MAX_SEED}], got {o.seed}")
+    if len(o.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(o.stop)}")
+    for s in o.stop:
+        if len(s) > MAX_STOP_STRING_CHARS or not _is_utf8(s):
+            raise InvalidRequestError(
+                "stop", f"each stop string must be valid Unicode of at most {MAX_STOP_STRING_CHARS} chars"
+            )
+    if len(o.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(
+            "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(o.stop_token_ids)}"
+        )
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

@@ -5,15 +5,23 @@ attention sees the new tokens' q/k/v (after q/k-norm and RoPE), writes k/v into 
 attends each sequence's new queries over that sequence's cached plus new keys. Decode-only
 sequences (one new token) are batched into one padded SDPA call; prefill chunks run one call each.
 
+MLA models (DeepSeek-V3, Kimi-K2, GLM-5) cache each token's latent state instead of per-head K/V:
+the normed compressed KV plus the shared rotary key (kv_lora_rank + qk_rope_head_dim values per
+token and layer), and for GLM-5 the lightning indexer's key next to it. Attention gathers a
+sequence's cached latents and expands them to K/V with the layer's own projection
+(`attend_latent`), one sequence at a time; the weight-absorbed decode kernel is not done here.
+
 The routing pool sits next to the KV pool, slot for slot, so a cached block keeps the expert
 ids its tokens were routed to, and a prefix-cache hit still returns routing.
 
 Shape legend: N scheduled tokens, S sequences, C context (keys) per sequence, H query heads,
-G kv heads, Dh head dim, L layers, K top_k, P = num_blocks * block_size slots.
+G kv heads, Dh head dim, L layers, K top_k, P = num_blocks * block_size slots, c latent width,
+d indexer key width.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,12 +29,14 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from asyncrl.inference.request import Request
+from asyncrl.model.sparse_index import IndexQuery, select_topk
 
 __all__ = ["KVCache", "PagedAttention", "SeqSlice"]
 
 
 class KVCache:
-    """Per-layer key/value buffers [P, G, Dh] and the routed-expert buffer [P, L, K] (int16)."""
+    """Per-layer key/value buffers [P, G, Dh] (or, with latent_dim > 0, latent buffers [P, c] and
+    indexer-key buffers [P, d]) and the routed-expert buffer [P, L, K] (int16)."""
 
     def __init__(
         self,
@@ -39,11 +49,20 @@ class KVCache:
         routing_top_k: int,
         dtype: torch.dtype,
         device: torch.device,
+        latent_dim: int = 0,
+        index_dim: int = 0,
     ) -> None:
         self.block_size = block_size
         P = num_blocks * block_size
-        self.k_LPGd = torch.zeros(num_layers, P, num_kv_heads, head_dim, dtype=dtype, device=device)
+        kv_slots = 0 if latent_dim else P  # MLA keeps no per-head K/V
+        self.k_LPGd = torch.zeros(num_layers, kv_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v_LPGd = torch.zeros_like(self.k_LPGd)
+        self.latent_LPc = torch.zeros(
+            num_layers, P if latent_dim else 0, latent_dim, dtype=dtype, device=device
+        )
+        self.index_k_LPd = torch.zeros(
+            num_layers, P if index_dim else 0, index_dim, dtype=dtype, device=device
+        )
         self.routing_PLK = torch.zeros(P, num_layers, routing_top_k, dtype=torch.int16, device=device)
 
     def slots(self, req: Request, end: int) -> torch.Tensor:
@@ -63,7 +82,8 @@ class KVCache:
         return req.block_table
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k_LPGd, self.v_LPGd, self.routing_PLK))
+        held = (self.k_LPGd, self.v_LPGd, self.latent_LPc, self.index_k_LPd, self.routing_PLK)
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +102,8 @@ class PagedAttention:
 
     def __init__(self, cache: KVCache, seqs: list[SeqSlice], slots_N: torch.Tensor) -> None:
         self.cache, self.slots_N = cache, slots_N
+        self.seqs = seqs
+        self.dsa_selection: dict[tuple[int, int], torch.Tensor] = {}  # (layer, seq) -> keep [1, T, C]
         self.prefills = [s for s in seqs if s.q_len > 1]
         decodes = [s for s in seqs if s.q_len == 1]
         self.decode_rows_S: torch.Tensor | None = None
@@ -130,6 +152,47 @@ class PagedAttention:
             v_1GCd = v_NbF.index_select(0, blocks).view(1, -1, G, Dh)[:, :C].transpose(1, 2)
             o_BHTd[:, :, s.q_start : s.q_start + s.q_len] = _causal_sdpa(q_1HTd, k_1GCd, v_1GCd, gqa)
         return o_BHTd
+
+    def attend_latent(
+        self,
+        q_BHTd: torch.Tensor,
+        state_BTc: torch.Tensor,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        layer_idx: int,
+        *,
+        index: IndexQuery | None = None,
+    ) -> torch.Tensor:
+        """MLA over cached latents: write the new tokens' state (and indexer keys), then per
+        sequence gather its context's latents, expand them to K/V and attend (sparsely for DSA)."""
+        latent_Pc = self.cache.latent_LPc[layer_idx]
+        latent_Pc.index_copy_(0, self.slots_N, state_BTc[0])
+        index_k_Pd = self.cache.index_k_LPd[layer_idx]
+        if index is not None and index.k_BTd is not None:
+            index_k_Pd.index_copy_(0, self.slots_N, index.k_BTd[0])
+        out = []
+        for i, s in enumerate(self.seqs):
+            ctx_C = self._context_slots(s)
+            k_1HCd, v_1HCv = expand(latent_Pc[ctx_C].unsqueeze(0))
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            T, C = s.q_len, s.num_ctx
+            mask_1TC = torch.ones(1, T, C, dtype=torch.bool, device=q_BHTd.device).tril(diagonal=C - T)
+            if index is not None:
+                if index.q_BHTd is None:
+                    mask_1TC = self.dsa_selection[(index.source_layer, i)]
+                else:
+                    q, w = index.q_BHTd[:, :, rows], index.w_BTH[:, rows]
+                    mask_1TC = select_topk(q, w, index_k_Pd[ctx_C].unsqueeze(0), mask_1TC, index.topk)
+                    self.dsa_selection[(layer_idx, i)] = mask_1TC
+            q_1HTd = q_BHTd[:, :, rows]
+            out.append(
+                F.scaled_dot_product_attention(q_1HTd, k_1HCd, v_1HCv, attn_mask=mask_1TC.unsqueeze(1))
+            )
+        return torch.cat(out, dim=2)
+
+    def _context_slots(self, s: SeqSlice) -> torch.Tensor:
+        bs = self.cache.block_size
+        blocks = s.block_ids[: -(-s.num_ctx // bs)]
+        return (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)).flatten()[: s.num_ctx]
 
     def write_routing(self, routed_N_LK: torch.Tensor) -> None:
         self.cache.routing_PLK.index_copy_(0, self.slots_N, routed_N_LK.to(torch.int16))

@@ -48,6 +48,11 @@ def main(argv: list[str]) -> int:
         config = load_config(InferenceConfig, argv)
     except ConfigError as e:
         raise SystemExit(f"asyncrl inference: {e}") from None
+    if config.backend != "embedded":
+        raise SystemExit(
+            f"asyncrl inference serves the embedded engine; backend = {config.backend!r} is served by vLLM "
+            "itself: `asyncrl rl ... --dry-run` prints each server's command (docs/inference.md)"
+        )
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

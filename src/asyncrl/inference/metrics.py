@@ -18,6 +18,16 @@ _METRICS = {
     "preemptions": ("asyncrl_preemptions_total", "counter", "Sequences preempted for recompute"),
     "steps": ("asyncrl_engine_steps_total", "counter", "Engine forward steps"),
     "weight_version": ("asyncrl_weight_version", "gauge", "Policy version of the loaded weights"),
+    "failed_requests": (
+        "asyncrl_request_errors_total",
+        "counter",
+        "Requests the engine failed (error, not abort)",
+    ),
+    "step_errors": (
+        "asyncrl_engine_step_errors_total",
+        "counter",
+        "Engine steps that raised (whole batch failed)",
+    ),
 }
 
 

@@ -16,10 +16,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from asyncrl.inference.chat_template import render_chat
 from asyncrl.inference.protocol import ChatCompletionRequest, CompletionRequest, to_options
 from asyncrl.inference.request import InvalidRequestError, RequestOutput, SamplingOptions
 from asyncrl.inference.serving import Collected, ServerState, collect
@@ -36,14 +36,18 @@ def add_openai_routes(app: FastAPI) -> None:
         _check_model(state, body.model)
         if body.echo:
             raise InvalidRequestError("echo", "echo is not supported")
-        prompt = body.prompt if isinstance(body.prompt, list) else state.tokenizer.encode(body.prompt)
+        if isinstance(body.prompt, list):
+            prompt = body.prompt
+        else:
+            prompt = await _tokenize(state, body.prompt, "prompt", add_special_tokens=True)
         max_tokens = body.max_tokens or 16
         return await _respond(state, http, body, prompt, max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         _check_model(state, body.model)
-        prompt = _render_chat(state, body)
+        text = await asyncio.to_thread(render_chat, state.tokenizer, body, state.config)
+        prompt = await _tokenize(state, text, "messages", add_special_tokens=False)
         limit = state.engine.engine.max_model_len - len(prompt)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(limit, 1)
         return await _respond(state, http, body, prompt, max_tokens, chat=True)
@@ -56,18 +60,18 @@ def _check_model(state: ServerState, model: str) -> None:
         )
 
 
-def _render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    for i, m in enumerate(body.messages):
-        if not isinstance(m.get("role"), str):
-            raise InvalidRequestError(f"messages.{i}.role", "every message needs a string 'role'")
-    try:
-        text = state.tokenizer.apply_chat_template(
-            body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
-            tokenize=False, **(body.chat_template_kwargs or {}),
-        )  # fmt: skip
-    except (jinja2.TemplateError, TypeError, ValueError) as e:
-        raise InvalidRequestError("messages", f"cannot render the chat template: {e}") from None
-    return state.tokenizer.encode(text, add_special_tokens=False)
+async def _tokenize(state: ServerState, text: str, field: str, *, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text`, computed off the event loop; text that cannot fit is refused untokenized.
+
+    No token is longer than the vocabulary's longest entry, so `len(text) / max_token_chars` is a
+    lower bound on the token count: over the context limit, tokenizing is not worth doing.
+    """
+    limit = state.engine.engine.max_model_len
+    if len(text) > limit * state.max_token_chars:
+        raise InvalidRequestError(
+            field, f"{len(text)} characters cannot fit the context limit of {limit} tokens"
+        )
+    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
 
 async def _respond(

@@ -10,15 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
-from asyncrl.inference.request import SamplingOptions
+from asyncrl.inference.request import MAX_SEED, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingOptions
 from asyncrl.wire import SamplingParams
+from asyncrl.wire.http import ValidUnicode
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "error_response", "to_options"]
 
 
-class _OpenAIRequest(BaseModel):
+class _OpenAIRequest(ValidUnicode):
     model_config = ConfigDict(extra="forbid")
 
     model: str
@@ -27,10 +28,10 @@ class _OpenAIRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED - 64)  # choice i of n samples with seed + i
     n: int = Field(1, ge=1, le=64)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS, description="a string or a list")
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -41,6 +42,11 @@ class _OpenAIRequest(BaseModel):
     cache_salt: str | None = None
     return_token_ids: bool = False
     return_routed_experts: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -58,6 +64,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     top_logprobs: int | None = Field(None, ge=0, le=0, description="only 0 is supported")
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(None, description="refused unless allow_request_chat_template")
 
 
 def to_options(p: SamplingParams | _OpenAIRequest, max_tokens: int, seed_offset: int = 0) -> SamplingOptions:

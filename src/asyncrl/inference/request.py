@@ -11,7 +11,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FinishReason", "InvalidRequestError", "Request", "RequestOutput", "SamplingOptions"]
+__all__ = [
+    "MAX_SEED",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_CHARS",
+    "MAX_STOP_TOKEN_IDS",
+    "MIN_TEMPERATURE",
+    "FinishReason",
+    "InvalidRequestError",
+    "Request",
+    "RequestFailedError",
+    "RequestOutput",
+    "SamplingOptions",
+]
+
+# Limits every endpoint shares (the engine enforces them; the HTTP schemas repeat them for early errors).
+# Below MIN_TEMPERATURE, logits / temperature overflows float32 for realistic logits; use 0 (greedy).
+MIN_TEMPERATURE = 1e-2
+MAX_SEED = 2**63 - 1  # torch.Generator seeds are 64-bit; n > 1 adds the choice index to the seed
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256  # each step decodes a tail proportional to the longest stop string
+MAX_STOP_TOKEN_IDS = 256
 
 
 class InvalidRequestError(ValueError):
@@ -20,6 +40,14 @@ class InvalidRequestError(ValueError):
     def __init__(self, field: str, message: str, status: int = 400) -> None:
         super().__init__(f"{field}: {message}")
         self.field, self.message, self.status = field, message, status
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not compute this request (it failed alone; the others kept going)."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id, self.message = request_id, message
 
 
 class FinishReason(enum.StrEnum):
@@ -82,6 +110,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hits at first admission; -1 until admitted
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)
+    weights_epoch: int = -1  # the scheduler's weights epoch at admission; keys `block_hashes`
     num_preemptions: int = 0
 
     def set_blocks(self, block_ids: list[int]) -> None:
@@ -117,6 +146,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     routed_experts: torch.Tensor | None = None  # uint8|uint16 [tokens, layers, top_k]; when finished
+    error: str | None = None  # set when the engine failed this request (finish_reason is then 'abort')
 
     @property
     def finished(self) -> bool:

@@ -20,26 +20,38 @@ __all__ = ["sample"]
 
 def sample(
     logits_SV: torch.Tensor, options: list[SamplingOptions], generators: list[torch.Generator]
-) -> tuple[list[int], list[float]]:
-    """Sample one token per row. Returns (token ids, logprobs under the temperature-scaled softmax)."""
+) -> tuple[list[int], list[float], dict[int, str]]:
+    """Sample one token per row.
+
+    Returns (token ids, logprobs under the temperature-scaled softmax, failures). A row whose
+    scaled logits are not finite, or whose draw fails, is reported in `failures` (row -> reason)
+    with a placeholder token, so that one bad row never fails the others.
+    """
     logits_SV = logits_SV.float()
     device = logits_SV.device
     temps_S = torch.tensor([o.temperature if o.temperature > 0 else 1.0 for o in options], device=device)
-    logprobs_SV = torch.log_softmax(logits_SV / temps_S[:, None], dim=-1)
-    tokens_S = logits_SV.argmax(dim=-1)
-    sampled = [i for i, o in enumerate(options) if not o.greedy]
+    scaled_SV = logits_SV / temps_S[:, None]
+    finite_S = torch.isfinite(scaled_SV).all(dim=-1)
+    failures = {i: "non-finite logits" for i, ok in enumerate(finite_S.tolist()) if not ok}
+    if failures:  # neutral rows keep the batched math finite; their results are discarded
+        scaled_SV = torch.where(finite_S[:, None], scaled_SV, 0.0)
+    logprobs_SV = torch.log_softmax(scaled_SV, dim=-1)
+    tokens_S = scaled_SV.argmax(dim=-1)
+    sampled = [i for i, o in enumerate(options) if not o.greedy and i not in failures]
     if sampled:
         rows = torch.tensor(sampled, device=device)
         probs_RV = _truncate(logprobs_SV[rows].exp(), [options[i] for i in sampled])
         for j, i in enumerate(sampled):
             gen = generators[i]
-            if gen.device != probs_RV.device:
-                draw = torch.multinomial(probs_RV[j].cpu(), 1, generator=gen)
-            else:
-                draw = torch.multinomial(probs_RV[j], 1, generator=gen)
+            probs_V = probs_RV[j] if gen.device == probs_RV.device else probs_RV[j].cpu()
+            try:
+                draw = torch.multinomial(probs_V, 1, generator=gen)
+            except RuntimeError as e:  # an invalid distribution for this row only
+                failures[i] = f"sampling failed: {e}"
+                continue
             tokens_S[i] = draw.to(device)[0]
     chosen_S = logprobs_SV.gather(1, tokens_S[:, None])[:, 0]
-    return tokens_S.tolist(), chosen_S.tolist()
+    return tokens_S.tolist(), chosen_S.tolist(), failures
 
 
 def _truncate(probs_RV: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:

@@ -6,6 +6,10 @@ allow, after reusing whatever prefix the cache holds. When the KV pool cannot gr
 sequence, the latest-admitted one is preempted: its blocks are released (full ones stay in the
 prefix cache) and it goes back to the front of the queue, to be recomputed later. A sequence is
 never truncated.
+
+A request's blocks are hashed under the weights epoch of its admission (`weights_epoch`, bumped by
+the engine on every weight load): a request running across an update keeps its own blocks, while
+requests admitted after it never match blocks computed by the old weights.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.weights_epoch = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -68,8 +73,9 @@ class Scheduler:
         if num_full <= req.num_hashed_blocks:
             return
         req.block_hashes = hash_blocks(
-            req.all_token_ids[: num_full * self.block_size], self.block_size, req.cache_salt, req.block_hashes
-        )
+            req.all_token_ids[: num_full * self.block_size], self.block_size, req.cache_salt,
+            req.block_hashes, req.weights_epoch,
+        )  # fmt: skip
         for b in range(req.num_hashed_blocks, num_full):
             self.pool.register(req.block_ids[b], req.block_hashes[b])
         req.num_hashed_blocks = num_full
@@ -115,7 +121,9 @@ class Scheduler:
         """Reuse cached prefix blocks and reserve blocks for the first chunk. Returns its size (0: no room)."""
         bs = self.block_size
         tokens = req.all_token_ids
-        req.block_hashes = hash_blocks(tokens, bs, req.cache_salt, req.block_hashes)
+        if req.weights_epoch != self.weights_epoch:  # new, or preempted across a weight load
+            req.block_hashes, req.weights_epoch = [], self.weights_epoch
+        req.block_hashes = hash_blocks(tokens, bs, req.cache_salt, req.block_hashes, req.weights_epoch)
         # At least the last token must run through the model to produce logits.
         lookup = req.block_hashes[: (len(tokens) - 1) // bs]
         cached = self.pool.match_prefix(lookup)

@@ -32,6 +32,7 @@ class ServerState:
     tokenizer: Any  # a transformers tokenizer; only the OpenAI endpoints use it
     config: InferenceConfig
     model_name: str
+    max_token_chars: int = 256  # most text one token covers; bounds the token count from below
 
 
 @dataclass(kw_only=True)

@@ -6,9 +6,12 @@ config files and dotted overrides (`asyncrl trainer @ cfg.toml --optim.lr 1e-4`)
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 # command -> ("module:function", one-line help). Modules are imported lazily so that
 # `asyncrl --help` and torch-free commands start fast.
@@ -20,11 +23,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("asyncrl.trainer.rl:main", "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)"),
     "orchestrator": ("asyncrl.orchestrator.main:main", "rollouts over HTTP -> RUN/rollouts/step_n (asyncio)"),
     "sft-data": (
-        "asyncrl.launcher.sft_data:main",
+        "asyncrl.launcher.sft_export:main",
         "write an env's reference answers as SFT JSONL (optionally corrupted)",
     ),
     "eval": (
-        "asyncrl.launcher.evaluate:main",
+        "asyncrl.launcher.engine_eval:main",
         "mean reward of a model on an env's eval tasks (in-process engine, no server)",
     ),
     "sft": ("asyncrl.trainer.sft:main", "supervised fine-tuning on chat / prompt-completion JSONL"),
@@ -35,7 +38,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "asyncrl.inference.main:main",
         "serve a model: embedded engine, OpenAI-compatible HTTP API",
     ),
-    "eval-env": ("asyncrl.envs.evaluate:main", "evaluate an OpenAI-compatible endpoint on an environment"),
+    "eval-env": (
+        "asyncrl.envs.endpoint_eval:main",
+        "evaluate an OpenAI-compatible endpoint on an environment",
+    ),
+    "report": ("asyncrl.launcher.report:main", "PNG plots and one HTML page of a run's metrics (matplotlib)"),
+}
+
+
+# Commands configured only by `@ file.toml --dotted.key value`: `--help` prints the module's docstring
+# and every key of the schema with its default and description (`asyncrl rl` and `asyncrl slurm`
+# print theirs, section by section, themselves).
+CONFIG_HELP: dict[str, str] = {
+    "trainer": "asyncrl.config.trainer:RLTrainerConfig",
+    "sft": "asyncrl.config.trainer:SFTConfig",
+    "orchestrator": "asyncrl.config.orchestrator:OrchestratorConfig",
+    "inference": "asyncrl.config.inference:InferenceConfig",
 }
 
 
@@ -43,13 +61,34 @@ def _usage() -> str:
     width = max(len(c) for c in COMMANDS)
     rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items())
     return (
-        f"usage: asyncrl <command> [args...]\n\ncommands:\n{rows}\n\n`asyncrl <command> --help` for details."
+        f"usage: asyncrl <command> [args...]\n\ncommands:\n{rows}\n\n"
+        "`asyncrl <command> --help` lists its options with their defaults and descriptions."
     )
 
 
 def _resolve(target: str) -> Callable[[list[str]], int | None]:
     module, func = target.split(":")
     return getattr(importlib.import_module(module), func)
+
+
+def _module_docstring(module: str) -> str:
+    """Read without importing: the trainer's module pulls in torch, which `--help` does not need."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    return ast.get_docstring(ast.parse(Path(spec.origin).read_text())) or ""
+
+
+def config_command_help(name: str) -> str:
+    """`asyncrl NAME --help` of a config-driven command: its docstring, then every key it takes."""
+    from asyncrl.config.base import config_help
+
+    target = COMMANDS[name][0].split(":")[0]
+    module, cls = CONFIG_HELP[name].split(":")
+    keys = config_help(getattr(importlib.import_module(module), cls))
+    return (
+        f"{_module_docstring(target)}\n\nKeys (TOML, or `--dotted.key value` on the command line; "
+        f"`--a-b` = `--a_b`):\n\n{keys}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         print(f"asyncrl: unknown command '{name}'{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if name in CONFIG_HELP and any(a in ("-h", "--help") for a in rest):
+        print(config_command_help(name))
+        return 0
     return int(_resolve(COMMANDS[name][0])(rest) or 0)
 
 

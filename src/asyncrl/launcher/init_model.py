@@ -19,10 +19,12 @@ from asyncrl.model.tokenizer import save_byte_tokenizer
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl init-model", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="tiny-moe", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="tiny-moe", choices=sorted(PRESETS), help="model size and kind")
     p.add_argument("--out", required=True, type=Path, help="output directory (created)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the saved weights"
+    )
     p.add_argument(
         "--init-std",
         type=float,

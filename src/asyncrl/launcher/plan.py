@@ -233,20 +233,26 @@ def load_model_config(path: str | Path) -> ModelArgs:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face config.json (or its directory)")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, required=True, help="trainer nodes")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per trainer node")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
-    p.add_argument("--dp-replicate", type=int, default=1)
+    p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas")
     p.add_argument("--dp-shard", type=int, default=-1, help="-1 = auto")
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree")
     p.add_argument("--micro-batches", type=int, default=1, help="packed rows per GPU per step")
-    p.add_argument("--no-activation-checkpointing", action="store_true")
-    p.add_argument("--param-dtype", choices=sorted(_DTYPE_BYTES), default="bf16")
-    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument(
+        "--no-activation-checkpointing", action="store_true", help="keep every block's activations"
+    )
+    p.add_argument(
+        "--param-dtype", choices=sorted(_DTYPE_BYTES), default="bf16", help="dtype of gathered weights"
+    )
+    p.add_argument("--prefetch", type=int, default=1, help="FSDP units gathered ahead of the one computing")
     p.add_argument("--gpu-mem-gb", type=float, default=141.0, help="default: H200")
-    p.add_argument("--reserve-gb", type=float, default=8.0)
-    p.add_argument("--mfu", type=float, default=0.35)
+    p.add_argument(
+        "--reserve-gb", type=float, default=8.0, help="CUDA context, NCCL buffers, allocator fragmentation"
+    )
+    p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation for step time")
     p.add_argument("--a2a-gbps", type=float, default=50.0, help="per-GPU all_to_all GB/s across nodes")
     p.add_argument("--nvlink-gbps", type=float, default=400.0, help="per-GPU all_to_all GB/s within a node")
     return p

@@ -2,15 +2,21 @@
 
 Starts the inference server(s), the orchestrator and the trainer (through torchrun when
 `deployment.trainer_nproc` > 1) as child processes, each logging to RUN/logs/<name>.log, with the
-resolved config of every process written to RUN/configs/. Progress lines of the orchestrator and
-the trainer are echoed to the console. When one process fails, or on Ctrl-C, everything is
-stopped and the exit code is non-zero, naming the failing process.
+resolved config of every process written to RUN/configs/. On a terminal the console shows one
+live status line (step, reward, mismatch KL, staleness, tok/s, batch fill) and the children's
+warnings and errors; otherwise the orchestrator's and the trainer's progress lines are echoed
+(asyncrl.launcher.console). The `[sinks]` table mirrors RUN/metrics.jsonl to W&B / TensorBoard.
+When one process fails, or on Ctrl-C, everything is stopped and the exit code is non-zero, naming
+the failing process.
 
 Top-level keys: model, run_dir, max_steps, seq_len, seed, and the tables [deployment],
 [inference], [orchestrator], [trainer] (see docs/configuration.md). Any key can be overridden on
 the command line: `--orchestrator.batch_size 32 --trainer.optim.lr 1e-4`.
 
 Other flags:
+  --resume      continue the run in run_dir after a crash or kill: the trainer from its newest
+                checkpoint, the orchestrator from the checkpoint stored with its newest batch,
+                the servers from the newest published weights (see asyncrl.launcher.resume)
   --dry-run     resolve and write the configs, print the commands, start nothing
   --slurm       render RUN/slurm.sbatch from the `[slurm]` table and submit it with sbatch
                 (with --dry-run: only write it); same as `asyncrl slurm`, see asyncrl.launcher.slurm
@@ -26,32 +32,23 @@ import shlex
 import sys
 from pathlib import Path
 
-import tomli_w
-
 from asyncrl.config import ConfigError, load_config
-from asyncrl.config.rl import ResolvedRL, RLConfig
+from asyncrl.config.base import config_help
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.config.rl import _SHARED, ResolvedRL, RLConfig
+from asyncrl.config.trainer import RLTrainerConfig
+from asyncrl.launcher.console import Console, LiveConsole, PlainConsole
 from asyncrl.launcher.parallel_check import check_trainer_parallel
+from asyncrl.launcher.resume import check_fresh_run_dir, plan_resume
+from asyncrl.launcher.run_configs import write_configs
+from asyncrl.launcher.slurm import SlurmRLConfig
+from asyncrl.launcher.slurm import main as slurm_main
 from asyncrl.launcher.supervisor import ChildSpec, Supervisor
+from asyncrl.launcher.vllm import VLLMCommand, build_vllm_command, check_vllm, probe_vllm, resolve_vllm_python
+from asyncrl.transport.sinks import build_sinks
 
-__all__ = ["build_children", "main", "write_configs"]
-
-
-def _dump(model) -> dict:
-    return model.model_dump(mode="json", exclude_none=True)
-
-
-def write_configs(cfg: RLConfig, resolved: ResolvedRL) -> dict[str, Path]:
-    configs = Path(cfg.run_dir) / "configs"
-    configs.mkdir(parents=True, exist_ok=True)
-    files = {"rl": configs / "rl.toml"}
-    files["rl"].write_text(tomli_w.dumps(_dump(cfg)))
-    for i, inf in enumerate(resolved.inference):
-        files[f"inference-{i}"] = configs / f"inference-{i}.toml"
-        files[f"inference-{i}"].write_text(tomli_w.dumps(_dump(inf)))
-    for name in ("orchestrator", "trainer"):
-        files[name] = configs / f"{name}.toml"
-        files[name].write_text(tomli_w.dumps(_dump(getattr(resolved, name))))
-    return files
+__all__ = ["build_children", "main"]
 
 
 def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) -> list[ChildSpec]:
@@ -62,10 +59,16 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
         env = {}
         if cfg.deployment.inference_devices:
             env["CUDA_VISIBLE_DEVICES"] = cfg.deployment.inference_devices[i]
+        argv = [*py, "inference", "@", str(files[f"inference-{i}"])]
+        if resolved.inference[i].backend == "vllm":
+            command = build_vllm_command(
+                resolved.inference[i], python=resolve_vllm_python(resolved.inference[i])
+            )
+            argv, env = command.argv, env | command.env
         children.append(
             ChildSpec(
                 name=f"inference-{i}",
-                argv=[*py, "inference", "@", str(files[f"inference-{i}"])],
+                argv=argv,
                 log=logs / f"inference-{i}.log",
                 env=env,
                 max_restarts=cfg.deployment.max_inference_restarts,
@@ -108,44 +111,82 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
     return children
 
 
-def _keys_help() -> str:
-    from asyncrl.config.inference import InferenceConfig
-    from asyncrl.config.orchestrator import OrchestratorConfig
-    from asyncrl.config.rl import DeploymentConfig
-    from asyncrl.config.trainer import RLTrainerConfig
+def build_console(cfg: RLConfig) -> Console:
+    """A live status line on a terminal, plain echoed lines otherwise; both feed the sinks."""
+    sinks = build_sinks(cfg.sinks, cfg.run_dir)
+    if sys.stdout.isatty():
+        return LiveConsole(cfg.run_dir, cfg.max_steps, sinks)
+    return PlainConsole(cfg.run_dir, sinks)
 
-    sections = {
-        "(top level)": RLConfig,
-        "[deployment]": DeploymentConfig,
-        "[inference]": InferenceConfig,
-        "[orchestrator]": OrchestratorConfig,
-        "[trainer]": RLTrainerConfig,
-    }
-    lines = ["Keys:"]
-    for title, cls in sections.items():
-        lines.append(f"  {title}: " + ", ".join(cls.model_fields))
-    return "\n".join(lines)
+
+def keys_help() -> str:
+    """Every key of an `asyncrl rl` config, section by section, with its default and description."""
+    sections = [config_help(RLConfig, exclude=("inference", "orchestrator", "trainer"))]
+    for name, cls in (
+        ("inference", InferenceConfig),
+        ("orchestrator", OrchestratorConfig),
+        ("trainer", RLTrainerConfig),
+    ):
+        shared = _SHARED[name] + (("model.path",) if name == "trainer" else ())
+        about = f"{cls.__name__}; {', '.join(shared)} come from the top level"
+        sections.append(config_help(cls, name, exclude=shared, about=about))
+    return "Keys (TOML, or `--dotted.key value` on the command line):\n\n" + "\n\n".join(sections)
+
+
+def _shell(child: ChildSpec) -> str:
+    """A child's command line; a vLLM server's with its environment, to start it by hand."""
+    env = {k: v for k, v in child.env.items() if k.startswith("VLLM_")}
+    return VLLMCommand(argv=child.argv, env=env).shell() if env else shlex.join(child.argv)
+
+
+def _check_vllm(resolved: ResolvedRL, *, skip_probe: bool) -> int:
+    """Say what the vLLM backend cannot do here; probe the vLLM install (not on --dry-run)."""
+    inference = resolved.inference[0]
+    if not resolved.orchestrator.return_routed_experts:
+        print(
+            "asyncrl rl: router replay OFF: the vLLM servers do not return routed experts "
+            "([inference.vllm] enable_return_routed_experts needs a GPU build); the trainer computes "
+            "logprobs without replay, and the mismatch metrics show the cost"
+        )
+    if skip_probe:
+        return 0
+    python = resolve_vllm_python(inference)
+    try:
+        probe = probe_vllm(python, timeout_s=inference.vllm.startup_timeout_s)
+        for cfg in resolved.inference:
+            warnings = check_vllm(cfg, build_vllm_command(cfg, python=python), probe)
+    except ConfigError as e:
+        print(f"asyncrl rl: {e}", file=sys.stderr)
+        return 2
+    print(f"asyncrl rl: vLLM {probe.version} ({probe.device_type}) from {python}")
+    for w in warnings:
+        print(f"asyncrl rl: warning: {w}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
-        print(_keys_help())
+        print(keys_help())
         return 0
-    # Imported here: asyncrl.launcher.slurm builds on this module's write_configs.
-    from asyncrl.launcher import slurm
-
     if "--slurm" in argv:
-        return slurm.main([a for a in argv if a != "--slurm"])
-    dry_run = "--dry-run" in argv
-    argv = [a for a in argv if a != "--dry-run"]
+        return slurm_main([a for a in argv if a != "--slurm"])
+    dry_run, resume = "--dry-run" in argv, "--resume" in argv
+    argv = [a for a in argv if a not in ("--dry-run", "--resume")]
     try:
-        cfg = load_config(slurm.SlurmRLConfig, argv)  # a [slurm] table is allowed and unused here
+        # a [slurm] table is allowed and unused here; servers off loopback get a per-run API key
+        cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=False)
         resolved = cfg.resolve()
         nproc = cfg.deployment.trainer_nproc
         check_trainer_parallel(
             resolved.trainer, world_size=nproc, where=f"deployment.trainer_nproc = {nproc}"
         )
+        if resume:
+            plan = plan_resume(resolved, dry_run=dry_run)
+            resolved = plan.resolved
+            print(f"asyncrl rl: {plan.describe()}")
+        else:
+            check_fresh_run_dir(cfg.run_dir)
     except ConfigError as e:
         print(f"asyncrl rl: {e}", file=sys.stderr)
         return 2
@@ -155,10 +196,14 @@ def main(argv: list[str]) -> int:
         f"asyncrl rl: run dir {cfg.run_dir}; configs in {files['rl'].parent}; logs in {Path(cfg.run_dir) / 'logs'}"
     )
     for child in children:
-        print(f"  {child.name}: {shlex.join(child.argv)}")
+        print(f"  {child.name}: {_shell(child)}")
+    if resolved.inference[0].backend == "vllm":
+        code = _check_vllm(resolved, skip_probe=dry_run)
+        if code:
+            return code
     if dry_run:
         return 0
-    code = Supervisor(children).run()
+    code = Supervisor(children, console=build_console(cfg)).run()
     print(
         f"asyncrl rl: {'finished' if code == 0 else 'FAILED'} (exit {code})",
         file=sys.stderr if code else sys.stdout,

@@ -27,9 +27,12 @@ from pathlib import Path
 from pydantic import Field
 
 from asyncrl.config import ConfigError, SlurmConfig, load_config
+from asyncrl.config.base import config_help
 from asyncrl.config.rl import RLConfig
+from asyncrl.config.vllm import DEFAULT_VLLM_PYTHON
 from asyncrl.launcher.parallel_check import check_trainer_parallel
-from asyncrl.launcher.rl import write_configs
+from asyncrl.launcher.run_configs import write_configs
+from asyncrl.launcher.vllm import build_vllm_command
 
 __all__ = ["SlurmRLConfig", "main", "render_sbatch"]
 
@@ -85,7 +88,24 @@ def _environment(s: SlurmConfig) -> list[str]:
     return lines
 
 
-def _inference(s: SlurmConfig, base_port: int, py: str, configs: Path, logs: Path) -> list[str]:
+def _vllm_server(cfg: SlurmRLConfig) -> tuple[str, str]:
+    """(extra `--export` entries, command) of one vLLM server; `$port` and `$i` are the loop's.
+
+    vLLM runs from `[inference.vllm] python` (default .venv-vllm/bin/python, relative to the job's
+    working directory); the API key reaches it as VLLM_API_KEY, read from the server's config.
+    """
+    inference = cfg.resolve().inference[0].model_copy(update={"host": "0.0.0.0"})
+    python = inference.vllm.python or DEFAULT_VLLM_PYTHON
+    command = build_vllm_command(inference, python=python)
+    argv = [shlex.quote(a) for a in command.argv]
+    argv[argv.index("--port") + 1] = '"$port"'
+    argv[argv.index("--seed") + 1] = f'"$(({cfg.seed} + i))"'
+    exports = "".join(f",{k}={shlex.quote(v)}" for k, v in sorted(command.env.items()) if k != "VLLM_API_KEY")
+    return exports, " ".join(argv)
+
+
+def _inference(cfg: SlurmRLConfig, py: str, configs: Path, logs: Path) -> list[str]:
+    s, base_port = cfg.slurm, cfg.deployment.base_port
     per = s.servers_per_inference_node
     gpus = s.gpus_per_node // per
     lines = ["", "# inference servers", "SERVERS=()", "PIDS=()"]
@@ -94,11 +114,17 @@ def _inference(s: SlurmConfig, base_port: int, py: str, configs: Path, logs: Pat
     lines.append(f"    i=$((n * {per} + j)); port=$(({base_port} + j))")
     lines.append(f"    devices=$(seq -s, $((j * {gpus})) $((j * {gpus} + {gpus - 1})))")
     lines.append('    SERVERS+=("\\"http://${INFERENCE_NODES[$n]}:${port}\\"")')
+    exports, command = "", f'{py} inference @ "{configs}/inference-${{i}}.toml" --host 0.0.0.0 --port "$port"'
+    if cfg.inference.get("backend") == "vllm":
+        exports, command = _vllm_server(cfg)
+        if cfg.api_key:
+            key = f"tomllib.load(open('{configs}/inference-0.toml', 'rb'))['api_key']"
+            lines.insert(2, f'export VLLM_API_KEY="$({cfg.slurm.python} -c "import tomllib; print({key})")"')
     lines.append(
         '    srun --nodes=1 --ntasks=1 --nodelist="${INFERENCE_NODES[$n]}" '
-        f'--output="{logs}/inference-${{i}}.log" --export=ALL,CUDA_VISIBLE_DEVICES="$devices" \\'
+        f'--output="{logs}/inference-${{i}}.log" --export=ALL,CUDA_VISIBLE_DEVICES="$devices"{exports} \\'
     )
-    lines.append(f'      {py} inference @ "{configs}/inference-${{i}}.toml" --host 0.0.0.0 --port "$port" &')
+    lines.append(f"      {command} &")
     lines += ["    PIDS+=($!)", "  done", "done"]
     return lines
 
@@ -111,7 +137,7 @@ def render_sbatch(cfg: SlurmRLConfig, run_dir: Path) -> str:
     py = f"{s.python} -m asyncrl"
     orch_node = "${TRAINER_MASTER}" if s.orchestrator_on == "trainer" else "${INFERENCE_NODES[0]}"
     lines = [*_header(s, run_dir), "", *_environment(s)]
-    lines += _inference(s, cfg.deployment.base_port, py, configs, logs)
+    lines += _inference(cfg, py, configs, logs)
     lines += [
         "",
         "# trainer: one torchrun per node, c10d rendezvous on the first trainer node",
@@ -140,11 +166,14 @@ def render_sbatch(cfg: SlurmRLConfig, run_dir: Path) -> str:
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
+        print(config_help(SlurmConfig, "slurm"))
+        print("\nAll other keys are those of `asyncrl rl --help`.")
         return 0
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     try:
-        cfg = load_config(SlurmRLConfig, argv)
+        # Servers listen on 0.0.0.0 on cluster nodes: they always get a per-run API key.
+        cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=True)
         script = render_sbatch(cfg, Path(cfg.run_dir))
         resolved = cfg.resolve()
         s = cfg.slurm

@@ -2,7 +2,9 @@
 
 Each child runs in its own process group (so a stop reaches its grandchildren, e.g. torchrun's
 workers) and, on Linux, gets SIGTERM if the launcher itself dies, so no orphans are left behind.
-Output goes to `RUN/logs/<name>.log`; lines matching a child's `echo` prefix are also printed.
+Output goes to `RUN/logs/<name>.log`; every line is also handed to a `Console`
+(asyncrl.launcher.console), which decides what the terminal shows: by default the lines matching
+a child's `echo` prefixes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from asyncrl.launcher.console import Console, PlainConsole
 
 __all__ = ["ChildSpec", "Supervisor"]
 
@@ -44,8 +48,8 @@ class ChildSpec:
 
 
 class _Child:
-    def __init__(self, spec: ChildSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: ChildSpec, console: Console) -> None:
+        self.spec, self.console = spec, console
         spec.log.parent.mkdir(parents=True, exist_ok=True)
         self.tail: deque[str] = deque(maxlen=40)
         self.num_restarts = 0
@@ -74,9 +78,7 @@ class _Child:
                 log.write(line)
                 log.flush()
                 self.tail.append(line.rstrip("\n"))
-                if self.spec.echo_prefixes and line.startswith(self.spec.echo_prefixes):
-                    print(f"[{self.spec.name}] {line.rstrip()}" if not line.startswith("[") else line.rstrip(),
-                          flush=True)  # fmt: skip
+                self.console.child_line(self.spec.name, self.spec.echo_prefixes, line)
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -86,8 +88,16 @@ class _Child:
 class Supervisor:
     """Runs children until the `done_ok` one exits 0 (success), any child fails, or a signal arrives."""
 
-    def __init__(self, specs: list[ChildSpec], *, stop_timeout_s: float = 15.0, poll_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        specs: list[ChildSpec],
+        *,
+        stop_timeout_s: float = 15.0,
+        poll_s: float = 0.2,
+        console: Console | None = None,
+    ) -> None:
         self.specs, self.stop_timeout_s, self.poll_s = specs, stop_timeout_s, poll_s
+        self.console = console or PlainConsole()
         self.children: list[_Child] = []
         self._signalled: int | None = None
         self.failed: str | None = None
@@ -99,18 +109,20 @@ class Supervisor:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             for spec in self.specs:
-                self.children.append(_Child(spec))
+                self.children.append(_Child(spec, self.console))
             return self._watch()
         finally:
             self.stop_all()
+            self.console.close()
             for s, handler in old.items():
                 signal.signal(s, handler)
 
     def _watch(self) -> int:
         while True:
             if self._signalled is not None:
-                print(f"asyncrl: received {signal.Signals(self._signalled).name}, stopping all processes",
-                      file=sys.stderr)  # fmt: skip
+                self.console.message(
+                    f"asyncrl: received {signal.Signals(self._signalled).name}, stopping all processes"
+                )
                 return 130
             for child in self.children:
                 code = child.proc.poll()
@@ -125,17 +137,16 @@ class Supervisor:
                     continue
                 self._report_failure(child, code)
                 return 1
+            self.console.tick()
             time.sleep(self.poll_s)
 
     def _restart(self, child: _Child, code: int) -> None:
         child.reader.join(timeout=2)
         child.signal(signal.SIGKILL)  # leftovers of its process group
         child.num_restarts += 1
-        print(
+        self.console.message(
             f"asyncrl: process '{child.spec.name}' {_how(code)}; restarting "
-            f"({child.num_restarts}/{child.spec.max_restarts}), log: {child.spec.log}",
-            file=sys.stderr,
-            flush=True,
+            f"({child.num_restarts}/{child.spec.max_restarts}), log: {child.spec.log}"
         )
         child.start()
 
@@ -143,11 +154,9 @@ class Supervisor:
         self.failed = child.spec.name
         child.reader.join(timeout=2)
         tail = "\n".join(f"    {line}" for line in list(child.tail)[-15:])
-        print(
+        self.console.message(
             f"asyncrl: process '{child.spec.name}' {_how(code)}; stopping the others.\n"
-            f"  log: {child.spec.log}\n  last lines:\n{tail}",
-            file=sys.stderr,
-            flush=True,
+            f"  log: {child.spec.log}\n  last lines:\n{tail}"
         )
 
     def stop_all(self) -> None:

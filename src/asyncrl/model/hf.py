@@ -1,5 +1,10 @@
 """Hugging Face checkpoints: load a directory into a `Transformer`, save one that transformers loads.
 
+This module owns the HF format: the naming (`is_hf_tensor`, `to_hf_tensors`) and the one streaming
+sharded writer (`HFCheckpointWriter`). `save_pretrained` (one process), the trainer's weight
+publishing and the rank-0 gathered publish of a sharded model (`asyncrl.distributed.iter_hf_tensors`
+feeding the writer) all go through them.
+
 On disk, experts are per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, as on the Hub); in
 memory they are stacked. Loading also accepts transformers' fused in-memory layout
 (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]) for convenience.
@@ -10,22 +15,40 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from asyncrl.model.args import ModelArgs, ModelConfigError
+from asyncrl.model.dtypes import dtype_name
+from asyncrl.model.mtp import PREFIX as MTP_PREFIX
+from asyncrl.model.mtp import hf_name as mtp_hf_name
+from asyncrl.model.mtp import is_mtp_key, our_name
 from asyncrl.model.transformer import Transformer
 
-__all__ = ["from_pretrained", "load_args", "load_state_dict", "save_pretrained", "to_hf_state_dict"]
+__all__ = [
+    "HFCheckpointWriter",
+    "check_state_dict",
+    "from_pretrained",
+    "is_hf_tensor",
+    "load_args",
+    "load_into",
+    "load_state_dict",
+    "mtp_tensor_names",
+    "save_pretrained",
+    "to_hf_state_dict",
+    "to_hf_tensors",
+]
 
 _EXPERT_KEY = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
 _FUSED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_SHARD_BYTES = 4 * 1024**3
 
 
 def load_args(path: str | os.PathLike) -> ModelArgs:
@@ -47,10 +70,22 @@ def load_args(path: str | os.PathLike) -> ModelArgs:
 
 
 def _safetensors_files(path: Path) -> list[Path]:
+    if not path.is_dir():
+        raise ModelConfigError(f"weights directory not found: {path}")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelConfigError(
+                f"{index}: not a valid safetensors index ({type(e).__name__}: {e})"
+            ) from None
+        files = [path / name for name in names if isinstance(name, str)]
+        outside = [f for f in files if f.resolve().parent != path.resolve()]
+        if len(files) != len(names) or outside:
+            raise ModelConfigError(f"{index}: weight_map must name files inside {path}")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         extra = (
@@ -62,22 +97,50 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+def mtp_tensor_names(path: str | os.PathLike, args: ModelArgs) -> list[str]:
+    """HF names of the checkpoint's MTP-layer tensors (read from the shard headers, no data)."""
+    names = []
+    for file in _safetensors_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            names += [k for k in f.keys() if is_mtp_key(k, args)]  # noqa: SIM118
+    return sorted(names)
+
+
 def load_state_dict(path: str | os.PathLike, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Read every safetensors shard and convert to our (stacked-expert) parameter names."""
     path = Path(path)
     flat: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
+        flat |= _read_file(file, dtype)
+    return _stack_experts(flat, args)
+
+
+def _read_file(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, fully read; a truncated or corrupt file names itself."""
+    out: dict[str, torch.Tensor] = {}
+    try:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                flat[key] = f.get_tensor(key).to(dtype)
-    return _stack_experts(flat, args)
+                t = f.get_tensor(key)
+                if not t.is_floating_point():
+                    raise ModelConfigError(
+                        f"{file}: tensor '{key}' has dtype {t.dtype}; weights must be floating point"
+                    )
+                out[key] = t.to(dtype)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        if isinstance(e, ModelConfigError):
+            raise
+        raise ModelConfigError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})") from None
+    return out
 
 
 def _stack_experts(flat: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for key, t in flat.items():
-        if m := _EXPERT_KEY.match(key):
+        if is_mtp_key(key, args):  # kept verbatim, experts unstacked (see asyncrl.model.mtp)
+            out[our_name(key)] = t
+        elif m := _EXPERT_KEY.match(key):
             per_expert.setdefault((m[1], m[3]), {})[int(m[2])] = t
         elif m := _FUSED_KEY.match(key):
             if m[2] == "gate_up_proj":
@@ -97,84 +160,149 @@ def _stack_experts(flat: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
 def from_pretrained(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> Transformer:
-    """Load a Qwen3 / Qwen3-MoE Hugging Face directory (config.json + safetensors)."""
+    """Load a Hugging Face directory (config.json + safetensors) of a supported family."""
     args = load_args(path)
     state = load_state_dict(path, args, dtype)
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
     model.to_empty(device=device)
     model.tie_weights()
+    for name in [n for n in state if n.startswith(MTP_PREFIX)]:
+        model.mtp.put(mtp_hf_name(name), state[name].to(device))
     load_into(model, state, where=str(path))
     return model.to(dtype)
 
 
-def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
-    """Copy `state` (our names) into `model`, checking names and shapes with clear errors."""
-    params = dict(model.named_parameters())
-    if model.args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing = sorted(set(params) - set(state))
-    unexpected = sorted(set(state) - set(params))
+def _tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """What a checkpoint fills: parameters and buffers (the routers' score-correction bias, kept MTP tensors)."""
+    return dict(model.named_parameters()) | dict(model.named_buffers())
+
+
+def check_state_dict(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+    """Raise ModelConfigError unless `state` (our names) has exactly `model`'s names, shapes and dtypes.
+
+    `load_into` calls it before the first copy, so a rejected state leaves the model untouched.
+    """
+    params = _tensors(model)
+    names = set(state) - ({"lm_head.weight"} if model.args.tie_word_embeddings else set())
+    missing = sorted(set(params) - names)
+    unexpected = sorted(names - set(params))
     if missing:
         raise ModelConfigError(f"{where}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if unexpected:
         raise ModelConfigError(
             f"{where}: unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
+    for name, p in params.items():
+        t = state[name]
+        if t.shape != p.shape:
+            raise ModelConfigError(
+                f"{where}: tensor '{name}' has shape {list(t.shape)}, expected {list(p.shape)}"
+            )
+        if t.dtype != p.dtype:
+            raise ModelConfigError(f"{where}: tensor '{name}' has dtype {t.dtype}, expected {p.dtype}")
+
+
+def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+    """Copy `state` (our names) into `model`; every name, shape and dtype is checked before any copy."""
+    check_state_dict(model, state, where)
     with torch.no_grad():
-        for name, p in params.items():
-            t = state[name]
-            if t.shape != p.shape:
-                raise ModelConfigError(
-                    f"{where}: tensor '{name}' has shape {list(t.shape)}, expected {list(p.shape)}"
-                )
-            p.copy_(t)
+        for name, p in _tensors(model).items():
+            p.copy_(state[name])
+
+
+def is_hf_tensor(name: str, args: ModelArgs) -> bool:
+    """Whether our state-dict entry `name` is written to HF files (a tied LM head is not)."""
+    return not (name == "lm_head.weight" and args.tie_word_embeddings)
+
+
+def to_hf_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One of our state-dict entries under Hugging Face's on-disk names.
+
+    Stacked experts `model.layers.i.mlp.experts.gate_proj` [E, I, D] become E tensors
+    `model.layers.i.mlp.experts.{e}.gate_proj.weight` [I, D] (views, no copy); others pass through.
+    """
+    if name.startswith(MTP_PREFIX):
+        yield mtp_hf_name(name), tensor
+    elif name.startswith("model.layers.") and ".mlp.experts." in name:
+        prefix, proj = name.rsplit(".", 1)
+        for e in range(tensor.shape[0]):
+            yield f"{prefix}.{e}.{proj}.weight", tensor[e]
+    else:
+        yield name, tensor
 
 
 def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """Our parameters in Hugging Face's on-disk names (experts unstacked, tied head dropped)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.state_dict().items():
-        if name == "lm_head.weight" and model.args.tie_word_embeddings:
-            continue
-        if name.startswith("model.layers.") and ".mlp.experts." in name:
-            prefix, proj = name.rsplit(".", 1)
-            for e in range(p.shape[0]):
-                out[f"{prefix}.{e}.{proj}.weight"] = p[e]
-        else:
-            out[name] = p
-    return out
+    return {
+        hf_name: t
+        for name, p in model.state_dict().items()
+        if is_hf_tensor(name, model.args)
+        for hf_name, t in to_hf_tensors(name, p)
+    }
+
+
+class HFCheckpointWriter:
+    """Stream (HF name, tensor) pairs into `path` as safetensors shards + index + config.json.
+
+    The shard plan comes first, from shapes alone (`huggingface_hub.split_torch_state_dict_into_shards`
+    over meta tensors, so DTensor parameters of a sharded model plan without any gather). Each shard
+    is written as soon as its last tensor arrives, so the writer holds about one shard of tensors.
+
+        writer = HFCheckpointWriter(path, model)
+        for name, tensor in pairs:          # any order; full tensors, e.g. gathered one at a time
+            writer.add(name, tensor)
+        writer.finish()                     # checks every planned tensor came, writes index + config
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, model: Transformer, max_shard_bytes: int = MAX_SHARD_BYTES
+    ) -> None:
+        self.path, self.args = Path(path), model.args
+        meta: dict[str, torch.Tensor] = {}
+        for name, p in model.state_dict().items():
+            if is_hf_tensor(name, model.args):
+                full = torch.empty(p.shape, dtype=p.dtype, device="meta")  # DTensor.shape is the global one
+                for hf_name, t in to_hf_tensors(name, full):
+                    meta[hf_name] = torch.empty(
+                        t.shape, dtype=t.dtype, device="meta"
+                    )  # own storage: own size
+        if not meta:
+            raise ValueError("model has no tensors to write")
+        self.dtype = dtype_name(next(iter(meta.values())).dtype)
+        self.plan = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_bytes)
+        self._pending = {file: set(names) for file, names in self.plan.filename_to_tensors.items()}
+        self._buffers: dict[str, dict[str, torch.Tensor]] = {file: {} for file in self._pending}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        file = self.plan.tensor_to_filename.get(name)
+        if file is None or name not in self._pending[file]:
+            raise ValueError(f"tensor {name!r} is not in the checkpoint plan or was added twice")
+        self._pending[file].discard(name)
+        self._buffers[file][name] = tensor.detach().contiguous().cpu()
+        if not self._pending[file]:
+            save_file(self._buffers.pop(file), str(self.path / file), metadata={"format": "pt"})
+
+    def finish(self) -> None:
+        missing = sorted(name for names in self._pending.values() for name in names)
+        if missing:
+            raise ValueError(
+                f"{self.path}: tensors never added: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+            )
+        config = self.args.to_hf_config(self.dtype)
+        (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.plan.is_sharded:
+            index = {"metadata": self.plan.metadata, "weight_map": self.plan.tensor_to_filename}
+            (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def save_pretrained(
-    model: Transformer,
-    path: str | os.PathLike,
-    max_shard_bytes: int = 4 * 1024**3,
+    model: Transformer, path: str | os.PathLike, max_shard_bytes: int = MAX_SHARD_BYTES
 ) -> None:
     """Write config.json and safetensors shards (with an index when more than one)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in to_hf_state_dict(model).items()}
-    dtype = next(iter(state.values())).dtype
-    dtype_name = next((n for n, d in _DTYPES.items() if d == dtype), "float32")
-    (path / "config.json").write_text(json.dumps(model.args.to_hf_config(dtype_name), indent=2) + "\n")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / name), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(shard, name)
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    writer = HFCheckpointWriter(path, model, max_shard_bytes)
+    for name, t in to_hf_state_dict(model).items():
+        writer.add(name, t)
+    writer.finish()

@@ -8,6 +8,7 @@ Shape legend: B batch, T tokens, D model dim, H query heads, G kv heads, Dh head
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.sparse_index import IndexQuery, select_topk
 
 __all__ = [
     "MLP",
@@ -23,6 +25,8 @@ __all__ = [
     "PackedCausalAttention",
     "RMSNorm",
     "RotaryEmbedding",
+    "apply_rope",
+    "apply_rope_interleaved",
     "segment_ids_from_positions",
 ]
 
@@ -42,7 +46,7 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE with the half-split (non-interleaved) layout; cos/sin built in fp32 from position ids.
+    """RoPE cos/sin tables [B, T, head_dim] (= cat(freqs, freqs)), built in fp32 from position ids.
 
     The inverse frequencies are recomputed per call (Dh/2 values) rather than kept in a buffer, so a
     model materialised from the meta device needs no re-initialisation.
@@ -66,15 +70,46 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE on the first cos.shape[-1] dims of each head; the rest pass through (partial rotary)."""
     cos, sin = cos_BTd.unsqueeze(1), sin_BTd.unsqueeze(1)
-    return x_BHTd * cos + _rotate_half(x_BHTd) * sin
+    r = cos.shape[-1]
+    if r == x_BHTd.shape[-1]:
+        return x_BHTd * cos + _rotate_half(x_BHTd) * sin
+    x_rot, x_pass = x_BHTd[..., :r], x_BHTd[..., r:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def apply_rope_interleaved(
+    x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor
+) -> torch.Tensor:
+    """RoPE over interleaved pairs (x0, x1), (x2, x3), ...; the output is laid out half-split
+    ([rotated evens, rotated odds]), as DeepSeek's checkpoints (and transformers) expect."""
+    half = cos_BTd.shape[-1] // 2
+    cos, sin = cos_BTd[..., :half].unsqueeze(1), sin_BTd[..., :half].unsqueeze(1)
+    x1, x2 = x_BHTd[..., 0::2], x_BHTd[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class AttentionBackend(Protocol):
-    """Computes softmax attention for one layer. q is [B, H, T, Dh]; k, v are [B, G, T, Dh] (new tokens)."""
+    """Computes softmax attention for one layer. q is [B, H, T, Dh]; k, v are [B, G, T, Dh] (new tokens).
+
+    MLA layers (asyncrl.model.mla) call `attend_latent` instead: they hand over each new token's
+    latent state [B, T, c] and an `expand(state_BSc) -> (k_BHSd, v_BHSv)` function, so that a KV
+    cache can keep the latent; `index` (an IndexQuery) makes it DeepSeek sparse attention.
+    """
 
     def __call__(
         self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
+    ) -> torch.Tensor: ...
+
+    def attend_latent(
+        self,
+        q_BHTd: torch.Tensor,
+        state_BTc: torch.Tensor,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        layer_idx: int,
+        *,
+        index: IndexQuery | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -96,6 +131,8 @@ class PackedCausalAttention:
 
     def __init__(self, position_ids_BT: torch.Tensor) -> None:
         segments_BT = segment_ids_from_positions(position_ids_BT)
+        self.segments_BT = segments_BT
+        self.dsa_selection: dict[int, torch.Tensor] = {}
         self.bounds: list[list[tuple[int, int]]] | None = None
         if bool((segments_BT[:, -1] > 1).any()):
             T = position_ids_BT.shape[1]
@@ -103,6 +140,33 @@ class PackedCausalAttention:
                 torch.nonzero(torch.diff(row, prepend=row[:1] - 1)).flatten().tolist() for row in segments_BT
             ]
             self.bounds = [list(zip(st, [*st[1:], T], strict=True)) for st in starts]
+
+    def visible_mask(self) -> torch.Tensor:
+        """Bool [B, T, T]: causal within each packed sequence."""
+        T = self.segments_BT.shape[1]
+        causal_TT = torch.ones(T, T, dtype=torch.bool, device=self.segments_BT.device).tril()
+        same_BTT = self.segments_BT.unsqueeze(2) == self.segments_BT.unsqueeze(1)
+        return causal_TT & same_BTT
+
+    def attend_latent(
+        self,
+        q_BHTd: torch.Tensor,
+        state_BTc: torch.Tensor,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        layer_idx: int,
+        *,
+        index: IndexQuery | None = None,
+    ) -> torch.Tensor:
+        k_BHTd, v_BHTd = expand(state_BTc)
+        if index is None:
+            return self(q_BHTd, k_BHTd, v_BHTd, layer_idx)
+        if index.q_BHTd is None:
+            keep_BTT = self.dsa_selection[index.source_layer]
+        else:
+            keep_BTT = select_topk(index.q_BHTd, index.w_BTH, index.k_BTd, self.visible_mask(), index.topk)
+            self.dsa_selection[layer_idx] = keep_BTT
+        # one masked call: the selection is already causal and within each packed sequence
+        return F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, attn_mask=keep_BTT.unsqueeze(1))
 
     def __call__(
         self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int
@@ -124,7 +188,8 @@ class PackedCausalAttention:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3), RoPE after the norm."""
+    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3; optional in GLM-4.5), RoPE
+    after the norm, on all (Qwen3) or the first `partial_rotary_factor` (GLM-4.5) of each head's dims."""
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
@@ -138,9 +203,10 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        o_bias = bias and args.model_type != "glm4_moe"  # GLM-4.5 biases q/k/v only
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.use_qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.use_qk_norm else nn.Identity()
 
     def forward(
         self,

@@ -8,6 +8,9 @@ Router replay (R3): given the expert ids chosen elsewhere (the inference engine)
 them instead of its own top-k, but the gate weights are still this router's softmax probabilities
 at those ids, so gradients reach the router. Under replay the router can also report its own
 top-k ids (`with_router_topk=True`), so that routing agreement can be measured on the same tokens.
+Router and MoE return small NamedTuples (`Routing`, `MoEOutput`) whose fields do not depend on
+that flag. NamedTuples, not dataclasses: FSDP2 and activation checkpointing find the tensors in a
+module's output through torch's pytree, which knows NamedTuples.
 
 `GroupedExperts.expert_linear` is a hook for the per-expert matmul (`fn(x_NK, w_OK) -> x @ w.T`);
 `asyncrl.model.fp8.apply_fp8` sets it to the FP8 block-scale matmul. None keeps the plain path.
@@ -18,14 +21,34 @@ Shape legend: N tokens (flattened), D model dim, E experts, I expert hidden dim,
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.layers import MLP
 
-__all__ = ["GroupedExperts", "MoE", "Router", "grouped_swiglu"]
+__all__ = ["GroupedExperts", "MoE", "MoEOutput", "Router", "Routing", "grouped_swiglu"]
+
+
+class Routing(NamedTuple):
+    """What a router decided for N tokens (Router.forward)."""
+
+    ids_NK: torch.Tensor  # int64 [N, K]: the experts used (the router's top-k, or the replayed ids)
+    weights_NK: torch.Tensor  # [N, K] gate weights in the input's dtype
+    router_topk_NK: torch.Tensor | None  # int64 [N, K] the router's own top-k; None unless with_router_topk
+
+
+class MoEOutput(NamedTuple):
+    """An MoE block's output (MoE.forward)."""
+
+    out_BTD: torch.Tensor  # [B, T, D]
+    ids_BTK: torch.Tensor  # int64 [B, T, K]: the experts used (captured or replayed)
+    router_topk_BTK: (
+        torch.Tensor | None
+    )  # int64 [B, T, K] the router's own top-k; None unless with_router_topk
 
 
 class Router(nn.Module):
@@ -38,11 +61,11 @@ class Router(nn.Module):
 
     def forward(
         self, x_ND: torch.Tensor, replay_ids_NK: torch.Tensor | None = None, *, with_router_topk: bool = False
-    ) -> tuple[torch.Tensor, ...]:
-        """Return (expert ids [N, K] int64, gate weights [N, K] in x's dtype).
+    ) -> Routing:
+        """The experts for each token and their gate weights.
 
-        with_router_topk: also return this router's own top-k ids [N, K] (equal to the ids used
-        unless replaying).
+        with_router_topk: also report this router's own top-k ids (equal to the ids used unless
+        replaying); otherwise `router_topk_NK` is None.
         """
         probs_NE = F.softmax(F.linear(x_ND.float(), self.weight.float()), dim=-1)
         if replay_ids_NK is None:
@@ -54,9 +77,11 @@ class Router(nn.Module):
             own_ids_NK = probs_NE.topk(self.top_k, dim=-1).indices if with_router_topk else None
         if self.norm_topk_prob:
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
-        if with_router_topk:
-            return ids_NK, weights_NK.to(x_ND.dtype), own_ids_NK
-        return ids_NK, weights_NK.to(x_ND.dtype)
+        return Routing(
+            ids_NK=ids_NK,
+            weights_NK=weights_NK.to(x_ND.dtype),
+            router_topk_NK=own_ids_NK if with_router_topk else None,
+        )
 
 
 class GroupedExperts(nn.Module):
@@ -117,13 +142,25 @@ def grouped_swiglu(
 
 
 class MoE(nn.Module):
-    """Router + grouped experts. Returns the output and the expert ids used (captured or replayed),
-    and with `with_router_topk=True` also the router's own top-k ids."""
+    """Router + grouped experts (+ always-on shared experts, DeepSeek-style). Returns an `MoEOutput`:
+    the output, the expert ids used (captured or replayed), and with `with_router_topk=True` the
+    router's own top-k ids.
 
-    def __init__(self, args: ModelArgs) -> None:
+    `gate` is a softmax `Router` (Qwen3-MoE) or, for the sigmoid-router families, a
+    `GroupedSigmoidRouter` (built by `asyncrl.model.transformer`, which picks per architecture).
+    """
+
+    def __init__(self, args: ModelArgs, gate: nn.Module | None = None) -> None:
         super().__init__()
-        self.gate = Router(args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob)
+        self.gate = gate or Router(
+            args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob
+        )
         self.experts = GroupedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
+        self.shared_experts = (
+            MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+            if args.n_shared_experts
+            else None
+        )
 
     def forward(
         self,
@@ -131,11 +168,17 @@ class MoE(nn.Module):
         replay_ids_BTK: torch.Tensor | None = None,
         *,
         with_router_topk: bool = False,
-    ) -> tuple[torch.Tensor, ...]:
+    ) -> MoEOutput:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         replay_NK = None if replay_ids_BTK is None else replay_ids_BTK.reshape(B * T, -1)
-        ids_NK, weights_NK, *own = self.gate(x_ND, replay_NK, with_router_topk=with_router_topk)
-        y_ND = self.experts(x_ND, ids_NK, weights_NK)
-        out = (y_ND.view(B, T, D), ids_NK.view(B, T, -1))
-        return (*out, own[0].view(B, T, -1)) if with_router_topk else out
+        routing = self.gate(x_ND, replay_NK, with_router_topk=with_router_topk)
+        y_BTD = self.experts(x_ND, routing.ids_NK, routing.weights_NK).view(B, T, D)
+        if self.shared_experts is not None:
+            y_BTD = y_BTD + self.shared_experts(x_BTD)
+        own_NK = routing.router_topk_NK
+        return MoEOutput(
+            out_BTD=y_BTD,
+            ids_BTK=routing.ids_NK.view(B, T, -1),
+            router_topk_BTK=None if own_NK is None else own_NK.view(B, T, -1),
+        )

@@ -31,6 +31,35 @@ PRESETS: dict[str, ModelArgs] = {
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=448, norm_topk_prob=True,
         max_position_embeddings=8192, rope_theta=100000.0, **_IDS,
     ),
+    # DeepSeek-V3 / Kimi-K2 family: MLA (latent 64 + rope 16), 8 experts in 4 groups (2 kept), top-2,
+    # one shared expert, the first layer dense.
+    "tiny-dsv3": ModelArgs(
+        model_type="deepseek_v3", vocab_size=_VOCAB, hidden_size=128, intermediate_size=384,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+        q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        rope_interleave=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+        norm_topk_prob=True, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, max_position_embeddings=4096, rope_theta=10000.0, **_IDS,
+    ),
+    # GLM-5 family: tiny-dsv3's MLA + MoE plus a DSA lightning indexer (8 heads x 32, top-64 keys).
+    "tiny-glm5": ModelArgs(
+        model_type="glm_moe_dsa", vocab_size=_VOCAB, hidden_size=128, intermediate_size=384,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+        q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        rope_interleave=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+        norm_topk_prob=True, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, index_topk=64, index_n_heads=8, index_head_dim=32,
+        indexer_types=("full",) * 4, max_position_embeddings=4096, rope_theta=10000.0, **_IDS,
+    ),
+    # GLM-4.5 family: GQA with half-width RoPE and QK-norm, the sigmoid router, one shared expert.
+    "tiny-glm4moe": ModelArgs(
+        model_type="glm4_moe", vocab_size=_VOCAB, hidden_size=128, intermediate_size=384,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True, n_shared_experts=1,
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=1,
+        max_position_embeddings=4096, rope_theta=10000.0, **_IDS,
+    ),
 }  # fmt: skip
 
 

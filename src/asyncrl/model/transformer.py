@@ -16,11 +16,14 @@ Shape legend: B batch, T tokens, D model dim, V vocab, L layers, K top_k.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.dsa import DSAttention
+from asyncrl.model.grouped_router import GroupedSigmoidRouter
 from asyncrl.model.layers import (
     MLP,
     Attention,
@@ -29,9 +32,11 @@ from asyncrl.model.layers import (
     RMSNorm,
     RotaryEmbedding,
 )
+from asyncrl.model.mla import MLAttention
 from asyncrl.model.moe import MoE
+from asyncrl.model.mtp import PassthroughTensors
 
-__all__ = ["DecoderLayer", "ModelOutput", "Transformer"]
+__all__ = ["DecoderLayer", "LayerOutput", "ModelOutput", "Transformer"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,13 +47,21 @@ class ModelOutput:
     router_topk: torch.Tensor | None = None  # int32 [B, T, L, K]; only when replaying with return_routing
 
 
+class LayerOutput(NamedTuple):
+    """A decoder layer's output (a NamedTuple so FSDP2 / checkpointing see its tensors; see moe.py)."""
+
+    x_BTD: torch.Tensor  # [B, T, D]
+    ids_BTK: torch.Tensor | None  # int64 [B, T, K] experts used; None for dense layers
+    router_topk_BTK: torch.Tensor | None  # int64 [B, T, K] router's own top-k; None unless asked or dense
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.is_moe = args.is_moe_layer(layer_idx)
-        self.self_attn = Attention(args, layer_idx)
-        self.mlp: MoE | MLP = MoE(args) if self.is_moe else MLP(args.hidden_size, args.intermediate_size)
+        self.self_attn = build_attention(args, layer_idx)
+        self.mlp: MoE | MLP = build_mlp(args, layer_idx)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -60,17 +73,33 @@ class DecoderLayer(nn.Module):
         replay_ids_BTK: torch.Tensor | None = None,
         *,
         with_router_topk: bool = False,
-    ) -> tuple[torch.Tensor | None, ...]:
-        """Return the layer output and, for MoE layers, the expert ids used [B, T, K] (else None).
+    ) -> LayerOutput:
+        """The layer output and, for MoE layers, the expert ids used.
 
-        with_router_topk: append the router's own top-k ids [B, T, K] (None for dense layers).
+        with_router_topk: also report the router's own top-k ids (MoE layers only).
         """
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), rope, backend)
         h_BTD = self.post_attention_layernorm(x_BTD)
         if isinstance(self.mlp, MoE):
-            y_BTD, ids_BTK, *own = self.mlp(h_BTD, replay_ids_BTK, with_router_topk=with_router_topk)
-            return (x_BTD + y_BTD, ids_BTK, *own)
-        return (x_BTD + self.mlp(h_BTD), None) + ((None,) if with_router_topk else ())
+            moe = self.mlp(h_BTD, replay_ids_BTK, with_router_topk=with_router_topk)
+            return LayerOutput(
+                x_BTD=x_BTD + moe.out_BTD, ids_BTK=moe.ids_BTK, router_topk_BTK=moe.router_topk_BTK
+            )
+        return LayerOutput(x_BTD=x_BTD + self.mlp(h_BTD), ids_BTK=None, router_topk_BTK=None)
+
+
+def build_attention(args: ModelArgs, layer_idx: int) -> nn.Module:
+    """GQA (Qwen3, GLM-4.5), MLA (DeepSeek-V3, Kimi-K2) or MLA + sparse attention (GLM-5)."""
+    if args.uses_dsa:
+        return DSAttention(args, layer_idx)
+    return MLAttention(args, layer_idx) if args.uses_mla else Attention(args, layer_idx)
+
+
+def build_mlp(args: ModelArgs, layer_idx: int) -> MoE | MLP:
+    """SwiGLU for dense layers; MoE with a softmax (Qwen3-MoE) or grouped sigmoid router otherwise."""
+    if not args.is_moe_layer(layer_idx):
+        return MLP(args.hidden_size, args.intermediate_size)
+    return MoE(args, GroupedSigmoidRouter(args) if args.sigmoid_router else None)
 
 
 class _Backbone(nn.Module):
@@ -89,7 +118,8 @@ class Transformer(nn.Module):
         self.args = args
         self.model = _Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta)
+        self.rotary = RotaryEmbedding(args.rope_dim, args.rope_theta)
+        self.mtp = PassthroughTensors()  # checkpoint MTP layers, kept and written back unchanged
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -102,9 +132,11 @@ class Transformer(nn.Module):
         return self.model.layers
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
-        """Random init for models trained from scratch: N(0, std) matrices, unit norms."""
+        """Random init for models trained from scratch: N(0, std) matrices, unit norms, zero buffers."""
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
+            for _, b in self.named_buffers():
+                b.zero_()
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
@@ -151,10 +183,11 @@ class Transformer(nn.Module):
             replay = (
                 None if routed_experts is None or not layer.is_moe else routed_experts[:, :, layer.layer_idx]
             )
-            x_BTD, ids_BTK, *own = layer(x_BTD, rope, backend, replay, with_router_topk=own_topk)
+            out = layer(x_BTD, rope, backend, replay, with_router_topk=own_topk)
+            x_BTD = out.x_BTD
             if return_routing:
-                captured.append(ids_BTK)
-                captured_own.extend(own)
+                captured.append(out.ids_BTK)
+                captured_own.append(out.router_topk_BTK)
         h_BTD = self.model.norm(x_BTD)
         logits = self.lm_head(h_BTD) if compute_logits else None
         routing = self._stack_routing(captured, B, T, input_ids.device) if return_routing else None

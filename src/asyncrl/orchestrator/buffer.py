@@ -21,7 +21,10 @@ def oldest_allowed_version(step: int, max_off_policy_steps: int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class Group:
-    """The samples of one task's rollouts, advantages assigned; `dispatch_version` is its cache salt."""
+    """The samples of one task's rollouts, advantages assigned; `dispatch_version`: the version held at dispatch.
+
+    `index` is the group's position in the run's task stream (its id across restarts; -1 if unset).
+    """
 
     task_id: str
     env: str
@@ -29,6 +32,7 @@ class Group:
     samples: list[RolloutSample]
     rewards: list[float]
     episode_metrics: list[dict[str, float]]
+    index: int = -1
 
     @property
     def oldest_version(self) -> int:
@@ -44,10 +48,21 @@ class GroupBuffer:
         self._groups: deque[Group] = deque()
         self.num_dropped_groups = 0
         self.num_dropped_samples = 0
+        self.dropped_indices: list[int] = []  # indices of stale-dropped groups; the owner drains it
 
     def add(self, group: Group) -> None:
         if group.samples:
             self._groups.append(group)
+
+    def load(self, groups: list[Group], num_dropped_groups: int, num_dropped_samples: int) -> None:
+        """Start from a checkpoint's buffered groups and drop counts."""
+        self._groups = deque(groups)
+        self.num_dropped_groups, self.num_dropped_samples = num_dropped_groups, num_dropped_samples
+
+    @property
+    def groups(self) -> list[Group]:
+        """The buffered groups, oldest first (a copy: the checkpoint's view)."""
+        return list(self._groups)
 
     @property
     def num_samples(self) -> int:
@@ -60,6 +75,7 @@ class GroupBuffer:
         for g in self._groups:
             if g.oldest_version < floor:
                 self.num_dropped_groups += 1
+                self.dropped_indices.append(g.index)
                 dropped += len(g.samples)
             else:
                 kept.append(g)

@@ -4,10 +4,16 @@ Reading order:
 1. Dispatch groups of `group_size` episodes of one task while the lag bound allows: a new group
    would land in batch m (the step being filled plus what is in flight and buffered), which needs
    version >= m - 1 - max_async_steps. `max_async_steps = 0` is synchronous on-policy RL.
-2. Each group's `cache_salt` is the version at dispatch. When a new version arrives, groups in
+2. Each request's `cache_salt` is the version the servers hold when it is sent (every turn and
+   every retry reads it anew), so siblings share prefix-cache blocks and a later turn never asks
+   for KV of older weights; the engine keys its cache by the weights that computed each block as
+   well, so nothing old is served inside an update either. When a new version arrives, groups in
    flight whose dispatch version is already too old for the next batch are cancelled (counted).
-3. Finished groups get group-relative advantages and enter the buffer; `cut(step)` drops stale
-   groups, and a full batch is written atomically to `RUN/rollouts/step_n/`.
+3. Finished groups get group-relative advantages over their valid episodes (failed ones are
+   counted, never trained; see `advantages`) and enter the buffer; `cut(step)` drops stale
+   groups, and a full batch is written atomically to `RUN/rollouts/step_n/`, together with the
+   orchestrator's checkpoint (`snapshot`; `restore` continues from it, see checkpoint.py). A write
+   the disk refuses is retried, with the groups kept, until it succeeds.
 """
 
 from __future__ import annotations
@@ -16,20 +22,26 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
+from asyncrl.envs.backend import InferenceError, ServerUnavailable
 from asyncrl.envs.base import Environment, Task
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.client import InferenceError
 from asyncrl.envs.policy import TokenPolicy
 from asyncrl.envs.rollout import Episode, run_episode
-from asyncrl.orchestrator.advantages import group_advantages, with_advantage
+from asyncrl.orchestrator.advantages import is_valid, valid_group_samples
 from asyncrl.orchestrator.buffer import Group, GroupBuffer, oldest_allowed_version
-from asyncrl.orchestrator.metrics import StepMetrics, batch_metrics
-from asyncrl.orchestrator.pool import ServerPool, ServerUnavailable
+from asyncrl.orchestrator.checkpoint import GroupRef, OrchestratorState, encode_state
+from asyncrl.orchestrator.fill import FillTracker
+from asyncrl.orchestrator.metrics import Counters, StepMetrics, batch_metrics
+from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.transport.rollouts import write_batch
+from asyncrl.wire import RolloutBatch
 
 __all__ = ["Dispatcher"]
 
@@ -40,17 +52,8 @@ log = logging.getLogger(__name__)
 class _InFlight:
     task: asyncio.Task
     dispatch_version: int
-
-
-@dataclass
-class Counters:
-    groups_dispatched: int = 0
-    groups_cancelled_stale: int = 0
-    groups_zero_advantage: int = 0
-    episodes_failed: int = 0
-    episodes_retried: int = 0
-    inference_idle_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
+    ref: GroupRef
+    cancelled: bool = False  # cancelled as stale: already counted as dropped
 
 
 class Dispatcher:
@@ -67,6 +70,51 @@ class Dispatcher:
         self._task_index = (cfg.start_step - 1) * cfg.groups_per_batch
         self._wake = asyncio.Event()
         self._step_started = time.monotonic()
+        self.fill = FillTracker(
+            batch_size=cfg.batch_size,
+            max_groups=cfg.fill_group_limit,
+            interval_s=cfg.fill_status_interval_s,
+            step=cfg.start_step,
+        )
+        self._consecutive_errors = 0
+        self._redispatch: deque[GroupRef] = deque()  # in flight at the checkpoint we resumed from
+        self._dropped: list[tuple[int, str]] = []  # (group index, reason) since the last batch
+
+    # -- checkpoint ----------------------------------------------------------------------------
+    def restore(self, state: OrchestratorState) -> None:
+        """Continue after batch `state.step`: its buffer, task stream, counters; re-run its in-flight groups."""
+        self.step = state.step + 1
+        self._task_index = state.next_index
+        self._rng.setstate(state.rng_state)
+        known = {f.name for f in fields(Counters)}
+        self.counters = Counters(**{k: v for k, v in state.counters.items() if k in known})
+        self.buffer.load(
+            state.buffered,
+            int(state.counters.get("buffer_dropped_groups", 0)),
+            int(state.counters.get("buffer_dropped_samples", 0)),
+        )
+        self._redispatch.extend(state.in_flight)
+        self.fill.reset(self.step, self._num_stale_groups)
+
+    def snapshot(self, step: int, trained: list[Group], metrics: dict) -> OrchestratorState:
+        """The state right after cutting batch `step` out of the buffer."""
+        counters = asdict(self.counters) | {
+            "buffer_dropped_groups": self.buffer.num_dropped_groups,
+            "buffer_dropped_samples": self.buffer.num_dropped_samples,
+        }
+        in_flight = [*self._redispatch, *(f.ref for f in self._in_flight if not f.cancelled)]
+        return OrchestratorState(
+            step=step,
+            next_index=self._task_index,
+            rng_state=self._rng.getstate(),
+            version=self.version,
+            counters=counters,
+            buffered=self.buffer.groups,
+            in_flight=in_flight,
+            trained=[g.index for g in trained],
+            dropped=list(self._dropped),
+            metrics=metrics,
+        )
 
     # -- version events (called by the WeightUpdater) -------------------------------------------
     def on_version(self, version: int) -> None:
@@ -79,6 +127,8 @@ class Dispatcher:
         for f in self._in_flight:
             if f.dispatch_version < floor and not f.task.done():
                 f.task.cancel()
+                f.cancelled = True
+                self._dropped.append((f.ref.index, "stale_in_flight"))
                 self.counters.groups_cancelled_stale += 1
 
     # -- dispatch ------------------------------------------------------------------------------
@@ -97,30 +147,40 @@ class Dispatcher:
 
     def _dispatch(self) -> None:
         while self._may_dispatch():
-            env_cfg, env = self.mixture.pick(self._rng)
-            task = env.task("train", self._task_index)
-            self._task_index += 1
+            ref = self._redispatch.popleft() if self._redispatch else self._next_group()
+            env_cfg, env = self.mixture.configs[ref.env_index], self.mixture.envs[ref.env_index]
+            task = env.task("train", ref.index)
             version = self.version
-            coro = self._run_group(env_cfg, env, task, version)
-            self._in_flight.append(_InFlight(asyncio.create_task(coro), version))
+            coro = self._run_group(env_cfg, env, task, version, ref.index)
+            self._in_flight.append(_InFlight(asyncio.create_task(coro), version, ref))
             self.counters.groups_dispatched += 1
 
+    def _cache_salt(self) -> str:
+        """The salt of a request sent now: the version the servers hold (read per turn and retry)."""
+        return str(self.version)
+
+    def _next_group(self) -> GroupRef:
+        """The next group of the task stream: an env picked by the seeded RNG, the next task index."""
+        env_cfg, _ = self.mixture.pick(self._rng)
+        env_index = next(i for i, c in enumerate(self.mixture.configs) if c is env_cfg)
+        self._task_index += 1
+        return GroupRef(index=self._task_index - 1, env_index=env_index)
+
     # -- one group -----------------------------------------------------------------------------
-    async def _run_group(self, env_cfg, env: Environment, task: Task, version: int) -> Group:
+    async def _run_group(self, env_cfg, env: Environment, task: Task, version: int, index: int) -> Group:
         ids = [f"{task.id}/v{version}/{i}" for i in range(self.cfg.group_size)]
         episodes = await asyncio.gather(*(self._run_episode(env_cfg, env, task, version, e) for e in ids))
-        return self._make_group(env_cfg.label or env_cfg.name, task, version, list(episodes))
+        return self._make_group(env_cfg.label or env_cfg.name, task, version, list(episodes), index)
 
     async def _run_episode(
         self, env_cfg, env: Environment, task: Task, version: int, episode_id: str
     ) -> Episode:
         for attempt in range(self.cfg.max_episode_retries + 1):
             policy = TokenPolicy(
-                self.pool.session(episode_id),
+                self.pool.session(episode_id, cache_salt=self._cache_salt),
                 self.tokenizer,
                 self.cfg.sampling,
                 config=env_cfg,
-                cache_salt=str(version),
                 return_routed_experts=self.cfg.return_routed_experts,
             )
             try:
@@ -137,31 +197,43 @@ class Dispatcher:
                 self.pool.end_session(episode_id)
         return _failed_episode(env_cfg.label or env_cfg.name, task, episode_id, error)
 
-    def _make_group(self, env_name: str, task: Task, version: int, episodes: list[Episode]) -> Group:
-        failed = [e for e in episodes if e.failed or e.stop_reason == "aborted"]
-        self.counters.episodes_failed += len(failed)
-        if self.cfg.advantage.failed_episodes == "exclude":
-            episodes = [e for e in episodes if e not in failed]
-        rewards = [0.0 if e in failed else e.reward for e in episodes]
-        adv = group_advantages(
-            rewards, normalize_std=self.cfg.advantage.normalize_std, eps=self.cfg.advantage.std_eps
+    def _make_group(
+        self, env_name: str, task: Task, version: int, episodes: list[Episode], index: int = -1
+    ) -> Group:
+        """Advantages over the valid episodes (see `advantages`); failed ones are counted, never trained."""
+        valid = [e for e in episodes if is_valid(e)]
+        self.counters.episodes_failed += len(episodes) - len(valid)
+        scored = valid_group_samples(
+            episodes, normalize_std=self.cfg.advantage.normalize_std, eps=self.cfg.advantage.std_eps
         )
-        samples = [with_advantage(s, a) for e, a in zip(episodes, adv, strict=True) for s in e.samples]
-        if self.cfg.advantage.filter_zero_advantage and all(abs(a) < 1e-9 for a in adv):
+        samples: list = []
+        if scored is None:
+            self.counters.groups_too_few_valid += 1
+        elif self.cfg.advantage.filter_zero_advantage and all(abs(a) < 1e-9 for a in scored[1]):
             self.counters.groups_zero_advantage += 1
-            samples = []
+        else:
+            samples = scored[0]
         return Group(
             task_id=task.id,
             env=env_name,
             dispatch_version=version,
             samples=samples,
-            rewards=rewards,
-            episode_metrics=[e.metrics | {"reward": r} for e, r in zip(episodes, rewards, strict=True)],
+            rewards=[e.reward for e in valid],
+            episode_metrics=[e.metrics | {"reward": e.reward} for e in episodes],
+            index=index,
         )
 
     # -- main loop -----------------------------------------------------------------------------
-    async def run(self, on_batch=None) -> None:
-        """Produce batches start_step..max_steps; `on_batch(metrics)` is called after each write."""
+    async def run(
+        self,
+        on_batch: Callable[[int, dict[str, float | int]], None] | None = None,
+        on_fill_status: Callable[[str], None] | None = None,
+    ) -> None:
+        """Produce batches start_step..max_steps; `on_batch(step, metrics)` is called after each write,
+        `on_fill_status(line)` every `fill_status_interval_s` while a batch fills.
+
+        Raises `FillStalledError` when `max_fill_groups` groups go by without filling a batch.
+        """
         pending_metrics = StepMetrics()
         while self.step <= self.cfg.max_steps:
             self._dispatch()
@@ -171,22 +243,74 @@ class Dispatcher:
                 self.counters.inference_idle_s += time.monotonic() - idle_t0
             for group in self._collect_finished():
                 pending_metrics.add_group(group)
+                if not group.samples:
+                    self._dropped.append((group.index, "no_samples"))  # zero advantage or all failed
                 self.buffer.add(group)
+                self.fill.add(group)
             while self.version >= self.step - 1 - self.cfg.max_async_steps and (
                 cut := self.buffer.cut(self.step)
             ):
                 batch, groups = cut
-                path = write_batch(self.cfg.run_dir, batch)
-                metrics = batch_metrics(self, batch, groups, pending_metrics)
+                metrics = self._batch_metrics(batch, pending_metrics)
+                path = await self._write(batch, groups, metrics)
                 pending_metrics = StepMetrics()
                 log.info("wrote %s", path)
                 if on_batch is not None:
-                    on_batch(metrics)
+                    on_batch(batch.step, metrics)
                 self.step += 1
                 self._step_started = time.monotonic()
+                self.fill.reset(self.step, self._num_stale_groups)
+            self._report_fill(on_fill_status)
         for f in self._in_flight:
             f.task.cancel()
         await asyncio.gather(*(f.task for f in self._in_flight), return_exceptions=True)
+
+    @property
+    def _num_stale_groups(self) -> int:
+        return self.buffer.num_dropped_groups + self.counters.groups_cancelled_stale
+
+    def _report_fill(self, on_fill_status: Callable[[str], None] | None) -> None:
+        if self.step > self.cfg.max_steps:
+            return
+        if on_fill_status is not None and self.fill.due():
+            on_fill_status(self.fill.status(self.buffer.num_samples, self._num_stale_groups))
+        self.fill.check(self.buffer.num_samples, self._num_stale_groups)
+
+    async def _write(self, batch: RolloutBatch, groups: list[Group], metrics: dict) -> Path:
+        """Write batch + checkpoint; while the disk refuses (full, read-only), keep the groups and retry."""
+        self._dropped += [(i, "stale_queue") for i in self.buffer.dropped_indices]
+        self.buffer.dropped_indices.clear()
+        attempt = 0
+        while True:
+            state = self.snapshot(batch.step, groups, metrics)  # in flight may change while we wait
+            try:
+                path = write_batch(self.cfg.run_dir, batch, encode_state(state))
+            except FileExistsError:
+                raise  # two writers on one run dir: never overwrite a batch
+            except OSError as e:
+                delay = min(0.5 * 2**attempt, 30.0)
+                log.error(
+                    "cannot write batch %d under %s/rollouts (%s); its groups are kept, retrying in %.1fs",
+                    batch.step, self.cfg.run_dir, e, delay,
+                )  # fmt: skip
+                await asyncio.sleep(delay)
+                attempt += 1
+                continue
+            self._dropped.clear()
+            return path
+
+    def _batch_metrics(self, batch: RolloutBatch, since: StepMetrics) -> dict[str, float | int]:
+        metrics = batch_metrics(
+            batch,
+            since,
+            self.counters,
+            policy_version=self.version,
+            num_dropped_stale_queue=self.buffer.num_dropped_groups,
+            step_seconds=time.monotonic() - self._step_started,
+            inference=self.pool.stats.take(),
+        )
+        self.counters.inference_idle_s = 0.0  # per step; the other counters are run totals
+        return metrics
 
     async def _wait_for_event(self) -> None:
         self._wake.clear()
@@ -200,11 +324,20 @@ class Dispatcher:
         self._in_flight = [f for f in self._in_flight if not f.task.done()]
         groups = []
         for f in done:
-            if f.task.cancelled():
+            if f.cancelled or f.task.cancelled():  # a stale group that finished anyway stays dropped
                 continue
             exc = f.task.exception()
-            if exc is not None:
-                raise exc  # a bug in our own code: surface it, the launcher names this process
+            if exc is not None:  # one group's failure is counted and logged; the run goes on
+                self.counters.groups_error += 1
+                self._dropped.append((f.ref.index, "error"))
+                self._consecutive_errors += 1
+                log.error("group dispatched at v%d failed", f.dispatch_version, exc_info=exc)
+                if self._consecutive_errors >= 2 * self.cfg.concurrent_groups:
+                    raise RuntimeError(  # every group fails: a bug, not bad luck; the launcher names us
+                        f"{self._consecutive_errors} rollout groups in a row failed; last error: {exc!r}"
+                    ) from exc
+                continue
+            self._consecutive_errors = 0
             groups.append(f.task.result())
         return groups
 

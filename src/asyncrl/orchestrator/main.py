@@ -1,7 +1,8 @@
 """`asyncrl orchestrator @ cfg.toml [--dotted.key value]`: rollouts -> RUN/rollouts/step_n/.
 
 Talks to the inference servers over HTTP only, watches RUN/weights/ for new policy versions and
-drives the weight updates, and writes one batch per trainer step.
+drives the weight updates, and writes one batch per trainer step. With `--resume true` it
+continues from the checkpoint stored with the newest batch (see asyncrl.orchestrator.checkpoint).
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
 from asyncrl.envs.chat import ChatTokenizer
+from asyncrl.orchestrator.checkpoint import OrchestratorState, load_latest_state
 from asyncrl.orchestrator.dispatcher import Dispatcher
-from asyncrl.orchestrator.metrics import append_jsonl, format_line
+from asyncrl.orchestrator.fill import FillStalledError
+from asyncrl.orchestrator.metrics import format_line
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
+from asyncrl.transport.metrics import MetricsWriter, read_metrics
+from asyncrl.transport.rollouts import batch_dir
 
 log = logging.getLogger("asyncrl.orchestrator")
 
@@ -26,12 +31,19 @@ log = logging.getLogger("asyncrl.orchestrator")
 async def run_orchestrator(cfg: OrchestratorConfig) -> None:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    pool = ServerPool(cfg.servers, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)
+    state = _resume_state(cfg)
+    pool = ServerPool.from_urls(
+        cfg.servers, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, kind=cfg.inference_backend
+    )
     try:
         await pool.wait_ready(cfg.server_ready_timeout_s)
         dispatcher = Dispatcher(
             cfg, pool, EnvMixture.from_config(cfg.envs), ChatTokenizer.from_pretrained(cfg.model)
         )
+        writer = MetricsWriter(run_dir, "orchestrator")
+        if state is not None:
+            dispatcher.restore(state)
+            _rewrite_last_line(writer, state)
         updater = WeightUpdater(pool, run_dir, poll_s=cfg.weights_poll_s, on_version=dispatcher.on_version)
         await updater.sync_once()  # resume: servers start from the newest published weights
         background = [
@@ -39,20 +51,46 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
             asyncio.create_task(pool.health_loop(cfg.health_poll_s, updater.sync_server)),
         ]
 
-        def on_batch(m: dict) -> None:
-            m["inference/pause_s"] = sum(updater.pause_seconds)
+        def on_batch(step: int, metrics: dict) -> None:
+            metrics["inference/pause_s"] = sum(updater.pause_seconds)
             updater.pause_seconds.clear()
-            append_jsonl(run_dir / "metrics.jsonl", m)
-            print(format_line(m), flush=True)
+            print(format_line(writer.write(step, metrics)), flush=True)
 
         try:
-            await dispatcher.run(on_batch)
+            await dispatcher.run(on_batch, lambda line: print(f"[orchestrator] {line}", flush=True))
         finally:
             for t in background:
                 t.cancel()
             await asyncio.gather(*background, return_exceptions=True)
     finally:
         await pool.aclose()
+
+
+def _resume_state(cfg: OrchestratorConfig) -> OrchestratorState | None:
+    """The checkpoint to continue from (resume), or None; refuses to write over existing batches."""
+    if not cfg.resume:
+        first = batch_dir(cfg.run_dir, cfg.start_step)
+        if first.exists():
+            raise ValueError(
+                f"{first} already exists: continue this run with resume = true (asyncrl rl ... --resume), "
+                "or start a new run in another run_dir"
+            )
+        return None
+    state = load_latest_state(cfg.run_dir)
+    if state is None:
+        log.info("resume: no batch in %s/rollouts yet, starting from batch 1", cfg.run_dir)
+    else:
+        log.info(
+            "resume after batch %d: %d group(s) buffered, %d in flight re-dispatched, next task index %d",
+            state.step, len(state.buffered), len(state.in_flight), state.next_index,
+        )  # fmt: skip
+    return state
+
+
+def _rewrite_last_line(writer: MetricsWriter, state: OrchestratorState) -> None:
+    """A crash between writing batch n and its metrics line loses the line; the checkpoint has it."""
+    if not any(r["step"] == state.step for r in read_metrics(writer.path.parent, "orchestrator")):
+        writer.write(state.step, state.metrics)
 
 
 def main(argv: list[str]) -> int:
@@ -66,5 +104,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"asyncrl orchestrator: {e}", file=sys.stderr)
         return 2
-    asyncio.run(run_orchestrator(cfg))
+    try:
+        asyncio.run(run_orchestrator(cfg))
+    except FillStalledError as e:
+        print(f"asyncrl orchestrator: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0

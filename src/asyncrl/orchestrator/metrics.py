@@ -1,28 +1,37 @@
 """Per-step orchestrator metrics: rewards, episode shape, staleness, drops, inference load.
 
-One record per written batch goes to `RUN/metrics.jsonl` (with `"role": "orchestrator"`), and one
-line to the console.
+`batch_metrics` is a pure function of the batch, the episodes finished since the last batch, and
+the dispatcher's counters; the dispatcher passes them in and resets what is per step. One line per
+written batch goes to `RUN/metrics.jsonl` (through `asyncrl.transport.MetricsWriter`, role
+"orchestrator"), and one line to the console.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from asyncrl.orchestrator.buffer import Group
 from asyncrl.wire import RolloutBatch
 
-if TYPE_CHECKING:
-    from asyncrl.orchestrator.dispatcher import Dispatcher
+__all__ = ["Counters", "StepMetrics", "batch_metrics", "format_line"]
 
-__all__ = ["StepMetrics", "append_jsonl", "batch_metrics", "format_line"]
+
+@dataclass
+class Counters:
+    """Run totals of the dispatcher, except `inference_idle_s`, which is per step."""
+
+    groups_dispatched: int = 0
+    groups_cancelled_stale: int = 0
+    groups_zero_advantage: int = 0
+    groups_too_few_valid: int = 0  # fewer than two valid episodes: no baseline
+    groups_error: int = 0  # the group's own code raised; logged and dropped
+    episodes_failed: int = 0
+    episodes_retried: int = 0
+    inference_idle_s: float = 0.0
 
 
 @dataclass
@@ -41,18 +50,35 @@ def _mean(xs) -> float:
     return float(np.mean(xs)) if len(xs) else 0.0
 
 
-def batch_metrics(d: Dispatcher, batch: RolloutBatch, groups: list[Group], since: StepMetrics) -> dict:
+def _num_without_routing(batch: RolloutBatch) -> int:
+    """Samples trained without router replay in a batch that carries routing (0 when none does)."""
+    missing = sum(s.routed_experts is None for s in batch.samples)
+    return missing if missing < len(batch.samples) else 0
+
+
+def batch_metrics(
+    batch: RolloutBatch,
+    since: StepMetrics,
+    counters: Counters,
+    *,
+    policy_version: int,
+    num_dropped_stale_queue: int,
+    step_seconds: float,
+    inference: Mapping[str, float],
+) -> dict[str, float | int]:
+    """The metrics of one written batch (everything but role, step and time, which the writer adds).
+
+    `since` holds the episodes finished since the previous batch (trained or not); `inference`
+    is the pool's token counters of the same period (`PoolStats.take()`).
+    """
     floor = batch.step - 1
     versions = np.concatenate([s.policy_versions[s.loss_mask] for s in batch.samples])
     staleness = floor - versions if versions.size else np.zeros(1)
     all_rewards = [r for rs in since.rewards.values() for r in rs]
     ep = since.episodes
-    c = d.counters
-    out = {
-        "role": "orchestrator",
-        "step": batch.step,
-        "time": time.time(),
-        "policy_version": d.version,
+    c = counters
+    return {
+        "policy_version": policy_version,
         "reward/mean": _mean(all_rewards),
         "reward/batch_mean": _mean([s.reward for s in batch.samples]),
         **{f"reward/{env}": _mean(rs) for env, rs in since.rewards.items()},
@@ -67,17 +93,18 @@ def batch_metrics(d: Dispatcher, batch: RolloutBatch, groups: list[Group], since
         "batch/tokens": batch.num_tokens,
         "staleness/mean": float(staleness.mean()),
         "staleness/max": int(staleness.max()),
-        "dropped/groups_stale_queue": d.buffer.num_dropped_groups,
+        "dropped/groups_stale_queue": num_dropped_stale_queue,
         "dropped/groups_stale_in_flight": c.groups_cancelled_stale,
         "dropped/groups_zero_advantage": c.groups_zero_advantage,
+        "dropped/groups_too_few_valid": c.groups_too_few_valid,
+        "dropped/groups_error": c.groups_error,
+        "batch/samples_without_routing": _num_without_routing(batch),
         "episodes/failed_total": c.episodes_failed,
         "episodes/retried_total": c.episodes_retried,
         "inference/idle_s": c.inference_idle_s,
-        "orchestrator/step_s": time.monotonic() - d._step_started,
-        **d.pool.stats.take(),
+        "orchestrator/step_s": step_seconds,
+        **inference,
     }
-    c.inference_idle_s = 0.0
-    return out
 
 
 def format_line(m: dict) -> str:
@@ -87,13 +114,3 @@ def format_line(m: dict) -> str:
         f"f{m['dropped/groups_stale_in_flight']} | cache {m['inference/prefix_cache_hit_rate']:.2f} "
         f"| {m['inference/tokens_per_s']:.0f} tok/s | idle {m['inference/idle_s']:.1f}s"
     )
-
-
-def append_jsonl(path: str | Path, record: dict) -> None:
-    """Append one JSON line with a single O_APPEND write, so concurrent writers never interleave."""
-    data = (json.dumps(record) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)

@@ -1,5 +1,9 @@
 """Inference servers as one pool: session-sticky routing, least-loaded placement, health and failover.
 
+The pool holds one `InferenceBackend` (asyncrl.envs.backend) per server and never speaks HTTP
+itself; `ServerPool.from_urls` builds `HttpBackend`s, and any other backend plugs in through
+`ServerPool(backends)`.
+
 Every turn of an episode goes to the server that served its first turn, so the episode reuses its
 prefix cache. New sessions go to the healthy server with the fewest requests in flight. A server
 that fails at the transport level (connection refused, timeout, 5xx) leaves the rotation; the
@@ -7,30 +11,30 @@ failing call raises `ServerUnavailable`, and the dispatcher re-runs that episode
 background task probes `/health` and re-admits the server when it answers again.
 
     pool = ServerPool(["http://127.0.0.1:8000", "http://127.0.0.1:8001"])
-    client = pool.session("episode-17")        # an asyncrl.envs InferenceClient
+    client = pool.session("episode-17")        # an asyncrl.envs InferenceClient (a RequestClient)
     response = await client.generate(prompt_ids, sampling, cache_salt="3")
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, TypeVar
 
-import httpx
+from asyncrl.envs.backend import HttpBackend, InferenceBackend, InferenceError, ServerUnavailable
+from asyncrl.envs.client import RequestClient
+from asyncrl.envs.vllm_backend import VLLMBackend
+from asyncrl.wire import GenerateRequest, GenerateResponse
 
-from asyncrl.envs.client import InferenceError, parse_generate_response
-from asyncrl.wire import GenerateRequest, GenerateResponse, SamplingParams
+__all__ = ["NoHealthyServer", "Server", "ServerPool", "ServerUnavailable"]
 
-__all__ = ["NoHealthyServer", "ServerPool", "ServerUnavailable", "SessionClient"]
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
-
-
-class ServerUnavailable(InferenceError):
-    """The server failed at the transport level; the episode may be retried on another server."""
 
 
 class NoHealthyServer(ServerUnavailable):
@@ -39,11 +43,14 @@ class NoHealthyServer(ServerUnavailable):
 
 @dataclass
 class Server:
-    url: str
-    http: httpx.AsyncClient
+    backend: InferenceBackend
     healthy: bool = True
     in_flight: int = 0
     num_failures: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
 
 
 @dataclass
@@ -68,20 +75,40 @@ class PoolStats:
 
 
 class ServerPool:
-    def __init__(self, urls: list[str], *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
-        if not urls:
-            raise ValueError("ServerPool needs at least one server URL")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.servers = [
-            Server(url=u.rstrip("/"), http=httpx.AsyncClient(base_url=u, headers=headers, timeout=timeout_s))
-            for u in urls
-        ]
+    def __init__(self, backends: Sequence[InferenceBackend]) -> None:
+        if not backends:
+            raise ValueError("ServerPool needs at least one inference server")
+        self.servers = [Server(backend=b) for b in backends]
         self._sessions: dict[str, Server] = {}
         self.stats = PoolStats()
 
+    @classmethod
+    def from_urls(
+        cls,
+        urls: list[str],
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        kind: Literal["embedded", "vllm"] = "embedded",
+    ) -> ServerPool:
+        """A pool of asyncrl HTTP servers (`HttpBackend`) or of vLLM servers (`VLLMBackend`)."""
+        backend = {"embedded": HttpBackend, "vllm": VLLMBackend}[kind]
+        return cls([backend(u, api_key=api_key, timeout_s=timeout_s) for u in urls])
+
     # -- routing -------------------------------------------------------------------------------
-    def session(self, session_id: str) -> SessionClient:
-        return SessionClient(self, session_id)
+    def session(self, session_id: str, *, cache_salt: Callable[[], str] | None = None) -> RequestClient:
+        """The `InferenceClient` of one episode: all its turns go to one server.
+
+        `cache_salt`, when given, is called as each request is sent and its answer becomes the
+        request's salt (the dispatcher's: the policy version the servers hold at that moment).
+        """
+        if cache_salt is None:
+            return RequestClient(functools.partial(self.generate, session_id))
+
+        async def send(request: GenerateRequest) -> GenerateResponse:
+            return await self.generate(session_id, request.model_copy(update={"cache_salt": cache_salt()}))
+
+        return RequestClient(send)
 
     def end_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
@@ -114,36 +141,28 @@ class ServerPool:
         server = self._pick(session_id)
         server.in_flight += 1
         try:
-            response = await server.http.post("/v1/generate", json=request.model_dump(exclude_none=True))
-        except httpx.HTTPError as e:
-            self.mark_down(server, f"{type(e).__name__}: {e}")
-            raise ServerUnavailable(f"{server.url}/v1/generate: {type(e).__name__}: {e}") from e
+            out = await server.backend.generate(request)
+        except ServerUnavailable as e:
+            self.mark_down(server, str(e))
+            raise
         finally:
             server.in_flight -= 1
-        if response.status_code >= 500:
-            self.mark_down(server, f"HTTP {response.status_code}")
-            raise ServerUnavailable(
-                f"{server.url}/v1/generate -> {response.status_code}: {response.text[:300]}"
-            )
-        if response.status_code != 200:
-            raise InferenceError(f"{server.url}/v1/generate -> {response.status_code}: {response.text[:300]}")
-        out = parse_generate_response(response.content, f"{server.url}/v1/generate")
         self.stats.requests += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.stats.cached_tokens += out.num_cached_tokens
         self.stats.generated_tokens += len(out.token_ids)
         return out
 
-    async def post_all(self, path: str, payload: dict | None = None) -> dict[str, httpx.Response | Exception]:
-        """POST to every healthy server at once (admin calls); failures are returned, not raised."""
+    async def call_all(
+        self, call: Callable[[InferenceBackend], Awaitable[_T]]
+    ) -> dict[str, _T | InferenceError]:
+        """`call` every healthy server at once (admin calls); failures are returned, not raised."""
         servers = self.healthy_servers
 
-        async def one(s: Server) -> httpx.Response | Exception:
+        async def one(s: Server) -> _T | InferenceError:
             try:
-                r = await s.http.post(path, json=payload or {})
-                r.raise_for_status()
-                return r
-            except httpx.HTTPError as e:
+                return await call(s.backend)
+            except InferenceError as e:
                 return e
 
         results = await asyncio.gather(*(one(s) for s in servers))
@@ -162,11 +181,9 @@ class ServerPool:
             for server in self.servers:
                 if server.healthy:
                     continue
-                try:
-                    r = await server.http.get("/health", timeout=min(interval_s * 2, 5.0))
-                except httpx.HTTPError:
+                if not await server.backend.health(min(interval_s * 2, 5.0)):
                     continue
-                if r.status_code != 200 or (before_readmit is not None and not await before_readmit(server)):
+                if before_readmit is not None and not await before_readmit(server):
                     continue
                 log.warning("inference server %s healthy again, back in rotation", server.url)
                 server.healthy = True
@@ -176,15 +193,7 @@ class ServerPool:
         deadline = time.monotonic() + timeout_s
         pending = list(self.servers)
         while pending:
-            still = []
-            for s in pending:
-                try:
-                    ok = (await s.http.get("/health", timeout=2.0)).status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                if not ok:
-                    still.append(s)
-            pending = still
+            pending = [s for s in pending if not await s.backend.health(2.0)]
             if pending and time.monotonic() > deadline:
                 raise ServerUnavailable(
                     f"inference servers not healthy after {timeout_s:.0f}s: {[s.url for s in pending]}"
@@ -193,29 +202,4 @@ class ServerPool:
                 await asyncio.sleep(0.5)
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(s.http.aclose() for s in self.servers))
-
-
-class SessionClient:
-    """The `asyncrl.envs.client.InferenceClient` of one episode: all its turns go to one server."""
-
-    def __init__(self, pool: ServerPool, session_id: str) -> None:
-        self.pool, self.session_id = pool, session_id
-
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-        return_routed_experts: bool = False,
-        routed_experts_start: int = 0,
-    ) -> GenerateResponse:
-        request = GenerateRequest.build(
-            prompt_token_ids,
-            sampling,
-            cache_salt=cache_salt,
-            return_routed_experts=return_routed_experts,
-            routed_experts_start=routed_experts_start,
-        )
-        return await self.pool.generate(self.session_id, request)
+        await asyncio.gather(*(s.backend.aclose() for s in self.servers))

@@ -3,6 +3,8 @@
 On a new version: pause every healthy server (mode keep: running requests hold their KV cache),
 `POST /update_weights {path, version}`, resume. The pause is timed and reported. A server that fails
 the update leaves the rotation: it would otherwise sample with stale weights under a new version.
+It stays paused until it rejoins: the pool's health probe calls `sync_server`, which loads the
+current version and resumes it.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
+from asyncrl.envs.backend import InferenceError
 from asyncrl.orchestrator.pool import Server, ServerPool
 from asyncrl.transport.weights import latest_stable_step, weights_dir
+from asyncrl.wire import PauseRequest, UpdateWeightsRequest
 
 __all__ = ["WeightUpdater"]
 
@@ -46,11 +48,11 @@ class WeightUpdater:
         return True
 
     async def update(self, version: int) -> None:
-        path = str(weights_dir(self.run_dir, version).resolve())
+        request = self._request(version)
         t0 = time.monotonic()
-        self._fail(await self.pool.post_all("/pause", {"mode": "keep"}), "pause")
-        self._fail(await self.pool.post_all("/update_weights", {"path": path, "version": version}), "update")
-        self._fail(await self.pool.post_all("/resume"), "resume")
+        self._fail(await self.pool.call_all(lambda b: b.pause(PauseRequest(mode="keep"))), "pause")
+        self._fail(await self.pool.call_all(lambda b: b.update_weights(request)), "update")
+        self._fail(await self.pool.call_all(lambda b: b.resume()), "resume")
         paused = time.monotonic() - t0
         self.pause_seconds.append(paused)
         self.version = version
@@ -64,20 +66,26 @@ class WeightUpdater:
             self.on_version(version)
 
     async def sync_server(self, server: Server) -> bool:
-        """Bring one (restarted) server to the current version before it rejoins; False if it can't."""
+        """Rejoin = bring the server to the current version, then resume it; False if it can't.
+
+        The resume is unconditional: a server whose update failed was left paused by `update`, and
+        a restarted one may have been paused by an earlier orchestrator.
+        """
         try:
-            held = (await server.http.get("/weights")).json()["version"]
+            held = (await server.backend.weights()).version
             if held < self.version:
-                path = str(weights_dir(self.run_dir, self.version).resolve())
-                r = await server.http.post("/update_weights", json={"path": path, "version": self.version})
-                r.raise_for_status()
+                await server.backend.update_weights(self._request(self.version))
                 log.info(
                     "server %s brought from v%d to v%d before re-admission", server.url, held, self.version
                 )
-        except (httpx.HTTPError, KeyError, ValueError) as e:
+            await server.backend.resume()
+        except InferenceError as e:
             log.warning("server %s: weight sync before re-admission failed: %s", server.url, e)
             return False
         return True
+
+    def _request(self, version: int) -> UpdateWeightsRequest:
+        return UpdateWeightsRequest(path=str(weights_dir(self.run_dir, version).resolve()), version=version)
 
     def _fail(self, results: dict, what: str) -> None:
         for server in self.pool.servers:

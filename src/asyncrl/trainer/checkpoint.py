@@ -1,24 +1,22 @@
-"""Full training-state checkpoints with torch.distributed.checkpoint (DCP).
+"""Full training-state checkpoints: the run-directory naming and the trainer's own entries.
 
-`RUN/checkpoints/step_n/` holds model, optimizer, scheduler, RNG and step. DCP stores tensors
-by fully-qualified name, not by rank, so a checkpoint loads at a different world size. The
-directory is written under a temporary name and renamed when complete; `latest_checkpoint_step`
-only sees complete ones. Works without a process group (single process).
+`RUN/checkpoints/step_n/` holds model, optimizer, scheduler, RNG and step. Model and optimizer
+go through the one DCP save/load (`asyncrl.distributed.save_dcp` / `load_dcp`, which reshard to
+any world size); this module adds the "trainer" entry (step, scheduler, RNG). The directory is
+written under a temporary name and renamed when complete; `latest_checkpoint_step` only sees
+complete ones. Works without a process group (single process).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from asyncrl.trainer.parallel import DistInfo, barrier
+from asyncrl.distributed import DistInfo, barrier, load_dcp, save_dcp
 
 __all__ = [
     "CheckpointNotFoundError",
@@ -54,14 +52,12 @@ def latest_checkpoint_step(run_dir: Path) -> int | None:
     return steps[-1] if steps else None
 
 
-def _state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, scheduler_json: str
-) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+def _trainer_entry(step: int, scheduler_json: str) -> dict[str, Any]:
+    """What the trainer adds to model + optimizer (also the template DCP fills on load)."""
     trainer: dict[str, Any] = {"step": step, "scheduler": scheduler_json, "rng_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         trainer["rng_cuda"] = torch.cuda.get_rng_state()
-    return {"model": model_sd, "optim": optim_sd, "trainer": trainer}
+    return trainer
 
 
 def save_checkpoint(
@@ -79,10 +75,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(info)
-    state = _state(model, optimizer, step, json.dumps(scheduler.state_dict()))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(state, checkpoint_id=str(tmp))
+    trainer = _trainer_entry(step, json.dumps(scheduler.state_dict()))
+    save_dcp(tmp, model, optimizer, extra={"trainer": trainer})
     barrier(info)
     if info.is_main:
         if final.exists():
@@ -106,13 +100,9 @@ def load_checkpoint(
     if not (path / ".metadata").is_file():
         have = checkpoint_steps(run_dir)
         raise CheckpointNotFoundError(f"no complete checkpoint at {path}; available steps: {have or 'none'}")
-    state = _state(model, optimizer, 0, "")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    scheduler.load_state_dict(json.loads(state["trainer"]["scheduler"]))
-    torch.set_rng_state(state["trainer"]["rng_cpu"])
-    if "rng_cuda" in state["trainer"]:
-        torch.cuda.set_rng_state(state["trainer"]["rng_cuda"])
-    return int(state["trainer"]["step"])
+    trainer = load_dcp(path, model, optimizer, extra={"trainer": _trainer_entry(0, "")})["trainer"]
+    scheduler.load_state_dict(json.loads(trainer["scheduler"]))
+    torch.set_rng_state(trainer["rng_cpu"])
+    if "rng_cuda" in trainer:
+        torch.cuda.set_rng_state(trainer["rng_cuda"])
+    return int(trainer["step"])

@@ -6,8 +6,8 @@
 The step: count loss tokens on every rank and all-reduce the count; for each micro-batch run the
 model (replaying routed experts when present), recompute sampled-token logprobs through the
 chunked LM head, compute the loss (already divided by the global count) and backpropagate;
-all-reduce gradients; clip; then either step the optimizer or, if the loss or the gradient norm
-is not finite, drop the gradients and leave the weights untouched.
+clip; then either step the optimizer or, if the loss or the gradient norm is not finite, drop
+the gradients and leave the weights untouched.
 
 With a `ParallelState` (FSDP2 / EP / CP under torchrun, see scaleout.py) every rank first pads
 its micro-batch list to the same length, runs its CP chunk of each row with the context-parallel
@@ -25,13 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.distributed import clip_grad_norm_
+from asyncrl.distributed import DistInfo, all_reduce_, clip_grad_norm_
 from asyncrl.model import AttentionBackend, Transformer
 from asyncrl.trainer.logprobs import chunked_logprobs
 from asyncrl.trainer.loss import LossInputs, LossResult
 from asyncrl.trainer.mismatch import MismatchAccumulator
 from asyncrl.trainer.packing import MicroBatch
-from asyncrl.trainer.parallel import DistInfo, all_reduce_, all_reduce_grads_
 from asyncrl.trainer.scaleout import LocalMicroBatch, ParallelState, equalize_micro_batches, split_for_rank
 
 __all__ = ["LossFn", "StepEngine", "StepResult"]
@@ -77,6 +76,11 @@ class StepEngine:
         ratio_bounds: tuple[float, float] = (0.5, 2.0),
         parallel: ParallelState | None = None,
     ) -> None:
+        if info.is_distributed and parallel is None:
+            raise ValueError(
+                "StepEngine at world size > 1 needs a ParallelState (build_parallel_model): "
+                "gradients are summed by FSDP, not by the engine"
+            )
         self.model, self.optimizer, self.scheduler, self.info = model, optimizer, scheduler, info
         self.parallel = parallel
         self.max_grad_norm, self.chunk_size, self.ratio_bounds = max_grad_norm, chunk_size, ratio_bounds
@@ -124,7 +128,7 @@ class StepEngine:
         all_reduce_(sums, self.info)
         all_reduce_(staleness_max, self.info, op="max")
         mm.all_reduce(lambda t: all_reduce_(t, self.info), lambda t: all_reduce_(t, self.info, op="max"))
-        grad_norm = self._reduce_and_clip()
+        grad_norm = self._clip()
         stats = dict(zip(_SUMS, sums.tolist()))
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = num_loss_tokens == 0 or not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm))
@@ -168,11 +172,10 @@ class StepEngine:
         micro_batches = equalize_micro_batches(micro_batches, self.parallel, self.info.device)
         return [split_for_rank(mb, self.parallel) for mb in micro_batches]
 
-    def _reduce_and_clip(self) -> float:
-        """Sum gradients over ranks (FSDP already did under a ParallelState) and clip; the norm."""
-        if self.parallel is not None:
+    def _clip(self) -> float:
+        """Clip by the global gradient norm and return it (FSDP already summed gradients over ranks)."""
+        if self.parallel is not None:  # dense and expert gradients live on different meshes
             return float(clip_grad_norm_(self.params, self.max_grad_norm))
-        all_reduce_grads_(self.params, self.info)
         return float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True))
 
     def _accumulate(

@@ -6,7 +6,8 @@ data-parallel ranks. Summing these over micro-batches and all-reducing (sum) the
 ranks therefore gives the gradient of one token-level mean over the global batch.
 
 Notation (per token i): logpi = current log-probability (with grad), logmu = the inference
-engine's log-probability, log r = logpi - logmu, r = exp(log r), A = advantage. The formulas of
+engine's log-probability, log r = logpi - logmu, r = exp(log r), A = advantage, w = min(r,
+ratio_cap) the capped importance weight. The formulas of
 every variant are in docs/trainer.md ("Loss variants"); this file is their only implementation.
 
 Shape legend: N tokens of a micro-batch (flattened), S sequences in it.
@@ -76,6 +77,11 @@ def _sequence_mask(log_ratio_N: torch.Tensor, inp: LossInputs, cfg: LossConfig) 
     return bad_S[inp.seq_ids]
 
 
+def _capped_weight(ratio_N: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """min(r, ratio_cap) (detached) and the mask of tokens above the cap (none when it is inf)."""
+    return ratio_N.clamp(max=cfg.ratio_cap), ratio_N > cfg.ratio_cap
+
+
 def rl_loss(inp: LossInputs, cfg: LossConfig, num_loss_tokens: float) -> LossResult:
     """Token-level policy-gradient loss for `cfg.variant` plus kl_coef * (log r)^2 on every loss token."""
     assert num_loss_tokens > 0, "caller must skip steps without loss tokens"
@@ -95,7 +101,12 @@ def rl_loss(inp: LossInputs, cfg: LossConfig, num_loss_tokens: float) -> LossRes
         else:
             assert cfg.variant == "sequence", cfg.variant
             masked_N = _sequence_mask(log_ratio_N, inp, cfg)
-        pg_N = -ratio_N * inp.advantages
+        weight_N, capped_N = _capped_weight(ratio_N.detach(), cfg)
+        if cfg.ratio_cap_mode == "mask":
+            masked_N = masked_N | capped_N
+        # weight * exp(log r - sg(log r)) has the value of -min(r, C) * A and the gradient
+        # -min(r, C) * A * grad log pi: the same as -r * A below the cap, and never inf * 0 above it.
+        pg_N = -weight_N * (log_ratio_N - log_ratio_N.detach()).exp() * inp.advantages
     masked_N = masked_N & mask_N
     keep_N = mask_N & ~masked_N
     per_token_N = torch.where(keep_N, pg_N, 0.0) + torch.where(

@@ -1,11 +1,12 @@
 """Step metrics: FLOP accounting, a measured matmul peak for MFU, peak memory, and the log sink.
 
-Each step appends one JSON object to RUN/metrics.jsonl and prints one console line.
+Each step appends one `"role": "trainer"` line to RUN/metrics.jsonl (through
+`asyncrl.transport.MetricsWriter`, the file's one writer), mirrors it to the enabled metric sinks,
+and prints one console line; on a terminal a progress bar with ETA replaces the lines.
 """
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 import time
@@ -13,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from asyncrl.model import ModelArgs
+from asyncrl.transport.metrics import MetricsWriter
+from asyncrl.transport.sinks import Sinks
 
 __all__ = ["MetricsLogger", "flops_per_token", "measure_matmul_peak", "peak_memory_bytes"]
 
@@ -71,19 +75,48 @@ _CONSOLE_KEYS = (
 
 
 class MetricsLogger:
-    """Appends one JSON line per step to `path` and prints a one-line summary (main rank only)."""
+    """Appends one metrics line per step to RUN/metrics.jsonl and prints a summary (main rank only).
 
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
+    With `total_steps` and stdout a terminal, the summary is a progress bar (steps, ETA, loss,
+    tokens/s); otherwise (logs, CI, under `asyncrl rl`) one plain line per step.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        *,
+        sinks: Sinks | None = None,
+        total_steps: int | None = None,
+        start_step: int = 0,
+    ) -> None:
+        self.enabled = enabled
+        self._writer = MetricsWriter(run_dir, "trainer") if enabled else None
+        self._sinks = sinks or Sinks()
+        self._bar = None
+        if enabled and total_steps and sys.stdout.isatty():
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def log(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
+        """`record` holds "step" and the step's metrics; the writer adds role and time."""
+        if self._writer is None:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        print(self.format_line(record), flush=True)
+        self._sinks.log(self._writer.write(record["step"], record))
+        if self._bar is None:
+            print(self.format_line(record), flush=True)
+            return
+        if record.get("skipped"):
+            self._bar.write(self.format_line(record))
+        postfix = {k: f"{record[k]:.4g}" for k in ("loss", "grad_norm") if k in record}
+        if "tokens_per_s" in record:
+            postfix["tok/s"] = f"{record['tokens_per_s']:.0f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._sinks.close()
 
     @staticmethod
     def format_line(record: dict[str, Any]) -> str:

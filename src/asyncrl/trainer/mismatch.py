@@ -5,7 +5,7 @@
                                   policy_versions_T, trainer_version=n - 1)  # current vs stale
     agree_L = routing_agreement(replayed_TLK, router_topk_TLK, loss_mask_T, moe_layers)
     metrics = (sums_a + sums_b).metrics()     # {"mismatch_kl": .., "mismatch_kl_max": .., ...}
-    check_mismatch_gate(metrics["mismatch_kl"], max_kl=1e-3, mode="fail", step=n)
+    check_mismatch_gate(kl_current, max_kl=1e-3, mode="fail", step=n, kl_stale=kl_stale)
 
 Definitions (mu = the inference engine's distribution, pi = the trainer's, on tokens sampled
 from mu, both under the sampling temperature):
@@ -16,7 +16,7 @@ from mu, both under the sampling temperature):
 
 Staleness split: tokens sampled by the trainer's current weights (policy version equal to
 `trainer_version`) measure engine mismatch alone; older tokens add off-policy drift. Comparing
-the two tells the two causes apart.
+the two tells the two causes apart, and the gate looks at the current ones only.
 
 Shape legend: T tokens, L layers, K top_k.
 """
@@ -175,18 +175,29 @@ class MismatchGateError(RuntimeError):
 
 
 def check_mismatch_gate(
-    kl_mean: float, *, max_kl: float | None, mode: Literal["warn", "fail"], step: int
+    kl_current: float,
+    *,
+    max_kl: float | None,
+    mode: Literal["warn", "fail"],
+    step: int,
+    kl_stale: float | None = None,
 ) -> str | None:
-    """Return None when within the limit (or no limit); else warn (mode "warn") and return the
-    message, or raise MismatchGateError (mode "fail"). A NaN KL always trips the gate."""
+    """Gate on the mean k3 KL of current-version tokens (sampled by the weights being trained).
+
+    Stale tokens are left out: their KL adds ordinary off-policy drift, which the loss corrects and
+    `max_off_policy_steps` bounds, so it must not stop a run; `kl_stale` only goes into the message.
+    Return None when within the limit (or no limit); else warn (mode "warn") and return the message,
+    or raise MismatchGateError (mode "fail"). A NaN KL always trips the gate.
+    """
     if mode not in ("warn", "fail"):
         raise ValueError(f"mismatch.gate must be 'warn' or 'fail', got {mode!r}")
-    if max_kl is None or kl_mean <= max_kl:
+    if max_kl is None or kl_current <= max_kl:
         return None
+    stale = "" if kl_stale is None else f"; stale tokens (off-policy drift, not gated): {kl_stale:.3e}"
     message = (
-        f"step {step}: mismatch KL {kl_mean:.3e} exceeds mismatch.max_mismatch_kl = {max_kl:.3e}; "
-        f"inference and trainer disagree (precision, routing, or stale weights): match their dtype / "
-        f"fp8 settings, enable router replay, or raise the limit"
+        f"step {step}: mismatch KL {kl_current:.3e} exceeds mismatch.max_mismatch_kl = {max_kl:.3e} on "
+        f"tokens sampled by the weights being trained{stale}; inference and trainer disagree (precision "
+        f"or routing): match their dtype / fp8 settings, enable router replay, or raise the limit"
     )
     if mode == "fail":
         raise MismatchGateError(message)

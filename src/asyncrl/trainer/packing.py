@@ -127,6 +127,20 @@ def build_micro_batch(samples: list[RolloutSample], replay: bool) -> MicroBatch:
 
 
 def pack_samples(samples: list[RolloutSample], seq_len: int, replay: bool) -> list[MicroBatch]:
-    """Pack `samples` into micro-batches of at most `seq_len` tokens each."""
-    bins = plan_bins([s.num_tokens for s in samples], seq_len)
-    return [build_micro_batch([samples[i] for i in sorted(b)], replay) for b in bins]
+    """Pack `samples` into micro-batches of at most `seq_len` tokens each.
+
+    With `replay`, samples with and without routed experts never share a micro-batch: routing is
+    per sample (a deadline-cut or aborted episode may have none), and a micro-batch either replays
+    routing for every token or routes every token with the trainer's own router.
+    """
+    kinds = [
+        [i for i, s in enumerate(samples) if (s.routed_experts is not None) == routed]
+        for routed in (True, False)
+    ]
+    if not replay:
+        kinds = [list(range(len(samples)))]
+    out = []
+    for idx in kinds:
+        bins = plan_bins([samples[i].num_tokens for i in idx], seq_len)
+        out += [build_micro_batch([samples[idx[j]] for j in sorted(b)], replay) for b in bins]
+    return out

@@ -62,7 +62,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
 
 
 def _warn_if_replay_is_idle(cfg: RLTrainerConfig, args: ModelArgs, batch: RolloutBatch) -> None:
-    if cfg.router_replay and args.is_moe and batch.samples[0].routed_experts is None:
+    if cfg.router_replay and args.is_moe and all(s.routed_experts is None for s in batch.samples):
         warnings.warn(
             f"router_replay = true but batch {batch.step} carries no routed_experts; the trainer routes "
             "with its own router (ask the orchestrator for return_routed_experts)",
@@ -92,7 +92,11 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
             result = session.engine.step(micro_batches, loss_fn, trained_version=step - 1)
             records.append(session.end_step(step, result, batch_metrics(batch) | {"wait_s": wait_s}))
             check_mismatch_gate(
-                result.mismatch_kl, max_kl=cfg.mismatch.max_mismatch_kl, mode=cfg.mismatch.gate, step=step
+                result.mismatch["mismatch_kl_current"],
+                max_kl=cfg.mismatch.max_mismatch_kl,
+                mode=cfg.mismatch.gate,
+                step=step,
+                kl_stale=result.mismatch["mismatch_kl_stale"],
             )
     finally:
         session.close()

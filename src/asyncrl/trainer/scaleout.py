@@ -1,10 +1,12 @@
-"""FSDP2 / expert parallel / context parallel for the trainer, built on asyncrl.distributed.
+"""The trainer's parallel step: FSDP2 / expert parallel / context parallel, built on asyncrl.distributed.
 
+Process groups, meshes, sharding and collectives live in `asyncrl.distributed`; this module is
+what the trainer adds: building its model from the config, and preparing each step's micro-batches.
 World size 1 never comes here: the session loads a plain model and the engine runs as before.
 Under torchrun (WORLD_SIZE > 1) the session does, in this order (docs/scaling.md):
 
     dims = resolve_dims(cfg.parallel, cfg.model.path)   # before init_process_group: bad dims fail early
-    info = init_distributed(cfg.model.device)
+    info = init_distributed(cfg.model.device)           # asyncrl.distributed
     model, state = build_parallel_model(cfg, dims, info)  # meta -> apply_parallelism -> rank 0 loads
 
 and per step the engine calls `equalize_micro_batches` (every rank runs the same number of
@@ -27,6 +29,7 @@ from asyncrl.config.parallel import ParallelConfig
 from asyncrl.config.trainer import CommonTrainConfig
 from asyncrl.distributed import (
     ContextParallelAttention,
+    DistInfo,
     Meshes,
     ParallelDims,
     apply_parallelism,
@@ -34,10 +37,9 @@ from asyncrl.distributed import (
     pad_for_cp,
     split_for_cp,
 )
-from asyncrl.model import AttentionBackend, ModelArgs, Transformer, load_args
-from asyncrl.model.hf import load_state_dict
+from asyncrl.model import AttentionBackend, ModelArgs, ModelConfigError, Transformer, load_args, torch_dtype
+from asyncrl.model.hf import load_state_dict, mtp_tensor_names
 from asyncrl.trainer.packing import MicroBatch
-from asyncrl.trainer.parallel import DistInfo
 
 __all__ = [
     "LocalMicroBatch",
@@ -48,7 +50,6 @@ __all__ = [
     "split_for_rank",
 ]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # MicroBatch streams split along the tokens: name -> (dim, pad value).
 _ROW_STREAMS = {"input_ids": (1, 0), "position_ids": (1, 0), "routed_experts": (1, 0)}
 _TOKEN_STREAMS = {
@@ -103,7 +104,12 @@ def build_parallel_model(
     """Meshes, the model built on meta and parallelised, then rank 0's weights broadcast as shards."""
     meshes = dims.build_meshes(info.device.type)
     args: ModelArgs = load_args(cfg.model.path)
-    dtype = _DTYPES[cfg.model.dtype]
+    if mtp := mtp_tensor_names(cfg.model.path, args):  # every rank reads the headers: all raise
+        raise ModelConfigError(
+            f"{cfg.model.path}: {len(mtp)} MTP-layer tensors (e.g. {mtp[0]}) are kept only by the "
+            "one-process trainer so far; at world size > 1 they would be lost from published weights"
+        )
+    dtype = torch_dtype(cfg.model.dtype)
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
     apply_parallelism(

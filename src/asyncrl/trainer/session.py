@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config.trainer import CommonTrainConfig
-from asyncrl.model import Transformer, from_pretrained
+from asyncrl.distributed import DistInfo, init_distributed
+from asyncrl.model import Transformer, from_pretrained, torch_dtype
 from asyncrl.model.fp8 import apply_fp8
 from asyncrl.trainer.checkpoint import (
     CheckpointNotFoundError,
@@ -27,13 +28,11 @@ from asyncrl.trainer.checkpoint import (
 from asyncrl.trainer.engine import StepEngine, StepResult
 from asyncrl.trainer.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
-from asyncrl.trainer.parallel import DistInfo, init_distributed
 from asyncrl.trainer.publish import FilesystemWeightPublisher, WeightPublisher
 from asyncrl.trainer.scaleout import ParallelState, build_parallel_model, resolve_dims
+from asyncrl.transport.sinks import build_sinks
 
 __all__ = ["TrainSession", "resolve_resume_step"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_resume_step(cfg: CommonTrainConfig) -> int | None:
@@ -76,7 +75,7 @@ class TrainSession:
         dims = resolve_dims(cfg.parallel, cfg.model.path)  # before any process group: fails early
         info = init_distributed(cfg.model.device)
         torch.manual_seed(cfg.seed)
-        dtype = _DTYPES[cfg.model.dtype]
+        dtype = torch_dtype(cfg.model.dtype)
         parallel = None
         if info.is_distributed:
             if cfg.fp8.enabled:
@@ -114,7 +113,14 @@ class TrainSession:
             engine=engine,
             publisher=publisher
             or FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish.keep_last, info),
-            logger=MetricsLogger(cfg.run_dir / "metrics.jsonl", enabled=info.is_main),
+            logger=MetricsLogger(
+                cfg.run_dir,
+                enabled=info.is_main,
+                # `asyncrl sft` only: under `asyncrl rl` the launcher feeds the sinks from metrics.jsonl
+                sinks=build_sinks(getattr(cfg, "sinks", None), cfg.run_dir) if info.is_main else None,
+                total_steps=cfg.max_steps,
+                start_step=start_step,
+            ),
             peak_flops=peak,
             start_step=start_step,
             parallel=parallel,
@@ -162,6 +168,7 @@ class TrainSession:
         return record
 
     def close(self) -> None:
+        self.logger.close()
         if self.info.is_distributed and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -2,7 +2,7 @@
 
     asyncrl sft @ sft.toml --data.path data/chat.jsonl --max-steps 200 --run-dir outputs/sft
 
-Each step takes `data.batch_size` sequences (see asyncrl.trainer.sft_data for the JSONL forms),
+Each step takes `data.batch_size` sequences (see asyncrl.trainer.sft_sources for the JSONL forms),
 this rank's share of them, packs them into rows of at most seq_len tokens and minimises the
 cross-entropy of the loss tokens, normalised by the global loss-token count. The optimizer,
 schedule, checkpoints (`--resume`), weight publishing (`RUN/weights/step_n/`) and metrics are the
@@ -24,7 +24,7 @@ from asyncrl.config.trainer import SFTConfig, SFTStopConfig
 from asyncrl.trainer.loss import LossInputs, LossResult, sft_loss
 from asyncrl.trainer.packing import pack_samples, shard_samples
 from asyncrl.trainer.session import TrainSession
-from asyncrl.trainer.sft_data import JsonlSFTSource, SFTSource
+from asyncrl.trainer.sft_sources import JsonlSFTSource, SFTSource
 
 __all__ = ["main", "run_sft"]
 

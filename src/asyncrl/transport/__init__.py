@@ -4,12 +4,15 @@ write_batch(run_dir, batch)                     # orchestrator: rollouts/step_n/
 batch = read_batch(run_dir, step, timeout_s=60)  # trainer: waits, then decodes
 with stage_weights(run_dir, step) as tmp: ...    # publisher writes into tmp; rename + STABLE on exit
 latest_stable_step(run_dir)                      # orchestrator: newest published version
+MetricsWriter(run_dir, "trainer").write(step, m)  # both: one line of RUN/metrics.jsonl
 """
 
+from asyncrl.transport.metrics import METRICS_FILE, MetricsWriter
 from asyncrl.transport.rollouts import (
     BATCH_FILE,
     RolloutTimeoutError,
     batch_dir,
+    batch_steps,
     read_batch,
     write_batch,
 )
@@ -26,10 +29,13 @@ from asyncrl.transport.weights import (
 
 __all__ = [
     "BATCH_FILE",
+    "METRICS_FILE",
     "STABLE_MARKER",
+    "MetricsWriter",
     "RolloutTimeoutError",
     "WeightsTimeoutError",
     "batch_dir",
+    "batch_steps",
     "latest_stable_step",
     "prune_weights",
     "read_batch",

@@ -3,25 +3,43 @@
 The writer builds the directory under a hidden temporary name in the same parent and renames it
 into place, so a reader that sees `step_n/` always sees a complete batch (rename is atomic on
 POSIX filesystems). The file is the `asyncrl.wire.encode_batch` layout in safetensors (numpy).
+A writer may attach more safetensors files to the same directory (the orchestrator attaches its
+checkpoint): they appear with the batch, in the same rename, or not at all.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from asyncrl.wire import BatchFormatError, RolloutBatch, decode_batch, encode_batch
 
-__all__ = ["BATCH_FILE", "RolloutTimeoutError", "batch_dir", "load_batch_file", "read_batch", "write_batch"]
+__all__ = [
+    "BATCH_FILE",
+    "Attachment",
+    "RolloutTimeoutError",
+    "batch_dir",
+    "batch_steps",
+    "load_batch_file",
+    "read_batch",
+    "write_batch",
+]
 
 BATCH_FILE = "batch.safetensors"
 _POLL_S = 0.05
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+# file name -> (arrays, string metadata) of one more safetensors file in the batch directory
+Attachment = Mapping[str, tuple[dict[str, np.ndarray], dict[str, str]]]
 
 
 class RolloutTimeoutError(TimeoutError):
@@ -32,16 +50,31 @@ def batch_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / "rollouts" / f"step_{step}"
 
 
-def write_batch(run_dir: str | os.PathLike, batch: RolloutBatch) -> Path:
-    """Write `batch` to rollouts/step_{batch.step}/ atomically; returns the final directory."""
+def batch_steps(run_dir: str | os.PathLike) -> list[int]:
+    """Steps whose batch directory exists (complete, since it appears by rename), ascending."""
+    root = Path(run_dir) / "rollouts"
+    if not root.is_dir():
+        return []
+    return sorted(int(m[1]) for child in root.iterdir() if (m := _STEP_DIR.match(child.name)))
+
+
+def write_batch(
+    run_dir: str | os.PathLike, batch: RolloutBatch, attachments: Attachment | None = None
+) -> Path:
+    """Write `batch` (and `attachments`) to rollouts/step_{batch.step}/ atomically; returns the directory.
+
+    Raises OSError (e.g. ENOSPC) with nothing left behind if the disk refuses the write.
+    """
     final = batch_dir(run_dir, batch.step)
     if final.exists():
         raise FileExistsError(f"{final} already exists: batch {batch.step} was written twice")
     arrays, meta = encode_batch(batch)
+    files = {BATCH_FILE: (arrays, meta)} | dict(attachments or {})
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".step_{batch.step}.", dir=final.parent))
     try:
-        save_file(arrays, str(tmp / BATCH_FILE), metadata=meta)
+        for name, (file_arrays, file_meta) in files.items():
+            save_file(file_arrays, str(tmp / name), metadata=file_meta)
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

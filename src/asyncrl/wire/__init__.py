@@ -4,10 +4,13 @@ from asyncrl.wire.http import (
     GenerateRequest,
     GenerateResponse,
     PauseRequest,
+    PauseResponse,
+    ResumeResponse,
     RoutedExperts,
     SamplingParams,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
+    WeightsInfo,
 )
 from asyncrl.wire.rollout import BatchFormatError, RolloutBatch, RolloutSample, decode_batch, encode_batch
 
@@ -16,12 +19,15 @@ __all__ = [
     "GenerateRequest",
     "GenerateResponse",
     "PauseRequest",
+    "PauseResponse",
+    "ResumeResponse",
     "RolloutBatch",
     "RolloutSample",
     "RoutedExperts",
     "SamplingParams",
     "UpdateWeightsRequest",
     "UpdateWeightsResponse",
+    "WeightsInfo",
     "decode_batch",
     "encode_batch",
 ]

@@ -7,31 +7,81 @@ asyncrl-specific messages that the orchestrator and the engine both speak. Torch
 from __future__ import annotations
 
 import base64
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncrl.config.sampling import SamplingParams
 
 __all__ = [
+    "FieldValueError",
     "GenerateRequest",
     "GenerateResponse",
     "PauseRequest",
+    "PauseResponse",
+    "ResumeResponse",
     "RoutedExperts",
     "SamplingParams",
     "UpdateWeightsRequest",
     "UpdateWeightsResponse",
+    "ValidUnicode",
+    "WeightsInfo",
+    "find_lone_surrogate",
 ]
+
+MAX_SEED = 2**63 - 1  # torch.Generator seeds are 64-bit (the engine enforces the same bound)
+MAX_VERSION = 2**31 - 1  # policy versions travel as int32 in rollout samples
+
+
+class FieldValueError(ValueError):
+    """A validator's error about a nested field; servers report `field` as the offending param."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string in a JSON value that is not valid Unicode, or None.
+
+    JSON may spell lone surrogates (`"\\ud800"`); they cannot be tokenized, hashed or encoded.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        name = f"{path}.{key}" if path else str(key)
+        if (bad := find_lone_surrogate(key, name) if isinstance(key, str) else None) is not None:
+            return bad
+        if (bad := find_lone_surrogate(item, name)) is not None:
+            return bad
+    return None
+
+
+class ValidUnicode(BaseModel):
+    """Mixin: reject any string field (at any depth) holding lone surrogates, naming its path."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (bad := find_lone_surrogate(data)) is not None:
+            raise FieldValueError(bad, "text is not valid Unicode (lone surrogate)")
+        return data
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class GenerateRequest(SamplingParams):
+class GenerateRequest(SamplingParams, ValidUnicode):
     """`POST /v1/generate`: exact prompt token ids in, sampled token ids out."""
 
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     prompt_token_ids: list[int] = Field(min_length=1)
     cache_salt: str | None = None
     return_routed_experts: bool = False
@@ -77,14 +127,43 @@ class GenerateResponse(_Message):
     prompt_token_ids: list[int] | None = None
     routed_experts: RoutedExperts | None = None
 
+    @model_validator(mode="after")
+    def _one_entry_per_token(self) -> GenerateResponse:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.policy_versions) != n:
+            raise ValueError(
+                f"{n} token_ids but {len(self.logprobs)} logprobs and {len(self.policy_versions)} "
+                "policy_versions (one of each per token)"
+            )
+        return self
 
-class PauseRequest(_Message):
+
+class PauseRequest(_Message, ValidUnicode):
+    """`POST /pause`: keep (running requests hold their KV cache) or abort them."""
+
     mode: Literal["keep", "abort"] = "keep"
 
 
-class UpdateWeightsRequest(_Message):
-    path: str
+class PauseResponse(_Message):
+    paused: Literal[True]
+    mode: Literal["keep", "abort"]
+    num_aborted: int = Field(ge=0)
+
+
+class ResumeResponse(_Message):
+    paused: Literal[False]
+
+
+class WeightsInfo(_Message):
+    """`GET /weights`: the policy version a server holds, and where it was loaded from (None: v0)."""
+
     version: int = Field(ge=0)
+    path: str | None = None
+
+
+class UpdateWeightsRequest(_Message, ValidUnicode):
+    path: str = Field(min_length=1, max_length=4096)
+    version: int = Field(ge=0, le=MAX_VERSION)
     mode: Literal["keep", "abort"] = "keep"
 
 

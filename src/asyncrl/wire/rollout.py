@@ -111,7 +111,12 @@ class RolloutBatch:
 
 
 def encode_batch(batch: RolloutBatch) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Flatten a batch into safetensors-ready arrays plus string metadata."""
+    """Flatten a batch into safetensors-ready arrays plus string metadata.
+
+    Routing is per sample: when some samples carry `routed_experts`, the column holds every
+    sample's rows (zeros for a sample without routing) and each sample's metadata says
+    `routed: true|false`; the trainer replays routing only for the samples that have it.
+    """
     if not batch.samples:
         raise BatchFormatError(f"batch for step {batch.step} has no samples")
     arrays = {name: np.concatenate([getattr(s, name) for s in batch.samples]) for name in _TOKEN_FIELDS}
@@ -119,20 +124,24 @@ def encode_batch(batch: RolloutBatch) -> tuple[dict[str, np.ndarray], dict[str, 
         np.uint8
     )  # safetensors has no numpy bool on all versions
     arrays["lengths"] = np.array([s.num_tokens for s in batch.samples], dtype=np.int64)
-    with_routing = [s.routed_experts is not None for s in batch.samples]
-    if any(with_routing):
-        if not all(with_routing):
-            raise BatchFormatError("routed_experts must be present on every sample of a batch or on none")
-        shapes = {s.routed_experts.shape[1:] for s in batch.samples}  # type: ignore[union-attr]
-        dtypes = {s.routed_experts.dtype for s in batch.samples}  # type: ignore[union-attr]
+    routed = [s for s in batch.samples if s.routed_experts is not None]
+    if routed:
+        shapes = {s.routed_experts.shape[1:] for s in routed}  # type: ignore[union-attr]
+        dtypes = {s.routed_experts.dtype for s in routed}  # type: ignore[union-attr]
         if len(shapes) != 1 or len(dtypes) != 1:
             raise BatchFormatError(f"routed_experts differ across samples: shapes {shapes}, dtypes {dtypes}")
-        arrays["routed_experts"] = np.concatenate([s.routed_experts for s in batch.samples])  # type: ignore[misc]
+        (row_shape,), (dtype,) = shapes, dtypes
+        # A sample without routing gets zero rows in the column and `routed: false` in its metadata.
+        arrays["routed_experts"] = np.concatenate(
+            [s.routed_experts if s.routed_experts is not None else np.zeros((s.num_tokens, *row_shape), dtype)
+             for s in batch.samples]
+        )  # fmt: skip
     meta = {
         "step": str(batch.step),
         "samples": json.dumps(
             [
                 {"reward": s.reward, "env": s.env, "episode_id": s.episode_id, "metrics": s.metrics}
+                | ({"routed": s.routed_experts is not None} if routed else {})
                 for s in batch.samples
             ]
         ),
@@ -175,6 +184,8 @@ def decode_batch(arrays: dict[str, np.ndarray], meta: dict[str, str], where: str
     for i, m in enumerate(sample_meta):
         fields = {name: parts[i] for name, parts in cols.items()}
         fields["loss_mask"] = fields["loss_mask"].astype(np.bool_)
+        if "routed_experts" in fields and not m.get("routed", True):
+            fields["routed_experts"] = None
         try:
             samples.append(
                 RolloutSample(

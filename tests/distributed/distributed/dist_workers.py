@@ -8,7 +8,6 @@ through torch.multiprocessing.spawn with its traceback.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,15 +25,16 @@ from asyncrl.distributed import (
     gather_from_cp,
     gather_to_rank0,
     iter_hf_tensors,
+    load_dcp,
     load_full_state_dict,
-    load_model_dcp,
-    save_model_dcp,
+    save_dcp,
     split_for_cp,
 )
 from asyncrl.model import Transformer
 from asyncrl.model.hf import to_hf_state_dict
 from asyncrl.model.presets import preset_args
 from asyncrl.trainer.logprobs import chunked_logprobs
+from helpers import free_port
 
 ARGS = replace(preset_args("tiny-moe"), num_hidden_layers=2)  # 2 MoE layers of 8 experts, top-2
 T = 32  # tokens per packed row
@@ -42,12 +42,6 @@ NUM_ROWS = 4
 ATOL = 2e-5  # fp32: loss, gradients, weights and logprobs agree to this absolute tolerance
 RTOL = 1e-4
 AC_PREFIX = "_checkpoint_wrapped_module."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
@@ -202,6 +196,13 @@ def worker_layouts(rank: int, world_size: int, layouts: list[tuple]) -> None:
         check_layout(rank, world_size, *layout)
 
 
+def worker_family_layouts(rank: int, world_size: int, args, layouts: list[tuple]) -> None:
+    """`worker_layouts` for another architecture (this forked process's ARGS is replaced)."""
+    global ARGS
+    ARGS = args
+    worker_layouts(rank, world_size, layouts)
+
+
 def worker_replay(rank: int, world_size: int) -> None:
     """R3: logprobs with replayed routing are identical with and without EP (and CP)."""
     rows = make_rows()
@@ -267,7 +268,7 @@ def worker_dcp_save(rank: int, world_size: int, path: str) -> None:
     load_full_state_dict(model, make_model().state_dict() if rank == 0 else None)  # HF-style weights
     opt = make_optimizer(model)
     parallel_train_step(model, opt, dims, meshes, rank)
-    save_model_dcp(model, path, opt)
+    save_dcp(path, model, opt)
 
 
 def worker_dcp_resume(rank: int, world_size: int, path: str) -> None:
@@ -280,7 +281,7 @@ def worker_dcp_resume(rank: int, world_size: int, path: str) -> None:
     model.to_empty(device="cpu")
     model.tie_weights()
     opt = make_optimizer(model)
-    load_model_dcp(model, path, opt)
+    load_dcp(path, model, opt)
     parallel_train_step(model, opt, dims, meshes, rank)
     ref = reference_two_steps()
     ref_params = dict(ref.named_parameters())

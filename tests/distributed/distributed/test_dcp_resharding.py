@@ -10,7 +10,7 @@ from __future__ import annotations
 import dist_workers as W
 import torch
 
-from asyncrl.distributed import load_model_dcp
+from asyncrl.distributed import load_dcp
 
 
 def test_checkpoint_from_two_ranks_resumes_at_one_and_four(tmp_path):
@@ -19,7 +19,7 @@ def test_checkpoint_from_two_ranks_resumes_at_one_and_four(tmp_path):
 
     model = W.make_model(seed=99)  # different init: everything must come from the checkpoint
     opt = W.make_optimizer(model)
-    load_model_dcp(model, path, opt)
+    load_dcp(path, model, opt)
     opt.zero_grad()
     W.reference_step(model, W.make_rows()[: W.RESUME_ROWS])
     opt.step()

@@ -8,7 +8,11 @@ processes, because starting processes dominates the cost on small machines.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import dist_workers as W
+
+from asyncrl.model import preset_args
 
 
 def test_two_process_layouts_match_single_process():
@@ -46,3 +50,22 @@ def test_bf16_policy_keeps_router_and_master_weights_fp32():
 
 def test_ep_rank_that_receives_no_tokens_still_matches():
     W.launch(W.worker_ep_idle_rank, 2)
+
+
+def test_glm5_two_process_layouts_match_single_process():
+    """GLM-5 (MLA + DSA + grouped sigmoid router + shared experts + a dense first layer): FSDP2,
+    EP2 with activation checkpointing (shared experts stay with the dense FSDP group), and CP2
+    (latents and indexer keys gathered). Each row packs sequences of 11 + 3i and 21 - 3i tokens;
+    index_topk 16 makes the indexer choose in the longer ones. (With index_topk 8 the indexer picks
+    the same keys under CP, but after two AdamW steps a few weights drift past 2e-5: sparse softmax
+    rows are peaked and Adam magnifies sub-1e-5 gradient noise on near-zero entries.)
+    """
+    args = replace(
+        preset_args("tiny-glm5"), num_hidden_layers=3, indexer_types=("full", "shared", "full"), index_topk=16
+    )
+    W.launch(
+        W.worker_family_layouts,
+        2,
+        args,
+        [({"dp_shard": 2}, False), ({"dp_shard": 2, "ep": 2}, True), ({"dp_shard": 1, "cp": 2}, False)],
+    )

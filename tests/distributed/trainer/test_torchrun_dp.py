@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +17,7 @@ from asyncrl.model import from_pretrained
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
 from asyncrl.transport import weights_dir, write_batch
-
-SRC = Path(__file__).resolve().parents[3] / "src"
+from helpers import child_env, free_port
 
 
 def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int) -> Path:
@@ -31,16 +29,12 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int) -> Path:
 
 
 def _run(cfg: Path, nproc: int, extra: tuple[str, ...] = ()) -> None:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    }
+    env = child_env()
     if nproc == 1:
         cmd = [sys.executable, "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", "29533", "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]  # fmt: skip
+               "--master-port", str(free_port()), "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

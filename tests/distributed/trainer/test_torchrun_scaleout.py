@@ -14,9 +14,7 @@ in near-zero gradients can move a weight by a fraction of lr; a wrong gradient m
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,19 +29,13 @@ from asyncrl.model import from_pretrained
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
 from asyncrl.transport import weights_dir, write_batch
+from helpers import child_env, free_port
 
-SRC = Path(__file__).resolve().parents[3] / "src"
 LAYOUTS = {  # name: (nproc, [trainer.parallel] lines)
     "fsdp2_ep2": (2, "ep = 2\n"),
     "cp2": (2, "cp = 2\nactivation_checkpointing = true\n"),
 }
 COMBINED = (4, "dp_shard = 2\ncp = 2\nep = 2\n")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int, parallel: str = "") -> Path:
@@ -56,13 +48,9 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int, parallel: 
 
 
 def _torchrun(cfg: Path, nproc: int, *extra: str) -> None:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    }
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]  # fmt: skip
+           "--master-port", str(free_port()), "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

@@ -4,7 +4,6 @@ Tests run in file order: the weight-update tests come last because they change t
 """
 
 import asyncio
-import copy
 import threading
 import time
 
@@ -15,6 +14,7 @@ import torch
 
 from asyncrl.model import from_pretrained, save_pretrained
 from asyncrl.wire import GenerateResponse
+from weight_update_reference import kept_kv_logprobs, perturb_all_weights
 
 
 def _metric(client: httpx.Client, name: str) -> float:
@@ -92,7 +92,7 @@ def test_bad_input_gets_4xx_naming_the_field(server, path, body, status, param):
         r = c.post(path, json=body)
         assert r.status_code == status, r.text
         assert r.json()["error"]["param"] == param
-        assert c.get("/health").json() == {"status": "ok"}
+        assert c.get("/health").json() == {"status": "ok", "paused": False}
         assert len(_generate(c, prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True).token_ids) == 2
 
 
@@ -161,10 +161,7 @@ def _wait_for_tokens(c, baseline: float, n: int) -> None:
 
 def test_update_weights_keep_mid_generation(server, tmp_path):
     old = from_pretrained(server.model_dir)
-    new = copy.deepcopy(old)
-    with torch.no_grad():  # only the LM head changes, so the kept KV cache is exact under the new policy
-        noise = torch.randn(new.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
-        new.lm_head.weight.add_(0.05 * noise)
+    new = perturb_all_weights(old, seed=0, scale=0.1)  # every weight: the kept KV is now stale
     save_pretrained(new, tmp_path / "step_1")
     results: dict = {}
     with server.client() as c:
@@ -179,11 +176,14 @@ def test_update_weights_keep_mid_generation(server, tmp_path):
         assert c.get("/weights").json()["version"] == v0 + 1
     out = results["out"]
     n_old = out.policy_versions.count(v0)
-    assert 0 < n_old < 400 and out.policy_versions == [v0] * n_old + [v0 + 1] * (400 - n_old)
-    prompt, lp = list(range(10, 30)), torch.tensor(out.logprobs)
-    assert (_teacher(old, prompt, out.token_ids)[:n_old] - lp[:n_old]).abs().max() <= 1e-5
-    assert (_teacher(new, prompt, out.token_ids)[n_old:] - lp[n_old:]).abs().max() <= 1e-5
-    assert (_teacher(old, prompt, out.token_ids)[n_old:] - lp[n_old:]).abs().max() > 1e-3
+    assert 1 < n_old < 400 and out.policy_versions == [v0] * n_old + [v0 + 1] * (400 - n_old)
+    prompt, tokens, lp = list(range(10, 30)), out.token_ids, torch.tensor(out.logprobs)
+    assert (_teacher(old, prompt, tokens)[:n_old] - lp[:n_old]).abs().max() <= 1e-5
+    # After the update: the new weights on top of the KV the old ones computed, not a recompute.
+    kept = kept_kv_logprobs(old, new, prompt, tokens, n_old, 1.0)
+    assert (kept - lp[n_old:]).abs().max() <= 1e-5
+    assert (_teacher(new, prompt, tokens)[n_old:] - lp[n_old:]).abs().max() > 1e-3, "the old KV must matter"
+    assert (_teacher(old, prompt, tokens)[n_old:] - lp[n_old:]).abs().max() > 1e-3
 
 
 def test_update_weights_abort_and_pause_resume(server):
@@ -202,7 +202,9 @@ def test_update_weights_abort_and_pause_resume(server):
         thread = _start_long_request(server, results, max_tokens=4)
         time.sleep(0.5)
         assert _metric(c, "asyncrl_paused") == 1 and _metric(c, "asyncrl_requests_waiting") == 1
+        assert c.get("/health").json() == {"status": "ok", "paused": True}
         c.post("/resume")
+        assert c.get("/health").json() == {"status": "ok", "paused": False}
         thread.join(timeout=60)
         assert results["out"].policy_versions == [v + 1] * 4
 
@@ -233,5 +235,5 @@ def test_load_500_requests_at_concurrency_64(server):
     codes = asyncio.run(asyncio.wait_for(main(), timeout=150))
     assert codes.count(200) == 500
     with server.client() as c:
-        assert c.get("/health").json() == {"status": "ok"}
+        assert c.get("/health").json() == {"status": "ok", "paused": False}
         assert _metric(c, "asyncrl_requests_running") == 0 and _metric(c, "asyncrl_kv_blocks_used") == 0

@@ -183,3 +183,39 @@ def test_fp8_training_matches_fp8_inference_logprobs(model_dir, tmp_path):
         kl[name] = record["mismatch_kl"]
     assert kl["fp8"] < 1e-6
     assert kl["fp32"] > 100 * max(kl["fp8"], 1e-12)
+
+
+def _shift(s, by: float):
+    lp = np.where(s.loss_mask, s.inference_logprobs - by, 0.0).astype(np.float32)
+    return dataclasses.replace(s, inference_logprobs=lp)
+
+
+@pytest.mark.parametrize("drifted", ["stale", "current"])
+def test_mismatch_gate_counts_only_current_version_tokens(model_dir, tmp_path, drifted):
+    """Step 2 trains v1. Step 1's batch has no loss tokens, so the step is skipped and v1 = v0: the
+    v1 ("current") samples, scored by the base model, are exact. Half the samples carry v0 ("stale")
+    tokens. Whichever half is `drifted` gets log r = 1 (k3 = e - 2 = 0.718) on every token."""
+    run_dir = tmp_path / "run"
+    model = from_pretrained(model_dir)
+    empty = synthetic_batch(model, step=1, num_samples=2, prompt_len=8, completion_len=4, seed=1)
+    no_loss = [dataclasses.replace(s, loss_mask=np.zeros_like(s.loss_mask)) for s in empty.samples]
+    write_batch(run_dir, RolloutBatch(step=1, samples=no_loss))
+    current = synthetic_batch(model, step=2, num_samples=4, prompt_len=8, completion_len=16, seed=2).samples
+    stale = synthetic_batch(model, step=2, num_samples=4, prompt_len=8, completion_len=16, seed=3, version=0)
+    stale = stale.samples
+    if drifted == "stale":
+        stale = [_shift(s, 1.0) for s in stale]
+    else:
+        current = [_shift(s, 1.0) for s in current]
+    write_batch(run_dir, RolloutBatch(step=2, samples=current + stale))
+    cfg = _cfg(model_dir, run_dir, max_steps=2, mismatch={"max_mismatch_kl": 0.1, "gate": "fail"})
+    if drifted == "stale":
+        records = run_rl(cfg)  # off-policy drift alone does not trip the gate
+        assert records[0]["skipped"] and records[1]["mismatch_kl_stale"] == pytest.approx(np.e - 2, rel=1e-3)
+        assert records[1]["mismatch_kl_current"] < 1e-9 and records[1]["mismatch_kl"] > 0.1
+    else:
+        with pytest.raises(MismatchGateError, match=r"step 2: mismatch KL 7\.18\de-01 exceeds") as err:
+            run_rl(cfg)
+        gated, stale_kl = str(err.value).split("; stale tokens (off-policy drift, not gated): ")
+        assert gated.endswith("on tokens sampled by the weights being trained")
+        assert float(stale_kl.split(";")[0]) < 1e-6

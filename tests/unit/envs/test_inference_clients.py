@@ -126,7 +126,7 @@ def test_chat_policy_evaluates_a_served_model_without_samples():
 
 
 def test_eval_env_command_on_a_mock_server(capsys, monkeypatch):
-    from asyncrl.envs import evaluate as evaluate_mod
+    from asyncrl.envs import endpoint_eval
     from asyncrl.launcher.cli import main as cli_main
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -139,7 +139,7 @@ def test_eval_env_command_on_a_mock_server(capsys, monkeypatch):
 
     real_client = httpx.AsyncClient
     monkeypatch.setattr(
-        evaluate_mod.httpx,
+        endpoint_eval.httpx,
         "AsyncClient",
         lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw),
     )

@@ -11,7 +11,7 @@ import pytest
 from asyncrl.config import EnvConfig
 from asyncrl.envs import NOT_SAMPLED_VERSION, ScriptedClient, TokenPolicy, build_env, run_episode
 from asyncrl.envs.scripted import scripted_routing
-from asyncrl.wire import SamplingParams
+from asyncrl.wire import GenerateResponse, RoutedExperts, SamplingParams
 
 ROUTING = (3, 2, 8)  # layers, top_k, experts
 
@@ -210,3 +210,59 @@ def test_single_turn_sample(tokenizer):
         tokenizer.eos_token_id,
     ]
     assert sample.routed_experts is None  # a dense "model" returns no routing
+
+
+class _StallingClient(ScriptedClient):
+    """Answers the first `answer` turns, then never answers (the episode's deadline fires in the call)."""
+
+    answer: int = 1
+
+    async def generate(self, prompt_token_ids, sampling, **kwargs):
+        if len(self.calls) >= self.answer:
+            self.calls.append(list(prompt_token_ids))
+            await asyncio.Event().wait()
+        return await super().generate(prompt_token_ids, sampling, **kwargs)
+
+
+def test_deadline_during_a_later_turn_keeps_full_routing(tokenizer):
+    """The cut turn's new prompt tokens were never sampled against: they leave the sample, routing stays whole."""
+    env = build_env("calculator", seed=1)
+    task = env.task("train", 5)
+    replies = _calc_script(task.info["expression"], str(int(task.answer)))
+    client = _StallingClient(tokenizer, replies, routing=ROUTING)
+    cfg = EnvConfig(name="calculator", deadline_s=0.3)
+    ep = _run(env, task, client, tokenizer, cfg, routing=True)
+    assert ep.stop_reason == "deadline" and not ep.failed and len(client.calls) == 2
+    (sample,) = ep.samples
+    ids = sample.token_ids.tolist()
+    completion = [*tokenizer.encode(replies[0]), tokenizer.eos_token_id]
+    assert ids == client.calls[0] + completion  # ends on the last sampled token
+    assert sample.loss_mask[-1] and sample.routed_experts is not None
+    np.testing.assert_array_equal(sample.routed_experts, scripted_routing(ids, 0, *ROUTING))
+
+
+def test_turn_aborted_in_prefill_keeps_full_routing(tokenizer):
+    """An abort before the first sampled token (routing only for part of the new prompt) adds nothing."""
+    env = build_env("calculator", seed=1)
+    task = env.task("train", 5)
+    replies = _calc_script(task.info["expression"], str(int(task.answer)))
+
+    class AbortingClient(ScriptedClient):
+        async def generate(self, prompt_token_ids, sampling, **kwargs):
+            if not self.calls:
+                return await super().generate(prompt_token_ids, sampling, **kwargs)
+            self.calls.append(list(prompt_token_ids))
+            start = kwargs["routed_experts_start"]  # prefill reached 3 tokens past the known routing
+            rows = scripted_routing(prompt_token_ids[: start + 3], start, *ROUTING[:2], ROUTING[2])
+            return GenerateResponse(
+                token_ids=[], logprobs=[], policy_versions=[], finish_reason="abort",
+                routed_experts=RoutedExperts.from_array(rows, start=start),
+            )  # fmt: skip
+
+    client = AbortingClient(tokenizer, replies, routing=ROUTING)
+    ep = _run(env, task, client, tokenizer, EnvConfig(name="calculator"), routing=True)
+    assert ep.stop_reason == "aborted" and len(client.calls) == 2
+    (sample,) = ep.samples
+    ids = sample.token_ids.tolist()
+    assert ids == client.calls[0] + [*tokenizer.encode(replies[0]), tokenizer.eos_token_id]
+    np.testing.assert_array_equal(sample.routed_experts, scripted_routing(ids, 0, *ROUTING))

@@ -2,7 +2,7 @@
 
 import numpy as np
 import torch
-from inference_helpers import drain, random_prompts, teacher_logprobs
+from inference_helpers import Result, drain, random_prompts, teacher_logprobs
 
 from asyncrl.inference import SamplingOptions
 
@@ -53,3 +53,22 @@ def test_lru_eviction_keeps_engine_correct(make_engine, tiny_moe):
         ref = teacher_logprobs(tiny_moe, p, r.tokens, 1.0)
         assert (ref - torch.tensor(r.logprobs)).abs().max() <= 1e-5
     assert r.final.num_cached_tokens == 0  # the first prompt's blocks were evicted
+
+
+def test_no_kv_of_old_weights_after_a_weight_load_even_unsalted(make_engine, tiny_moe):
+    """A request running across the update keeps its blocks; requests admitted after it never hit them."""
+    engine = make_engine()
+    (prompt,) = random_prompts([22], seed=13)
+    long = SamplingOptions(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_request("running", prompt, long)
+    results = {}
+    for out in engine.step():  # "running" has prefilled: its prompt blocks are in the cache
+        results.setdefault(out.request_id, Result()).add(out)
+    engine.load_weights({k: v.clone() for k, v in tiny_moe.state_dict().items()}, version=1)
+    engine.add_request("after", prompt, GREEDY)  # no salt, like eval or the OpenAI API
+    drain(engine, results)
+    assert results["after"].final.num_cached_tokens == 0
+    running = results["running"]  # kept its own (old-weights) KV and finished under v1
+    assert len(running.tokens) == 40 and running.versions[0] == 0 and set(running.versions[1:]) == {1}
+    again = _run(engine, "again", prompt, None)  # within one weights epoch the cache still works
+    assert again.final.num_cached_tokens == 20

@@ -1,25 +1,33 @@
-"""Weight updates between steps: versions stamped per token; later tokens use the new weights."""
-
-import copy
+"""Weight updates between steps: versions stamped per token; later tokens use the new weights on top
+of the KV the old weights computed (keep mode: running requests are not recomputed)."""
 
 import torch
 from inference_helpers import Result, drain, random_prompts, teacher_logprobs
 
 from asyncrl.inference import SamplingOptions
 from asyncrl.model import save_pretrained
+from weight_update_reference import kept_kv_logprobs, perturb_all_weights
 
 
-def _head_perturbed(model, seed=0):
-    """A new policy that differs only in the LM head: the kept KV cache stays exact under it."""
-    new = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        new.lm_head.weight.add_(torch.randn(new.lm_head.weight.shape, generator=g) * 0.2)
-    return new
+class FedTokens:
+    """Counts the tokens the engine feeds through its model (prefill + decode), across weight swaps."""
+
+    def __init__(self) -> None:
+        self.count, self.hooked = 0, []
+
+    def watch(self, engine) -> None:
+        if not any(m is engine.model for m in self.hooked):
+            self.hooked.append(engine.model)
+            engine.model.model.embed_tokens.register_forward_hook(self._add)
+
+    def _add(self, module, args, output) -> None:
+        self.count += args[0].numel()
 
 
 def test_keep_mode_update_mid_generation(make_engine, tiny_moe):
     engine = make_engine()
+    fed = FedTokens()
+    fed.watch(engine)
     prompts = random_prompts([9, 14], seed=20)
     opts = SamplingOptions(temperature=1.0, max_tokens=16, ignore_eos=True, seed=5)
     for i, p in enumerate(prompts):
@@ -28,8 +36,9 @@ def test_keep_mode_update_mid_generation(make_engine, tiny_moe):
     for _ in range(6):
         for out in engine.step():
             results.setdefault(out.request_id, []).append(out)
-    new_model = _head_perturbed(tiny_moe)
+    new_model = perturb_all_weights(tiny_moe, seed=0, scale=0.2)
     engine.load_weights(dict(new_model.named_parameters()), version=7)
+    fed.watch(engine)
     merged = {rid: Result() for rid in results}
     for rid, outs in results.items():
         for o in outs:
@@ -38,13 +47,18 @@ def test_keep_mode_update_mid_generation(make_engine, tiny_moe):
     for i, p in enumerate(prompts):
         r = merged[f"r{i}"]
         n_old = r.versions.count(0)
-        assert 0 < n_old < 16 and r.versions == [0] * n_old + [7] * (16 - n_old)
+        assert 1 < n_old < 16 and r.versions == [0] * n_old + [7] * (16 - n_old)
         lp = torch.tensor(r.logprobs)
         old_ref = teacher_logprobs(tiny_moe, p, r.tokens, 1.0)
-        new_ref = teacher_logprobs(new_model, p, r.tokens, 1.0)
+        kept_ref = kept_kv_logprobs(tiny_moe, new_model, p, r.tokens, n_old, 1.0)
+        scratch_ref = teacher_logprobs(new_model, p, r.tokens, 1.0)  # a re-prefill under the new weights
         assert (old_ref[:n_old] - lp[:n_old]).abs().max() <= 1e-5
-        assert (new_ref[n_old:] - lp[n_old:]).abs().max() <= 1e-5
+        assert (kept_ref - lp[n_old:]).abs().max() <= 1e-5, "later tokens: new weights over the kept KV"
+        assert (scratch_ref[n_old:] - lp[n_old:]).abs().max() > 1e-2, "the old KV must matter"
         assert (old_ref[n_old:] - lp[n_old:]).abs().max() > 1e-2, "the update must change logprobs"
+    # Every prompt token and every sampled token but the last went through the model exactly once:
+    # recomputing a running request after the update would feed its prefix again.
+    assert fed.count == sum(len(p) + 16 - 1 for p in prompts)
 
 
 def test_abort_all_finishes_requests_with_abort(make_engine):
@@ -62,9 +76,13 @@ def test_abort_all_finishes_requests_with_abort(make_engine):
 
 
 def test_read_weights_roundtrip(tmp_path, make_engine, tiny_moe):
-    new_model = _head_perturbed(tiny_moe, seed=1)
+    new_model = perturb_all_weights(tiny_moe, seed=1, scale=0.2)
     save_pretrained(new_model, tmp_path)
     engine = make_engine()
     engine.load_weights(engine.read_weights(str(tmp_path)), version=1)
-    assert torch.equal(engine.model.lm_head.weight, new_model.lm_head.weight)
+    want = dict(new_model.named_parameters())
+    got = dict(engine.model.named_parameters())
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), "every weight, not only the LM head"
+    assert not torch.equal(got["model.embed_tokens.weight"], tiny_moe.model.embed_tokens.weight)
     assert engine.version == 1

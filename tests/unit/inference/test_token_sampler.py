@@ -11,7 +11,8 @@ PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 def _draw(opts: SamplingOptions, n: int = 2000, seed: int = 0) -> tuple[torch.Tensor, list[float]]:
     logits = PROBS.log().repeat(n, 1)
     gens = [torch.Generator().manual_seed(seed + i) for i in range(n)]
-    tokens, logprobs = sample(logits, [opts] * n, gens)
+    tokens, logprobs, failures = sample(logits, [opts] * n, gens)
+    assert failures == {}
     return torch.tensor(tokens), logprobs
 
 
@@ -38,7 +39,10 @@ def test_logprob_is_under_temperature_before_truncation():
 
 def test_greedy_takes_argmax_and_reports_temperature_one():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]])
-    tokens, logprobs = sample(logits, [SamplingOptions(temperature=0.0)] * 2, [torch.Generator()] * 2)
+    tokens, logprobs, failures = sample(
+        logits, [SamplingOptions(temperature=0.0)] * 2, [torch.Generator()] * 2
+    )
+    assert failures == {}
     assert tokens == [1, 0]
     ref = torch.log_softmax(logits, dim=-1)
     assert math.isclose(logprobs[0], float(ref[0, 1]), abs_tol=1e-6)

@@ -21,13 +21,14 @@ def test_tiny_moe_preset_size():
     assert 40e6 <= PRESETS["moe-50m"].num_params() <= 60e6
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "tiny-dsv3", "tiny-glm5", "tiny-glm4moe"])
 def test_init_model_writes_hf_model_and_tokenizer(tmp_path, preset, capsys):
     out = tmp_path / preset
     assert main(["init-model", "--preset", preset, "--out", str(out), "--seed", "3"]) == 0
     assert "parameters" in capsys.readouterr().out
     ours = from_pretrained(out)
-    assert sum(p.numel() for p in ours.parameters()) == PRESETS[preset].num_params()
+    held = [*ours.parameters(), *ours.buffers()]  # buffers: the routers' correction bias
+    assert sum(t.numel() for t in held) == PRESETS[preset].num_params()
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     text = tok.apply_chat_template(

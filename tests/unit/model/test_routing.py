@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.model import ModelArgs, Transformer
+from asyncrl.model import ModelArgs, PackedCausalAttention, Transformer
 
 ARGS = ModelArgs(
     model_type="qwen3_moe", vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
@@ -117,3 +117,25 @@ def test_dense_model_rejects_routing():
     assert out.routed_experts.shape == (1, 4, 1, 1)
     with pytest.raises(ValueError, match="no MoE layers"):
         dense(torch.zeros(1, 4, dtype=torch.long), routed_experts=torch.zeros(1, 4, 1, 1, dtype=torch.long))
+
+
+def test_router_moe_and_layer_results_have_fixed_fields(model):
+    """The with_router_topk flag fills a field; it never changes how many values come back."""
+    layer = model.layers[0]
+    x_BTD = torch.randn(2, 5, ARGS.hidden_size, generator=torch.Generator().manual_seed(3))
+    plain = layer.mlp(x_BTD)
+    asked = layer.mlp(x_BTD, with_router_topk=True)
+    assert plain.out_BTD.shape == (2, 5, ARGS.hidden_size) and plain.ids_BTK.shape == (2, 5, 2)
+    assert plain.router_topk_BTK is None
+    assert torch.equal(asked.router_topk_BTK, asked.ids_BTK)  # no replay: the ids used are its own
+    replay_BTK = (plain.ids_BTK + 1) % ARGS.num_experts
+    replayed = layer.mlp(x_BTD, replay_BTK, with_router_topk=True)
+    assert torch.equal(replayed.ids_BTK, replay_BTK) and torch.equal(replayed.router_topk_BTK, plain.ids_BTK)
+    routing = layer.mlp.gate(x_BTD.reshape(-1, ARGS.hidden_size))
+    assert routing.router_topk_NK is None and routing.weights_NK.dtype == x_BTD.dtype
+    torch.testing.assert_close(routing.weights_NK.sum(-1), torch.ones(10))  # norm_topk_prob
+    rope = model.rotary(torch.arange(5).expand(2, 5), x_BTD.dtype)
+    dense = model.layers[1](
+        x_BTD, rope, PackedCausalAttention(torch.arange(5).expand(2, 5)), with_router_topk=True
+    )
+    assert dense.ids_BTK is None and dense.router_topk_BTK is None and dense.x_BTD.shape == x_BTD.shape

@@ -1,31 +1,52 @@
 """A stand-in inference server speaking the asyncrl HTTP API, for orchestrator tests without torch.
 
-It "samples" random lowercase letters then eos, stamps every token with its current weight version,
-and can add a heavy-tailed delay per request. `update_weights` only records the version and path.
+It "samples" random lowercase letters then eos, one token at a time, and stamps each token with
+the weight version current when it was sampled: an update that lands mid-response (pause keep,
+update, resume) changes the versions within one response. While paused it samples nothing.
+It keeps a prefix cache the way the engine does: keyed by (`cache_salt`, the version that computed
+the tokens), reporting `num_cached_tokens`; every request is logged in `seen` (salt, version on
+arrival, cached tokens, per-token versions). It can add a heavy-tailed delay per request, hold a
+response after its first tokens (`hold_after_tokens`, released by `release()`), and fail updates.
+`update_weights` only records the version and path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import threading
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 
-from asyncrl.wire import GenerateRequest, GenerateResponse, RoutedExperts, UpdateWeightsRequest
+from asyncrl.wire import (
+    GenerateRequest,
+    GenerateResponse,
+    PauseRequest,
+    PauseResponse,
+    ResumeResponse,
+    RoutedExperts,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+    WeightsInfo,
+)
+from helpers import free_port
 
 EOS = 258
 NUM_LAYERS, TOP_K = 2, 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass
+class Seen:
+    """One /v1/generate request as the fake server saw it."""
+
+    cache_salt: str | None
+    version: int  # weight version on arrival
+    num_cached_tokens: int
+    policy_versions: list[int] = field(default_factory=list)
 
 
 class FakeServer:
@@ -37,9 +58,22 @@ class FakeServer:
         delay_sigma: float = 0.0,
         port: int | None = None,
         hang_after: int | None = None,
+        hold_after_tokens: int | None = None,
+        fail_updates: int = 0,
     ) -> None:
-        """`hang_after`: requests after the first N never answer (a server that stops responding)."""
+        """`hang_after`: requests after the first N never answer (a server that stops responding).
+        `hold_after_tokens`: every response waits after that many tokens until `release()`.
+        `fail_updates`: the next N `/update_weights` calls answer 500 (the weights stay as they are).
+        """
         self.version = 0
+        self.seen: list[Seen] = []
+        self.hold_after_tokens = hold_after_tokens
+        self.fail_updates = fail_updates
+        self._cache: set[tuple[str | None, int, tuple[int, ...]]] = set()  # cached block-free prefixes
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._released = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.loaded_paths: list[str] = []
         self.num_requests = 0
         self.paused = False
@@ -57,10 +91,11 @@ class FakeServer:
 
         @app.get("/health")
         async def health():
-            return {"status": "ok"}
+            return {"status": "ok", "paused": self.paused}
 
         @app.post("/v1/generate")
         async def generate(req: GenerateRequest) -> GenerateResponse:
+            self._loop = asyncio.get_running_loop()
             self.num_requests += 1
             if self.hang_after is not None and self.num_requests > self.hang_after:
                 await asyncio.Event().wait()
@@ -68,8 +103,20 @@ class FakeServer:
                 await asyncio.sleep(
                     self.delay_median_s * float(np.exp(self.delay_sigma * self.rng.gauss(0, 1)))
                 )
+            await self._unpaused.wait()
+            prompt = req.prompt_token_ids
+            seen = Seen(req.cache_salt, self.version, self._cached_prefix(req.cache_salt, prompt))
+            self.seen.append(seen)
+            self._store(req.cache_salt, seen.version, prompt)
             n = self.rng.randint(1, min(6, req.max_tokens))
             tokens = [self.rng.randint(97, 122) for _ in range(n - 1)] + [EOS]
+            for i in range(n):
+                if i == self.hold_after_tokens:
+                    await self._released.wait()
+                await self._unpaused.wait()  # pause keep: the request holds, later tokens get the new version
+                seen.policy_versions.append(self.version)
+                await asyncio.sleep(0)
+            self._store(req.cache_salt, seen.version, [*prompt, *tokens])
             routing = None
             if req.return_routed_experts:
                 total = len(req.prompt_token_ids) + len(tokens)
@@ -79,33 +126,56 @@ class FakeServer:
             return GenerateResponse(
                 token_ids=tokens,
                 logprobs=[-1.0] * len(tokens),
-                policy_versions=[self.version] * len(tokens),
+                policy_versions=list(seen.policy_versions),
                 finish_reason="stop",
-                num_cached_tokens=0,
+                num_cached_tokens=seen.num_cached_tokens,
                 routed_experts=routing,
             )
 
         @app.get("/weights")
-        async def weights():
-            return {"version": self.version, "path": self.loaded_paths[-1] if self.loaded_paths else None}
+        async def weights() -> WeightsInfo:
+            return WeightsInfo(
+                version=self.version, path=self.loaded_paths[-1] if self.loaded_paths else None
+            )
 
         @app.post("/pause")
-        async def pause():
+        async def pause(req: PauseRequest) -> PauseResponse:
             self.paused = True
-            return {"paused": True}
+            self._unpaused.clear()
+            return PauseResponse(paused=True, mode=req.mode, num_aborted=0)
 
         @app.post("/resume")
-        async def resume():
+        async def resume() -> ResumeResponse:
             self.paused = False
-            return {"paused": False}
+            self._unpaused.set()
+            return ResumeResponse(paused=False)
 
         @app.post("/update_weights")
-        async def update(req: UpdateWeightsRequest):
+        async def update(req: UpdateWeightsRequest) -> UpdateWeightsResponse:
+            if self.fail_updates > 0:
+                self.fail_updates -= 1
+                raise HTTPException(500, "fake: update failed")
             self.version = req.version
             self.loaded_paths.append(req.path)
-            return {"version": req.version, "load_seconds": 0.0, "paused_seconds": 0.0}
+            return UpdateWeightsResponse(version=req.version, load_seconds=0.0, paused_seconds=0.0)
 
         return app
+
+    def _cached_prefix(self, salt: str | None, prompt: list[int]) -> int:
+        """Longest cached prefix of `prompt` (the last token always recomputed), as the engine reports it."""
+        n = len(prompt) - 1
+        while n > 0 and (salt, self.version, tuple(prompt[:n])) not in self._cache:
+            n -= 1
+        return n
+
+    def _store(self, salt: str | None, version: int, tokens: list[int]) -> None:
+        # Keyed by the version on arrival, as the engine keys a request's blocks by its admission.
+        self._cache.update((salt, version, tuple(tokens[:n])) for n in range(1, len(tokens) + 1))
+
+    def release(self) -> None:
+        """Let responses held by `hold_after_tokens` go on (callable from any thread)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._released.set)
 
     def start(self) -> FakeServer:
         config = uvicorn.Config(

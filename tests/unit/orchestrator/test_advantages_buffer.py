@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
 from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.envs.base import Task
+from asyncrl.envs.rollout import Episode
 from asyncrl.orchestrator.advantages import group_advantages, with_advantage
 from asyncrl.orchestrator.buffer import Group, GroupBuffer
-from asyncrl.wire import RolloutSample
+from asyncrl.orchestrator.checkpoint import GroupRef
+from asyncrl.orchestrator.dispatcher import Dispatcher, _InFlight
+from asyncrl.wire import BatchFormatError, RolloutSample
 
 
 def _sample(versions: list[int], mask: list[bool]) -> RolloutSample:
@@ -56,8 +62,92 @@ def test_buffer_drops_groups_older_than_allowed():
     assert buf.cut(5) is None
 
 
+def _spanning_sample(sampled_versions: list[int]) -> RolloutSample:
+    # Two prompt tokens at version 0 (not sampled: never count), then the sampled tokens, whose
+    # versions rise where a weight update landed mid-rollout.
+    return _sample([0, 0, *sampled_versions], [False, False] + [True] * len(sampled_versions))
+
+
+def test_buffer_uses_the_oldest_sampled_token_version_not_the_dispatch_version():
+    """Step 4 with k = 1 trains only samples whose every sampled token is from v2 or newer."""
+    groups = {
+        # dispatched at v0, but the first update landed before its first sampled token: fresh
+        "late_start": ([[2, 3], [2, 2, 3]], 0),
+        # dispatched at v1 and still decoding at v3: one v1 token is one too old
+        "spans_1_to_3": ([[1, 2, 3], [2, 3]], 1),
+        # its second sample alone reaches back to v1
+        "second_sample_old": ([[3, 3], [1, 3]], 1),
+        # dispatched at v2, tokens from v2 and v3
+        "fresh": ([[2, 3], [3]], 2),
+    }
+    buf = GroupBuffer(batch_size=4, max_off_policy_steps=1)
+    for name, (versions, dispatch) in groups.items():
+        buf.add(Group(task_id=name, env="e", dispatch_version=dispatch, rewards=[0.0, 0.0],
+                      samples=[_spanning_sample(v) for v in versions], episode_metrics=[{}, {}]))  # fmt: skip
+    batch, taken = buf.cut(4)
+    assert [g.task_id for g in taken] == ["late_start", "fresh"]
+    assert buf.num_dropped_groups == 2 and buf.num_dropped_samples == 4
+    assert [s.policy_versions.tolist() for s in batch.samples] == [
+        [0, 0, 2, 3],
+        [0, 0, 2, 2, 3],
+        [0, 0, 2, 3],
+        [0, 0, 3],
+    ]
+
+
 def test_config_rejects_impossible_combinations():
     with pytest.raises(ValueError, match=r"batch_size \(10\) must be a multiple of group_size \(4\)"):
         OrchestratorConfig(model="m", batch_size=10, group_size=4)
     with pytest.raises(ValueError, match="group_size = 1 gives every group zero advantage"):
         OrchestratorConfig(model="m", batch_size=4, group_size=1)
+
+
+def _episode(reward: float, *, error: str | None = None, stop: str = "done") -> Episode:
+    return Episode(episode_id=f"e{reward}", env="e", task_id="t", reward=reward, rewards={},
+                   samples=[_sample([0, 1, 1], [False, True, True])], metrics={"failed": float(error is not None)},
+                   stop_reason="error" if error else stop, error=error)  # fmt: skip
+
+
+def _make_group(episodes: list[Episode]) -> tuple[Group, Dispatcher]:
+    dispatcher = Dispatcher(OrchestratorConfig(model="m", batch_size=4, group_size=4), None, None, None)
+    return dispatcher._make_group("e", Task(id="t", prompt=[]), 1, episodes), dispatcher
+
+
+def test_failed_episodes_never_train_and_stay_out_of_the_baseline():
+    # An env error (samples kept for inspection), an aborted request, and two valid rollouts.
+    episodes = [_episode(1.0), _episode(0.0, error="RuntimeError: env bug"), _episode(0.0),
+                _episode(0.7, stop="aborted")]  # fmt: skip
+    group, dispatcher = _make_group(episodes)
+    advantages = [float(s.advantages[s.loss_mask][0]) for s in group.samples]
+    assert advantages == pytest.approx([0.5, -0.5])  # baseline over the two valid episodes only
+    assert sum(advantages) == pytest.approx(0.0)
+    assert group.rewards == [1.0, 0.0] and len(group.episode_metrics) == 4
+    assert dispatcher.counters.episodes_failed == 2 and dispatcher.counters.groups_too_few_valid == 0
+
+
+def test_a_group_with_fewer_than_two_valid_episodes_is_dropped_and_counted():
+    group, dispatcher = _make_group([_episode(1.0), _episode(0.0, error="InferenceError: down")])
+    assert group.samples == [] and dispatcher.counters.groups_too_few_valid == 1
+    assert dispatcher.counters.episodes_failed == 1
+
+
+def test_a_failing_group_is_counted_and_the_run_goes_on():
+    dispatcher = Dispatcher(OrchestratorConfig(model="m", batch_size=4, group_size=4), None, None, None)
+
+    async def finish(results: list) -> list:
+        async def one(r):
+            if isinstance(r, Exception):
+                raise r
+            return r
+
+        tasks = [asyncio.create_task(one(r)) for r in results]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        dispatcher._in_flight = [_InFlight(t, 0, GroupRef(index=i, env_index=0)) for i, t in enumerate(tasks)]
+        return dispatcher._collect_finished()
+
+    assert asyncio.run(finish([BatchFormatError("bad routing"), "group"])) == ["group"]
+    assert dispatcher.counters.groups_error == 1
+    # Every group failing is a bug, not bad luck: after 2 x concurrent_groups in a row the run stops.
+    many = [RuntimeError(f"bug {i}") for i in range(2 * dispatcher.cfg.concurrent_groups)]
+    with pytest.raises(RuntimeError, match="rollout groups in a row failed"):
+        asyncio.run(finish(many))

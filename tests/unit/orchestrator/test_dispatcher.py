@@ -59,6 +59,10 @@ def test_synchronous_mode_trains_only_on_policy_tokens(tmp_path, tokenizer_dir, 
             assert np.all(s.advantages[~s.loss_mask] == 0)
             assert s.routed_experts is not None and s.routed_experts.shape[0] == s.num_tokens
     assert [r["staleness/max"] for r in records] == [0, 0, 0, 0]
+    # Synchronous: no update lands while requests run, so every salt names the weights that ran it,
+    # and siblings (same prompt, same salt) hit the fake's prefix cache.
+    assert all(seen.cache_salt == str(seen.version) for seen in server.seen)
+    assert all(r["inference/prefix_cache_hit_rate"] > 0 for r in records)
     assert server.version == 3  # v4 is published after the last batch; nobody needs it
     for b in batches:  # one advantage per episode; whole groups, so they sum to zero per batch
         per_sample = [np.unique(s.advantages[s.loss_mask]) for s in b.samples]

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from asyncrl.config.trainer import OptimConfig, ScheduleConfig
+from asyncrl.distributed import DistInfo
 from asyncrl.model import Transformer, preset_args
 from asyncrl.trainer.engine import StepEngine
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
-from asyncrl.trainer.parallel import DistInfo
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from asyncrl.config import load_config
 from asyncrl.config.trainer import LossConfig
 from asyncrl.trainer.loss import LossInputs, mismatch_kl, rl_loss, sft_loss
 
@@ -68,6 +69,74 @@ def test_trust_region_boundaries():
     rl_loss(inp, cfg, 4.0).loss.backward()
     g = inp.logprobs.grad
     assert g[1] == 0 and g[3] == 0 and g[0] != 0 and g[2] != 0
+
+
+def _rare_token_inputs() -> LossInputs:
+    # Token 0: the engine sampled it at mu = 1e-4, the trainer gives it pi = 0.15, so r = 1500, yet
+    # pi - mu = 0.1499 lies inside the trust region's band. Token 1 (A < 0) is the same case.
+    # Token 2: r = 1.5, below the cap.
+    return _inputs(pi=[0.15, 0.15, 0.3], mu=[1e-4, 1e-4, 0.2], adv=[1.0, -1.0, 1.0])
+
+
+def _pg_grads(cfg: LossConfig, inp: LossInputs, num_loss_tokens: float = 3.0) -> tuple[list[float], int]:
+    """d loss / d logpi with the (log r)^2 penalty taken out, times N; and the masked count."""
+    res = rl_loss(inp, cfg, num_loss_tokens)
+    res.loss.backward()
+    log_r = (inp.logprobs - inp.inference_logprobs).detach()
+    pen = 2 * cfg.kl_coef * log_r
+    return ((inp.logprobs.grad - pen / num_loss_tokens) * num_loss_tokens).tolist(), int(res.num_masked)
+
+
+def test_trust_region_caps_the_importance_weight_by_default():
+    cfg = LossConfig()  # trust_region, ratio_cap 2.0, truncate
+    assert cfg.variant == "trust_region" and cfg.ratio_cap == 2.0 and cfg.ratio_cap_mode == "truncate"
+    inp = _rare_token_inputs()
+    res = rl_loss(inp, cfg, 3.0)
+    log_r = [math.log(0.15 / 1e-4), math.log(0.15 / 1e-4), math.log(1.5)]
+    # value: -min(r, 2) * A per token, plus the penalty
+    want = (-2.0 * 1 - 2.0 * -1 - 1.5 * 1 + cfg.kl_coef * sum(x * x for x in log_r)) / 3
+    assert res.loss.item() == pytest.approx(want, rel=1e-9)
+    grads, masked = _pg_grads(cfg, _rare_token_inputs())
+    # capped tokens keep their direction with weight C: -C * A; the token below the cap gets -r * A
+    assert grads == pytest.approx([-2.0, 2.0, -1.5], rel=1e-9)
+    assert masked == 0
+
+
+def test_uncapped_trust_region_weighs_the_rare_token_1500():
+    grads, _ = _pg_grads(load_config(LossConfig, ["--ratio-cap", "inf"]), _rare_token_inputs())
+    assert grads == pytest.approx([-1500.0, 1500.0, -1.5], rel=1e-6)
+
+
+def test_ratio_cap_mask_mode_drops_capped_tokens():
+    for variant in ("trust_region", "sequence", "mis"):
+        cfg = LossConfig(variant=variant, ratio_cap=2.0, ratio_cap_mode="mask", mis_high=1e4, seq_high=1e4)
+        grads, masked = _pg_grads(cfg, _rare_token_inputs())
+        assert grads == pytest.approx([0.0, 0.0, -1.5], abs=1e-9), variant
+        assert masked == 2, variant
+
+
+def test_ratio_cap_applies_to_mis_and_sequence_and_stays_finite():
+    for variant in ("mis", "sequence"):
+        cfg = LossConfig(variant=variant, mis_high=1e4, seq_high=1e4)
+        grads, _ = _pg_grads(cfg, _rare_token_inputs())
+        assert grads == pytest.approx([-2.0, 2.0, -1.5], rel=1e-9), variant
+    # r overflows float32 (log r = 100; A < 0, so the trust region keeps the token that rose):
+    # the capped weight and its gradient stay finite
+    inp = LossInputs(
+        logprobs=torch.tensor([-0.1], requires_grad=True),
+        inference_logprobs=torch.tensor([-100.1]),
+        advantages=torch.tensor([-1.0]),
+        loss_mask=torch.tensor([True]),
+        seq_ids=torch.tensor([0]),
+    )
+    res = rl_loss(inp, LossConfig(kl_coef=0.0), 1.0)
+    res.loss.backward()
+    assert res.loss.item() == pytest.approx(2.0) and inp.logprobs.grad.item() == pytest.approx(2.0)
+
+
+def test_ratio_cap_below_one_is_rejected():
+    with pytest.raises(ValueError, match="ratio_cap"):
+        LossConfig(ratio_cap=0.5)
 
 
 def test_tis_truncates_a_detached_weight():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -101,3 +103,18 @@ def test_chunked_lm_head_in_the_step_matches_unchunked(tiny_model, make_engine):
     loss_big, grads_big = _loss_and_grads(make_engine, model, mbs, chunk_size=4096)
     assert loss_small == pytest.approx(loss_big, rel=1e-6, abs=1e-8)
     torch.testing.assert_close(grads_small, grads_big, rtol=1e-5, atol=1e-7)
+
+
+def test_samples_without_routing_train_in_their_own_micro_batches(tiny_model, make_engine):
+    """Per-sample "no routing": the unrouted sample is packed apart and routed by the trainer's router."""
+    model = tiny_model()
+    batch = synthetic_batch(model, step=1, num_samples=4, prompt_len=8, completion_len=12, seed=5)
+    unrouted = dataclasses.replace(batch.samples[1], routed_experts=None)
+    samples = [batch.samples[0], unrouted, *batch.samples[2:]]
+    packed = pack_samples(samples, seq_len=256, replay=True)
+    assert len(packed) == 2 and packed[0].num_sequences == 3 and packed[1].num_sequences == 1
+    assert packed[0].routed_experts is not None and packed[1].routed_experts is None
+    # The unrouted micro-batch gives exactly the loss of that sample trained without replay.
+    loss_mixed, _ = _loss_and_grads(make_engine, model, packed[1:])
+    loss_plain, _ = _loss_and_grads(make_engine, model, [build_micro_batch([unrouted], replay=False)])
+    assert loss_mixed == pytest.approx(loss_plain, rel=1e-6)

@@ -55,8 +55,22 @@ def test_field_errors_name_the_field():
     del arrays["temperatures"]
     with pytest.raises(BatchFormatError, match="rollouts/step_0: missing field 'temperatures'"):
         decode_batch(arrays, meta, where="rollouts/step_0")
-    with pytest.raises(BatchFormatError, match="present on every sample"):
-        encode_batch(RolloutBatch(step=0, samples=[s, _sample(3, 1, routing=False)]))
+    with pytest.raises(BatchFormatError, match="routed_experts differ across samples"):
+        other = _sample(3, 1)
+        encode_batch(RolloutBatch(step=0, samples=[s, RolloutSample(**{**other.__dict__,
+                                  "routed_experts": other.routed_experts[:, :2]})]))  # fmt: skip
+
+
+def test_a_sample_without_routing_round_trips_as_no_routing():
+    """Mixed batches encode (a deadline-cut or aborted episode may lack routing); the flag is per sample."""
+    batch = RolloutBatch(step=2, samples=[_sample(5, 1), _sample(3, 2, routing=False), _sample(4, 3)])
+    arrays, meta = encode_batch(batch)
+    assert arrays["routed_experts"].shape == (12, 4, 2)
+    assert (arrays["routed_experts"][5:8] == 0).all()
+    back = decode_batch(arrays, meta)
+    assert back.samples[1].routed_experts is None
+    np.testing.assert_array_equal(back.samples[0].routed_experts, batch.samples[0].routed_experts)
+    np.testing.assert_array_equal(back.samples[2].routed_experts, batch.samples[2].routed_experts)
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16])

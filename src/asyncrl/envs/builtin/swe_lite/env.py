@@ -58,9 +58,13 @@ class SweLiteEnv(Environment):
     name = "swe-lite"
     max_turns = 12
 
-    def __init__(self, *, seed: int = 0, cpu_s: int = 5, wall_s: float = 20.0) -> None:
+    def __init__(
+        self, *, seed: int = 0, cpu_s: int = 5, wall_s: float = 20.0, allow_weak_isolation: bool = False
+    ) -> None:
+        """`allow_weak_isolation`: run tool code without bwrap where it is unavailable (guard only)."""
         super().__init__(seed=seed)
         self.limits = SandboxLimits(cpu_s=cpu_s, wall_s=wall_s)
+        self.allow_weak_isolation = allow_weak_isolation
         self.rubric = Rubric(rewards=(Reward(name="tests_passed", fn=self._tests_passed),))
 
     def _repo(self, task: Task) -> RenderedRepo:
@@ -87,7 +91,7 @@ class SweLiteEnv(Environment):
         )
 
     async def setup(self, task: Task) -> EpisodeState:
-        sandbox = Sandbox(limits=self.limits)
+        sandbox = Sandbox(limits=self.limits, allow_weak_isolation=self.allow_weak_isolation)
         repo = self._repo(task)
         for path, content in _repo_files(repo).items():
             sandbox.write_file(path, content)

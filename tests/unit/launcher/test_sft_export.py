@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from asyncrl.launcher.init_model import init_model
-from asyncrl.launcher.sft_data import SFTDataArgsError, corrupt_text, main, write_sft_data
-from asyncrl.trainer.sft_data import JsonlSFTSource
+from asyncrl.launcher.sft_export import SFTDataArgsError, corrupt_text, main, write_sft_data
+from asyncrl.trainer.sft_sources import JsonlSFTSource
 
 
 def one_edit_apart(a: str, b: str) -> bool:

@@ -1,27 +1,31 @@
-"""Data parallelism for the trainer: process group set-up and the all-reduces a step needs.
+"""Process group set-up and the few collectives every rank's caller needs.
 
-Launched by torchrun, each process reads RANK / WORLD_SIZE / LOCAL_RANK from the environment;
-a plain `python -m` run is world size 1 and never touches torch.distributed. Gradients are
-all-reduced with a sum (not a mean): the loss is already divided by the global count of loss
-tokens, so the sum over ranks is the gradient of the global token mean. Under torchrun the
-trainer shards the model with FSDP2 / EP / CP (scaleout.py) and FSDP reduces the gradients, so
-`all_reduce_grads_` only runs at world size 1 (where it just fills missing gradients with zeros).
+Launched by torchrun, each process reads RANK / WORLD_SIZE / LOCAL_RANK from the environment; a
+plain `python -m` run is world size 1 and never touches torch.distributed (every helper here is
+then a no-op).
+
+    info = init_distributed("cuda")     # NCCL on CUDA, gloo on CPU; DistInfo(rank, world_size, ...)
+    all_reduce_(count, info)            # sum (or op="max") over all ranks, in place
+    barrier(info)
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "all_reduce_", "all_reduce_grads_", "barrier", "init_distributed"]
+__all__ = ["DistInfo", "all_reduce_", "barrier", "init_distributed"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class DistInfo:
+    """This process's place in the world. Example: DistInfo(rank=0, world_size=1, local_rank=0,
+    device=torch.device("cpu")) is a single-process run."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -50,24 +54,13 @@ def init_distributed(device: str) -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
-def all_reduce_(tensor: torch.Tensor, info: DistInfo, op: str = "sum") -> torch.Tensor:
+def all_reduce_(tensor: torch.Tensor, info: DistInfo, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
     """In-place all-reduce (sum or max) over all ranks; a no-op at world size 1."""
+    if op not in ("sum", "max"):
+        raise ValueError(f"all_reduce_ op must be 'sum' or 'max', got {op!r}")
     if info.is_distributed:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return tensor
-
-
-def all_reduce_grads_(params: Iterable[torch.nn.Parameter], info: DistInfo) -> None:
-    """Sum gradients over ranks. Parameters without a gradient get zeros first, so every rank joins."""
-    grads = []
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    if not info.is_distributed:
-        return
-    for g in grads:
-        dist.all_reduce(g, op=dist.ReduceOp.SUM)
 
 
 def barrier(info: DistInfo) -> None:

@@ -8,7 +8,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from asyncrl.model.tokenizer import save_byte_tokenizer
-from asyncrl.trainer.sft_data import JsonlSFTSource, SFTDataError, tokenize_chat, tokenize_prompt_completion
+from asyncrl.trainer.sft_sources import (
+    JsonlSFTSource,
+    SFTDataError,
+    tokenize_chat,
+    tokenize_prompt_completion,
+)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +75,7 @@ def test_batches_depend_only_on_the_step_and_cover_each_epoch(tokenizer, tmp_pat
 
 def test_rows_with_tools_render_the_tool_block_like_rl_prompts():
     from asyncrl.model.tokenizer import build_byte_tokenizer
-    from asyncrl.trainer.sft_data import tokenize_chat
+    from asyncrl.trainer.sft_sources import tokenize_chat
 
     tok = build_byte_tokenizer()
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {}}}]

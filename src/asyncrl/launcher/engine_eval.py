@@ -34,6 +34,7 @@ from asyncrl.envs.rollout import Episode, run_episode
 from asyncrl.inference.async_engine import AsyncEngine
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.request import SamplingOptions
+from asyncrl.launcher.progress import progress_bar
 from asyncrl.wire import GenerateResponse
 
 __all__ = ["EvalResult", "LocalEngineClient", "evaluate", "main"]
@@ -100,16 +101,20 @@ async def _run(
         Engine.from_config(InferenceConfig(model=model, device="cpu", max_num_seqs=max_num_seqs, seed=seed))
     )
     engine.start()
+    bar = progress_bar(num, f"eval {env_cfg.label or env_cfg.name} (t={sampling.temperature:g})", "task")
     try:
         client = LocalEngineClient(engine)
 
         async def one(i: int) -> Episode:
             task = env.task("eval", i)
             policy = TokenPolicy(client, tokenizer, sampling, config=env_cfg)
-            return await run_episode(env, task, policy, config=env_cfg, episode_id=f"eval/{i}")
+            episode = await run_episode(env, task, policy, config=env_cfg, episode_id=f"eval/{i}")
+            bar.update(1)
+            return episode
 
         return list(await asyncio.gather(*(one(i) for i in range(num))))
     finally:
+        bar.close()
         engine.stop()
 
 
@@ -168,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--temperature", type=float, nargs="+", default=[0.0], help="one or more; 0 = greedy, 1 = as in RL"
     )
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="most tokens sampled per model turn")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
     p.add_argument("--seed", type=int, default=0, help="env seed (must match training) and sampling seed")
     p.add_argument("--label", default=None, help="name printed with the result (default: the model path)")

@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.config.envs import EnvConfig
 from asyncrl.config.sampling import SamplingParams
-from asyncrl.launcher.evaluate import evaluate, main
+from asyncrl.launcher.engine_eval import evaluate, main
 from asyncrl.launcher.init_model import init_model
 
 

@@ -4,7 +4,7 @@
         --env-args '{"min_len": 3, "max_len": 6}'
 
 Each line is `{"messages": prompt + reference completion}`, the chat form that
-`asyncrl.trainer.sft_data.JsonlSFTSource` reads (loss on the assistant turns). Tasks come from the
+`asyncrl.trainer.sft_sources.JsonlSFTSource` reads (loss on the assistant turns). Tasks come from the
 env's "train" split (`asyncrl.envs.base.iter_reference_examples`), so evaluation on "eval" tasks
 stays held out.
 
@@ -25,6 +25,7 @@ from typing import Any
 
 from asyncrl.envs.base import iter_reference_examples
 from asyncrl.envs.registry import build_env
+from asyncrl.launcher.progress import progress_bar
 
 __all__ = ["CORRUPTIONS", "corrupt_text", "main", "write_sft_data"]
 
@@ -81,7 +82,7 @@ def write_sft_data(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     rows = corrupted = 0
-    with tmp.open("w") as f:
+    with tmp.open("w") as f, progress_bar(num, f"sft-data {env_name}", "row") as bar:
         for ex in iter_reference_examples(env, "train", num):
             completion = [dict(m) for m in ex.completion]
             if rng.random() < corrupt_prob and completion and completion[-1].get("role") == "assistant":
@@ -91,6 +92,7 @@ def write_sft_data(
                 corrupted += 1
             f.write(json.dumps(_row(ex.prompt, completion, ex.tools)) + "\n")
             rows += 1
+            bar.update(1)
     tmp.replace(out)
     return {"rows": rows, "corrupted": corrupted}
 

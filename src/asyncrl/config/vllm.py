@@ -1,0 +1,71 @@
+"""Config of the vLLM inference backend: `[inference.vllm]`, mapped to vLLM's own engine arguments.
+
+Example (inside an `asyncrl rl` config)::
+
+    [inference]
+    backend = "vllm"
+    dtype = "bfloat16"
+    max_num_seqs = 64
+
+    [inference.vllm]
+    tensor_parallel_size = 1
+    data_parallel_size = 1
+    enable_expert_parallel = false
+    quantization = "fp8"                       # optional
+    kv_transfer_config = { kv_connector = "NixlConnector", kv_role = "kv_both" }   # optional
+    extra_args = ["--enforce-eager"]
+
+Every key here has one vLLM flag (`asyncrl.launcher.vllm.FLAG_MAP`, the table in
+docs/inference.md); unknown keys are errors. `extra_args` is passed through verbatim, for flags
+asyncrl has no key for. vLLM runs from its own interpreter (`python`), never from asyncrl's
+environment: `bash scripts/setup-vllm.sh` creates it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from asyncrl.config.base import BaseConfig
+
+__all__ = ["DEFAULT_VLLM_PYTHON", "VLLMConfig"]
+
+DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
+
+
+class VLLMConfig(BaseConfig):
+    """vLLM engine arguments asyncrl knows, plus pass-through `extra_args`."""
+
+    python: str | None = Field(
+        None,
+        description=f"interpreter with vLLM installed; default: {DEFAULT_VLLM_PYTHON} if it exists, "
+        "else the current one",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs per model replica that split each layer (--tensor-parallel-size)"
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="pipeline stages per replica (--pipeline-parallel-size)"
+    )
+    data_parallel_size: int = Field(1, ge=1, description="replicas behind one server (--data-parallel-size)")
+    enable_expert_parallel: bool = Field(
+        False, description="shard routed experts over the TP x DP ranks (--enable-expert-parallel)"
+    )
+    quantization: str | None = Field(None, description="e.g. 'fp8'; vLLM's --quantization")
+    kv_transfer_config: dict[str, Any] | None = Field(
+        None, description="P/D or KV-offload connector, passed to vLLM's --kv-transfer-config as JSON"
+    )
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0.0, le=1.0, description="fraction of device memory vLLM may take; default vLLM's"
+    )
+    cpu_kv_cache_space_gb: int | None = Field(
+        None, ge=1, description="CPU build only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"
+    )
+    enforce_eager: bool = Field(False, description="no CUDA graphs / compilation (--enforce-eager)")
+    enable_return_routed_experts: bool = Field(
+        False, description="return routed experts for router replay (GPU builds of vLLM only)"
+    )
+    startup_timeout_s: float = Field(900.0, gt=0.0, description="compatibility probe and start-up budget")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment of the vLLM process")
+    extra_args: list[str] = Field(default_factory=list, description="more vLLM flags, passed verbatim")

@@ -1,0 +1,276 @@
+"""The vLLM backend's launcher side: the server command, its environment, and a compatibility check.
+
+`asyncrl rl` with `[inference] backend = "vllm"` starts one vLLM OpenAI server per inference
+server, with the interpreter of vLLM's own environment (`bash scripts/setup-vllm.sh`):
+
+    VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \\
+        --model DIR --host 127.0.0.1 --port 8000 --dtype bfloat16 --max-num-seqs 64 ... \\
+        --enable-scale-out --enable-prefix-caching
+
+`VLLM_SERVER_DEV_MODE=1` turns on vLLM's RL endpoints (`/pause`, `/resume`, `/collective_rpc`,
+`/update_weight_version`) that in-flight weight updates use; `--enable-scale-out` turns on the
+token-in/token-out `POST /inference/v1/generate`. Both stay on 127.0.0.1 unless `host` says
+otherwise; set `api_key` when a server listens on a network.
+
+Before starting, `probe_vllm` runs a short script in that interpreter (vLLM's version, the flags its
+server accepts, the architectures it serves, its platform) and `check_vllm` turns any mismatch
+into a ConfigError that names the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncrl.config import ConfigError, InferenceConfig
+from asyncrl.config.inference import is_loopback
+from asyncrl.config.vllm import DEFAULT_VLLM_PYTHON
+
+__all__ = [
+    "FLAG_MAP",
+    "MIN_VLLM_VERSION",
+    "VLLMCommand",
+    "VLLMProbe",
+    "build_vllm_command",
+    "check_vllm",
+    "probe_vllm",
+    "resolve_vllm_python",
+]
+
+MIN_VLLM_VERSION = (0, 32)
+
+# asyncrl key -> vLLM flag (the table in docs/inference.md). Booleans become bare flags.
+FLAG_MAP: dict[str, str] = {
+    "model": "--model",
+    "served_model_name": "--served-model-name",
+    "host": "--host",
+    "port": "--port",
+    "dtype": "--dtype",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "block_size": "--block-size",
+    "max_model_len": "--max-model-len",
+    "seed": "--seed",
+    "vllm.tensor_parallel_size": "--tensor-parallel-size",
+    "vllm.pipeline_parallel_size": "--pipeline-parallel-size",
+    "vllm.data_parallel_size": "--data-parallel-size",
+    "vllm.enable_expert_parallel": "--enable-expert-parallel",
+    "vllm.quantization": "--quantization",
+    "vllm.kv_transfer_config": "--kv-transfer-config",
+    "vllm.gpu_memory_utilization": "--gpu-memory-utilization",
+    "vllm.enforce_eager": "--enforce-eager",
+    "vllm.enable_return_routed_experts": "--enable-return-routed-experts",
+}
+
+# Embedded-engine keys that vLLM has no equivalent for: set under backend = "vllm", they warn.
+_EMBEDDED_ONLY = (
+    "kv_cache_tokens",
+    "device",
+    "max_request_bytes",
+    "allow_request_chat_template",
+    "chat_template_timeout_s",
+    "chat_template_max_chars",
+)
+
+_PROBE = r"""
+import json, sys
+import vllm
+from vllm.platforms import current_platform
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.model_executor.models import ModelRegistry
+parser = make_arg_parser(FlexibleArgumentParser())
+flags = sorted({s for a in parser._actions for s in a.option_strings if s.startswith("--")})
+print(json.dumps({
+    "version": vllm.__version__,
+    "device_type": str(current_platform.device_type),
+    "flags": flags,
+    "architectures": sorted(ModelRegistry.get_supported_archs()),
+}))
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMCommand:
+    """One vLLM server: its argv and the environment variables it needs on top of the launcher's."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def shell(self) -> str:
+        """The command as one shell line, to start the server by hand (the API key masked)."""
+        env = [
+            f"{k}={'<api_key>' if k == 'VLLM_API_KEY' else shlex.quote(v)}"
+            for k, v in sorted(self.env.items())
+        ]
+        return " ".join([*env, shlex.join(self.argv)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMProbe:
+    """What the vLLM interpreter reports about itself (see `probe_vllm`)."""
+
+    version: str
+    device_type: str  # "cpu", "cuda", ...
+    flags: frozenset[str]
+    architectures: frozenset[str]
+
+
+def resolve_vllm_python(cfg: InferenceConfig, root: Path | None = None) -> str:
+    """`[inference.vllm] python`, else .venv-vllm/bin/python under `root` (default: cwd) if it exists,
+    else the current interpreter."""
+    if cfg.vllm.python:
+        return cfg.vllm.python
+    default = (root or Path.cwd()) / DEFAULT_VLLM_PYTHON
+    return str(default) if default.exists() else sys.executable
+
+
+def _flag_values(cfg: InferenceConfig) -> list[tuple[str, object]]:
+    v = cfg.vllm
+    values: dict[str, object] = {
+        "model": cfg.model,
+        "served_model_name": cfg.served_model_name or Path(cfg.model).name,
+        "host": cfg.host,
+        "port": cfg.port,
+        "dtype": cfg.dtype,
+        "max_num_seqs": cfg.max_num_seqs,
+        # Only when set: vLLM picks what its attention backend supports (its CPU one: multiples of 32).
+        "max_num_batched_tokens": _if_set(cfg, "max_num_batched_tokens"),
+        "block_size": _if_set(cfg, "block_size"),
+        "max_model_len": cfg.max_model_len,
+        "seed": cfg.seed,
+        "vllm.tensor_parallel_size": v.tensor_parallel_size,
+        "vllm.pipeline_parallel_size": v.pipeline_parallel_size,
+        "vllm.data_parallel_size": v.data_parallel_size,
+        "vllm.enable_expert_parallel": v.enable_expert_parallel,
+        "vllm.quantization": v.quantization,
+        "vllm.kv_transfer_config": v.kv_transfer_config,
+        "vllm.gpu_memory_utilization": v.gpu_memory_utilization,
+        "vllm.enforce_eager": v.enforce_eager,
+        "vllm.enable_return_routed_experts": v.enable_return_routed_experts,
+    }
+    assert values.keys() == FLAG_MAP.keys()
+    return list(values.items())
+
+
+def _if_set(cfg: InferenceConfig, key: str) -> object:
+    return getattr(cfg, key) if key in cfg.model_fields_set else None
+
+
+def build_vllm_command(cfg: InferenceConfig, *, python: str) -> VLLMCommand:
+    """The vLLM server command for one resolved inference config (host and port included)."""
+    if cfg.backend != "vllm":
+        raise ValueError(f"build_vllm_command needs backend = 'vllm', got {cfg.backend!r}")
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server"]
+    for key, value in _flag_values(cfg):
+        flag = FLAG_MAP[key]
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value, separators=(",", ":"))]
+        else:
+            argv += [flag, str(value)]
+    argv += ["--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching"]
+    # scale-out: /inference/v1/generate; prompt tokens details: cached prompt tokens in `usage`
+    argv += ["--enable-scale-out", "--enable-prompt-tokens-details", "--uvicorn-log-level", cfg.log_level]
+    argv += ["--logprobs-mode", "processed_logprobs"]  # our contract: temperature applied
+    argv += cfg.vllm.extra_args  # last, so that they win over ours
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if cfg.api_key:  # through the environment, so that it shows in neither `ps` nor --dry-run
+        env["VLLM_API_KEY"] = cfg.api_key
+    if cfg.vllm.cpu_kv_cache_space_gb is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kv_cache_space_gb)
+    env |= cfg.vllm.env
+    return VLLMCommand(argv=argv, env=env)
+
+
+def probe_vllm(python: str, *, timeout_s: float = 300.0) -> VLLMProbe:
+    """Run the probe script in `python`; ConfigError when vLLM is missing or broken there."""
+    try:
+        done = subprocess.run(
+            [python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except FileNotFoundError:
+        raise ConfigError(
+            f"[inference.vllm] python = {python!r} does not exist; run `bash scripts/setup-vllm.sh` "
+            "or point it at an interpreter with vLLM installed"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"probing vLLM with {python} took over {timeout_s:.0f}s") from None
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise ConfigError(f"vLLM is not usable from {python} (run `bash scripts/setup-vllm.sh`):\n{tail}")
+    info = json.loads(done.stdout.strip().splitlines()[-1])
+    return VLLMProbe(
+        version=info["version"],
+        device_type=info["device_type"],
+        flags=frozenset(info["flags"]),
+        architectures=frozenset(info["architectures"]),
+    )
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for p in version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_vllm(cfg: InferenceConfig, command: VLLMCommand, probe: VLLMProbe) -> list[str]:
+    """Raise ConfigError when this vLLM cannot serve `cfg`; return warnings (settings without effect)."""
+    if _version_tuple(probe.version) < MIN_VLLM_VERSION:
+        want = ".".join(map(str, MIN_VLLM_VERSION))
+        raise ConfigError(
+            f"vLLM {probe.version} is too old: asyncrl needs >= {want} (token-in/token-out "
+            "/inference/v1/generate, per-token weight versions, pause mode 'keep')"
+        )
+    unknown = [
+        a.split("=")[0] for a in command.argv if a.startswith("--") and a.split("=")[0] not in probe.flags
+    ]
+    if unknown:
+        raise ConfigError(f"vLLM {probe.version} does not accept {sorted(set(unknown))}")
+    archs = _model_architectures(cfg.model)
+    if not set(archs) & probe.architectures:
+        raise ConfigError(f"vLLM {probe.version} cannot serve {cfg.model}: architectures {archs} unsupported")
+    if cfg.vllm.enable_return_routed_experts and probe.device_type == "cpu":
+        raise ConfigError(
+            "[inference.vllm] enable_return_routed_experts needs a GPU build of vLLM; this one is "
+            f"'{probe.device_type}'. Turn it off (the trainer then runs without router replay)"
+        )
+    if cfg.fp8.enabled:
+        raise ConfigError(
+            "[inference.fp8] is the embedded engine's; with vLLM use [inference.vllm] quantization"
+        )
+    warnings = [
+        f"[inference] {k} has no effect with backend = 'vllm'"
+        for k in _EMBEDDED_ONLY
+        if k in cfg.model_fields_set
+    ]
+    if not is_loopback(cfg.host):
+        warnings.append(
+            f"vLLM listens on {cfg.host}: its RL endpoints (/pause, /collective_rpc, /update_weight_version) "
+            "are not guarded by its API key; keep its port on a private network"
+        )
+    if probe.device_type == "cpu" and cfg.vllm.cpu_kv_cache_space_gb is None:
+        warnings.append(
+            "vLLM CPU build: [inference.vllm] cpu_kv_cache_space_gb unset, vLLM picks its default"
+        )
+    return warnings
+
+
+def _model_architectures(model: str) -> list[str]:
+    path = Path(model) / "config.json"
+    try:
+        archs = json.loads(path.read_text()).get("architectures") or []
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model {model}: cannot read {path}: {e}") from None
+    if not archs:
+        raise ConfigError(f"model {model}: config.json names no 'architectures'")
+    return list(archs)

@@ -1,0 +1,48 @@
+"""Checkpoint tensors carried through unchanged: the multi-token-prediction (MTP) layers.
+
+DeepSeek-V3, Kimi-K2, GLM-4.5 and GLM-5 checkpoints hold `num_nextn_predict_layers` extra decoder
+layers after the last one (`model.layers.{num_hidden_layers + i}.*`). Neither we nor transformers
+run them; vLLM uses them for speculative decoding, so a checkpoint we write must still hold them.
+They are kept as buffers of a `PassthroughTensors` module, so every path that walks
+`model.state_dict()` (save_pretrained, weight publishing, DCP checkpoints) carries them.
+Buffer names cannot contain '.', so the HF name is stored with ':' in its place.
+
+Limitation: buffers are not sharded by FSDP; each rank holds a full copy. That is fine for tiny
+models and wasteful for GLM-5's ~10B-parameter MTP layer (see docs/models/).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from asyncrl.model.args import ModelArgs
+
+__all__ = ["PREFIX", "PassthroughTensors", "hf_name", "is_mtp_key", "our_name"]
+
+PREFIX = "mtp."
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def is_mtp_key(hf_key: str, args: ModelArgs) -> bool:
+    """Whether an HF tensor name belongs to a layer past the last decoder layer (an MTP layer)."""
+    m = _LAYER.match(hf_key)
+    return m is not None and int(m[1]) >= args.num_hidden_layers
+
+
+def our_name(hf_key: str) -> str:
+    return PREFIX + hf_key.replace(".", ":")
+
+
+def hf_name(name: str) -> str:
+    assert name.startswith(PREFIX), name
+    return name[len(PREFIX) :].replace(":", ".")
+
+
+class PassthroughTensors(nn.Module):
+    """Holds tensors by (encoded) HF name; the model never reads them."""
+
+    def put(self, hf_key: str, tensor: torch.Tensor) -> None:
+        self.register_buffer(our_name(hf_key)[len(PREFIX) :], tensor)

@@ -1,0 +1,109 @@
+"""RUN/metrics.jsonl: the one writer of per-step metrics, shared by the trainer and the orchestrator.
+
+Every line is one JSON object that starts with three keys, then the role's own metrics:
+
+    {"role": "trainer", "step": 3, "time": 1718000000.1, "loss": 0.41, ...}
+    {"role": "orchestrator", "step": 3, "time": 1718000000.3, "reward/mean": 0.52, ...}
+
+`role` names the process that wrote it, `step` the trainer step (the batch) it describes, and
+`time` the Unix time of the write. Several processes append to the same file: each line goes out
+in one `O_APPEND` write, so concurrent lines never interleave.
+
+On resume, `drop_metrics_after` removes the lines of steps that will be redone (a trainer that
+restarts from an older checkpoint retrains them), so every step of a role appears once. It
+rewrites the file (temp + rename) and must run while no process appends: `asyncrl rl --resume`
+calls it before starting any child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["METRICS_FILE", "MetricsWriter", "Role", "append_jsonl", "drop_metrics_after", "read_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+Role = Literal["trainer", "orchestrator"]
+_HEADER = ("role", "step", "time")
+
+
+class MetricsWriter:
+    """Appends one `{"role", "step", "time", **metrics}` line per call to `RUN/metrics.jsonl`."""
+
+    def __init__(self, run_dir: str | Path, role: Role) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.role = role
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Append the line of `step` and return it. `metrics` may not set role or time itself."""
+        clash = [k for k in ("role", "time") if k in metrics]
+        if clash or metrics.get("step", step) != step:
+            raise ValueError(
+                f"metrics of step {step} set {clash or ['step']}: the writer owns role, step, time"
+            )
+        record = {"role": self.role, "step": step, "time": time.time()}
+        record |= {k: v for k, v in metrics.items() if k not in _HEADER}
+        append_jsonl(self.path, record)
+        return record
+
+
+def append_jsonl(path: str | Path, record: Mapping[str, Any]) -> None:
+    """Append one JSON line with a single O_APPEND write, so concurrent writers never interleave."""
+    data = (json.dumps(dict(record)) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def read_metrics(run_dir: str | Path, role: Role | None = None) -> list[dict[str, Any]]:
+    """The lines of RUN/metrics.jsonl (of one role if given), in file order; [] if there is no file.
+
+    A torn last line (a writer killed mid-write on a filesystem without atomic appends) is skipped.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if role is None or record.get("role") == role:
+            records.append(record)
+    return records
+
+
+def drop_metrics_after(run_dir: str | Path, last_step: Mapping[Role, int]) -> int:
+    """Remove the lines of role r with step > last_step[r]; returns how many were removed.
+
+    Roles not in `last_step` keep every line. Atomic (temp + rename); not safe while another
+    process appends to the file.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, removed = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            removed += 1  # a torn line of a killed writer
+            continue
+        limit = last_step.get(record.get("role"))  # type: ignore[arg-type]
+        if limit is not None and int(record.get("step", 0)) > limit:
+            removed += 1
+        else:
+            kept.append(line + "\n")
+    if removed:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return removed

@@ -1,0 +1,46 @@
+"""Helpers shared by test files: free local ports and the environment of child processes.
+
+Importable from any test as `from helpers import ...` (pytest's `pythonpath` puts tests/ on the
+path, see pyproject.toml). No test uses a fixed port: two runs on one machine must not collide.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+__all__ = ["SRC", "child_env", "free_port", "free_port_run"]
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_run(n: int) -> int:
+    """The first of `n` consecutive free ports (for `deployment.base_port` with n servers)."""
+    while True:
+        base = free_port()
+        held = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """os.environ for a child process that imports this checkout's asyncrl, one OpenMP thread, unbuffered."""
+    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
+    return os.environ | {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | extra

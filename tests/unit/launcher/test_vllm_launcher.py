@@ -1,0 +1,159 @@
+"""The vLLM backend's launcher side: config mapping, command, compatibility check, dry-run, Slurm."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from asyncrl.config import ConfigError, InferenceConfig, load_config
+from asyncrl.config.rl import RLConfig
+from asyncrl.launcher.cli import main
+from asyncrl.launcher.slurm import SlurmRLConfig, render_sbatch
+from asyncrl.launcher.vllm import VLLMProbe, build_vllm_command, check_vllm, resolve_vllm_python
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}))
+    return d
+
+
+def _inference(model_dir, **kw) -> InferenceConfig:
+    return InferenceConfig(model=str(model_dir), backend="vllm", **kw)
+
+
+def _probe(command, **kw) -> VLLMProbe:
+    flags = {a for a in command.argv if a.startswith("--")}
+    base = {"version": "0.32.0", "device_type": "cpu", "flags": frozenset(flags),
+            "architectures": frozenset({"Qwen3MoeForCausalLM"})}  # fmt: skip
+    return VLLMProbe(**(base | kw))
+
+
+def test_command_maps_our_keys_to_vllm_flags(model_dir):
+    cfg = _inference(
+        model_dir, dtype="bfloat16", max_num_seqs=7, port=8123, api_key="sekret", enable_prefix_caching=False,
+        vllm={"tensor_parallel_size": 2, "enable_expert_parallel": True, "quantization": "fp8",
+              "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+              "cpu_kv_cache_space_gb": 2, "extra_args": ["--enforce-eager"]},
+    )  # fmt: skip
+    cmd = build_vllm_command(cfg, python="/venv/bin/python")
+    a = cmd.argv
+    assert a[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+
+    def value(flag):
+        return a[a.index(flag) + 1]
+
+    assert value("--model") == str(model_dir) and value("--port") == "8123" and value("--dtype") == "bfloat16"
+    assert value("--max-num-seqs") == "7" and value("--tensor-parallel-size") == "2"
+    assert value("--quantization") == "fp8"
+    assert json.loads(value("--kv-transfer-config")) == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+    }
+    assert value("--logprobs-mode") == "processed_logprobs"
+    assert {"--enable-expert-parallel", "--no-enable-prefix-caching", "--enable-scale-out"} <= set(a)
+    assert a[-1] == "--enforce-eager"
+    assert "--block-size" not in a  # left to vLLM unless set: its CPU attention needs multiples of 32
+    # the key travels in the environment, never on the command line or in the printed command
+    assert "sekret" not in " ".join(a) and cmd.env["VLLM_API_KEY"] == "sekret"
+    assert "sekret" not in cmd.shell() and "VLLM_SERVER_DEV_MODE=1" in cmd.shell()
+    assert cmd.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_unknown_vllm_key_is_an_error_naming_it(model_dir):
+    with pytest.raises(ConfigError, match="tensor_paralel_size"):
+        load_config(InferenceConfig, {"model": "m", "backend": "vllm", "vllm": {"tensor_paralel_size": 2}})
+
+
+def test_compatibility_check_names_the_problem(model_dir):
+    cfg = _inference(model_dir)
+    cmd = build_vllm_command(cfg, python="py")
+    assert check_vllm(cfg, cmd, _probe(cmd)) == [
+        "vLLM CPU build: [inference.vllm] cpu_kv_cache_space_gb unset, vLLM picks its default"
+    ]
+    with pytest.raises(ConfigError, match=r"vLLM 0.31.2 is too old: asyncrl needs >= 0.32"):
+        check_vllm(cfg, cmd, _probe(cmd, version="0.31.2"))
+    with pytest.raises(ConfigError, match=r"does not accept \['--enable-scale-out'\]"):
+        check_vllm(cfg, cmd, _probe(cmd, flags=frozenset(a for a in cmd.argv if a != "--enable-scale-out")))
+    with pytest.raises(ConfigError, match="architectures \\['Qwen3MoeForCausalLM'\\] unsupported"):
+        check_vllm(cfg, cmd, _probe(cmd, architectures=frozenset({"LlamaForCausalLM"})))
+    routed = _inference(model_dir, vllm={"enable_return_routed_experts": True})
+    rcmd = build_vllm_command(routed, python="py")
+    with pytest.raises(ConfigError, match="needs a GPU build"):
+        check_vllm(routed, rcmd, _probe(rcmd))
+    assert check_vllm(routed, rcmd, _probe(rcmd, device_type="cuda")) == []
+    noisy = _inference(model_dir, kv_cache_tokens=4096, vllm={"cpu_kv_cache_space_gb": 1})
+    ncmd = build_vllm_command(noisy, python="py")
+    assert check_vllm(noisy, ncmd, _probe(ncmd)) == [
+        "[inference] kv_cache_tokens has no effect with backend = 'vllm'"
+    ]
+
+
+def test_vllm_python_default(tmp_path, model_dir):
+    cfg = _inference(model_dir)
+    assert resolve_vllm_python(cfg, root=tmp_path) == sys.executable
+    venv = tmp_path / ".venv-vllm" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text("")
+    assert resolve_vllm_python(cfg, root=tmp_path) == str(venv / "python")
+    assert (
+        resolve_vllm_python(_inference(model_dir, vllm={"python": "/opt/v/bin/python"}))
+        == "/opt/v/bin/python"
+    )
+
+
+def _rl(model_dir, **kw) -> RLConfig:
+    base = {"model": str(model_dir), "run_dir": "r", "inference": {"backend": "vllm"}}
+    return load_config(RLConfig, base | kw)
+
+
+def test_resolve_tells_the_orchestrator_the_backend_and_turns_replay_off(model_dir):
+    r = _rl(model_dir).resolve()
+    assert r.orchestrator.inference_backend == "vllm"
+    assert r.orchestrator.return_routed_experts is False
+    with pytest.raises(ConfigError, match="enable_return_routed_experts"):
+        _rl(model_dir, orchestrator={"return_routed_experts": True}).resolve()
+    gpu = _rl(
+        model_dir, inference={"backend": "vllm", "vllm": {"enable_return_routed_experts": True}}
+    ).resolve()
+    assert gpu.orchestrator.return_routed_experts is True
+    with pytest.raises(ConfigError, match="inference_backend"):
+        _rl(model_dir, orchestrator={"inference_backend": "vllm"}).resolve()
+    assert load_config(RLConfig, {"model": "m"}).resolve().orchestrator.inference_backend == "embedded"
+
+
+def test_dry_run_prints_the_vllm_command_and_says_replay_is_off(model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    code = main(["rl", "--model", str(model_dir), "--run-dir", str(run), "--inference.backend", "vllm",
+                 "--inference.vllm.python", "/v/bin/python", "--dry-run"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.strip().startswith("inference-0:"))
+    assert "VLLM_SERVER_DEV_MODE=1 /v/bin/python -m vllm.entrypoints.openai.api_server" in line
+    assert f"--model {model_dir}" in line and "--port 8000" in line
+    assert "router replay OFF" in out
+
+
+def test_slurm_renders_vllm_servers(model_dir, tmp_path):
+    cfg = load_config(SlurmRLConfig, {
+        "model": str(model_dir), "run_dir": str(tmp_path), "api_key": "k",
+        "deployment": {"num_inference_servers": 2},
+        "inference": {"backend": "vllm", "vllm": {"data_parallel_size": 8, "enable_expert_parallel": True}},
+        "slurm": {"inference_nodes": 2, "trainer_nodes": 1},
+    })  # fmt: skip
+    script = render_sbatch(cfg, tmp_path)
+    server = next(x for x in script.splitlines() if "vllm.entrypoints.openai.api_server" in x)
+    assert server.strip().startswith(".venv-vllm/bin/python -m vllm.entrypoints.openai.api_server")
+    assert '--host 0.0.0.0 --port "$port"' in server and '--seed "$((0 + i))"' in server
+    assert "--data-parallel-size 8 --enable-expert-parallel" in server
+    assert "VLLM_SERVER_DEV_MODE=1" in script and "export VLLM_API_KEY=" in script
+    assert "asyncrl inference @" not in script
+
+
+def test_asyncrl_inference_refuses_the_vllm_backend(model_dir):
+    with pytest.raises(SystemExit, match="served by vLLM itself"):
+        main(["inference", "--model", str(model_dir), "--backend", "vllm"])

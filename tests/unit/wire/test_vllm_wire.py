@@ -1,0 +1,146 @@
+"""Translation between our token-in/token-out messages and vLLM's /inference/v1/generate."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from asyncrl.wire import GenerateRequest, GenerateResponse, RoutedExperts
+from asyncrl.wire.vllm import (
+    VLLMGenerateRequest,
+    VLLMProtocolError,
+    from_vllm_generate,
+    parse_version_label,
+    to_vllm_answer,
+    to_vllm_generate,
+)
+
+
+def _answer(token_ids, spans, *, finish="length", routed=None, cached=None):
+    return {
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": finish,
+                "token_ids": token_ids,
+                "logprobs": {
+                    "content": [{"token_id": t, "logprob": -0.5 - i} for i, t in enumerate(token_ids)]
+                },
+                "weight_versions": spans,
+                "routed_experts": routed,
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": cached} if cached else None},
+    }
+
+
+def _npy_b64(arr: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_request_maps_sampling_salt_and_ignore_eos():
+    req = GenerateRequest(
+        prompt_token_ids=[5, 6, 7], max_tokens=9, temperature=0.7, top_k=0, seed=3, ignore_eos=True,
+        stop_token_ids=[2], cache_salt="4",
+    )  # fmt: skip
+    body = to_vllm_generate(req, kv_transfer_params={"do_remote_decode": True})
+    assert body["token_ids"] == [5, 6, 7]
+    assert body["cache_salt"] == "4"
+    assert body["kv_transfer_params"] == {"do_remote_decode": True}
+    sp = body["sampling_params"]
+    assert (sp["max_tokens"], sp["temperature"], sp["top_k"], sp["seed"]) == (9, 0.7, -1, 3)
+    assert sp["ignore_eos"] is True and sp["stop_token_ids"] == [2] and sp["logprobs"] == 0
+    assert "cache_salt" not in to_vllm_generate(GenerateRequest(prompt_token_ids=[1]))
+
+
+def test_weight_version_spans_become_exact_per_token_versions():
+    req = GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=5)
+    spans = [{"version": "default", "start": 0, "end": 2}, {"version": "7", "start": 2, "end": 5}]
+    out = from_vllm_generate(_answer([9, 8, 7, 6, 5], spans, cached=2), req)
+    assert out.token_ids == [9, 8, 7, 6, 5]
+    assert out.policy_versions == [0, 0, 7, 7, 7]
+    assert out.logprobs == [-0.5, -1.5, -2.5, -3.5, -4.5]
+    assert out.finish_reason == "length" and out.num_cached_tokens == 2
+    assert out.prompt_token_ids == [1, 2, 3] and out.routed_experts is None
+
+
+def test_missing_spans_use_the_fallback_version_or_fail():
+    req = GenerateRequest(prompt_token_ids=[1], max_tokens=2)
+    assert from_vllm_generate(_answer([4, 5], None), req, fallback_version=3).policy_versions == [3, 3]
+    with pytest.raises(VLLMProtocolError, match="no weight_versions"):
+        from_vllm_generate(_answer([4, 5], None), req)
+
+
+@pytest.mark.parametrize(
+    ("spans", "match"),
+    [
+        ([{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 2, "end": 3}], "not contiguous"),
+        ([{"version": "1", "start": 0, "end": 2}], "cover 2 tokens"),
+        ([{"version": "v-latest", "start": 0, "end": 3}], "not an asyncrl version"),
+    ],
+)
+def test_bad_spans_are_rejected(spans, match):
+    req = GenerateRequest(prompt_token_ids=[1], max_tokens=3)
+    with pytest.raises(VLLMProtocolError, match=match):
+        from_vllm_generate(_answer([4, 5, 6], spans), req)
+
+
+def test_unknown_finish_reason_and_length_mismatch_are_rejected():
+    req = GenerateRequest(prompt_token_ids=[1], max_tokens=1)
+    spans = [{"version": "default", "start": 0, "end": 1}]
+    with pytest.raises(VLLMProtocolError, match="finish_reason"):
+        from_vllm_generate(_answer([4], spans, finish="error"), req)
+    bad = _answer([4], spans)
+    bad["choices"][0]["logprobs"]["content"] = []
+    with pytest.raises(VLLMProtocolError, match="1 token_ids but 0 logprobs"):
+        from_vllm_generate(bad, req)
+
+
+def test_routed_experts_become_our_wire_format_from_start():
+    # vLLM: [prompt + completion - 1, layers, top_k], int32 ids in an .npy
+    routed = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 8
+    req = GenerateRequest(
+        prompt_token_ids=[1, 2, 3], max_tokens=2, return_routed_experts=True, routed_experts_start=2
+    )
+    spans = [{"version": "1", "start": 0, "end": 2}]
+    out = from_vllm_generate(_answer([4, 5], spans, routed=_npy_b64(routed)), req)
+    assert out.routed_experts is not None
+    assert out.routed_experts.start == 2 and out.routed_experts.dtype == "uint8"
+    np.testing.assert_array_equal(out.routed_experts.to_array(), routed[2:].astype(np.uint8))
+
+
+def test_version_labels():
+    assert parse_version_label("default") == 0
+    assert parse_version_label("12") == 12
+
+
+def test_embedded_answer_in_vllm_shape_round_trips():
+    req = GenerateRequest(
+        prompt_token_ids=[1, 2, 3, 4], max_tokens=3, return_routed_experts=True, routed_experts_start=2
+    )
+    routed = RoutedExperts.from_array(np.arange(4 * 2 * 2, dtype=np.uint16).reshape(4, 2, 2) * 37, start=2)
+    ours = GenerateResponse(
+        token_ids=[7, 8, 9], logprobs=[-0.1, -0.2, -0.3], policy_versions=[3, 3, 4], finish_reason="stop",
+        num_cached_tokens=2, prompt_token_ids=[1, 2, 3, 4], routed_experts=routed,
+    )  # fmt: skip
+    payload = to_vllm_answer(ours, req, "r-9")
+    assert payload["choices"][0]["weight_versions"] == [
+        {"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3},
+    ]  # fmt: skip
+    assert from_vllm_generate(payload, req) == ours
+
+
+def test_vllm_request_shape_becomes_ours_and_rejects_what_we_do_not_serve():
+    body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 4, "temperature": 0, "logprobs": 0},
+            "cache_salt": "s", "return_routed_experts": True}  # fmt: skip
+    req = VLLMGenerateRequest.model_validate(body).to_request()
+    assert (req.prompt_token_ids, req.max_tokens, req.temperature, req.cache_salt) == ([5, 6], 4, 0.0, "s")
+    assert req.return_routed_experts and to_vllm_generate(req)["return_routed_experts"] is True
+    with pytest.raises(ValidationError, match="n"):
+        VLLMGenerateRequest.model_validate(body | {"sampling_params": {"n": 2}})
