@@ -8,7 +8,8 @@
 # SEED (default 0) seeds the model init, the SFT data, SFT and RL. The eval keeps seed 0, so every
 # seed's models are scored on the same 128 held-out tasks.
 #
-# Every stage prints progress; the last lines compare the SFT and RL models on held-out tasks.
+# Every stage prints progress; the last lines compare the SFT and RL models on held-out tasks and
+# give the path of the run's report (plots of the RL run and both evals: open it in a browser).
 # Re-running overwrites the previous run's stages (only the directories this script writes).
 set -euo pipefail
 
@@ -83,3 +84,4 @@ for t, name in ((0.0, "greedy"), (1.0, "sampled, temperature 1")):
           f"  (exact match {sft['rewards'].get('exact', 0):.3f} -> {rl['rewards'].get('exact', 0):.3f})")
 print(f"training reward (sampled): first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
 PY
+$ASYNCRL report "$OUT/rl" --eval "$OUT/eval.jsonl"  # prints "report: $OUT/rl/report/index.html"
