@@ -2,19 +2,24 @@
 # The reverse-text demo in one command: init-model -> sft-data -> sft -> eval -> rl -> eval.
 #
 #   bash examples/reverse_text/run.sh                 # outputs under outputs/reverse_text
-#   OUT=/tmp/rt PORT=8600 bash examples/reverse_text/run.sh
+#   OUT=/tmp/rt PORT=8600 SEED=1 bash examples/reverse_text/run.sh
 #   BACKEND=vllm bash examples/reverse_text/run.sh    # RL stage on vLLM (bash scripts/setup-vllm.sh first)
 #
-# Every stage prints progress; the last lines compare the SFT and RL models on held-out tasks.
+# SEED (default 0) seeds the model init, the SFT data, SFT and RL. The eval keeps seed 0, so every
+# seed's models are scored on the same 128 held-out tasks.
+#
+# Every stage prints progress; the last lines compare the SFT and RL models on held-out tasks and
+# give the path of the run's report (plots of the RL run and both evals: open it in a browser).
 # Re-running overwrites the previous run's stages (only the directories this script writes).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${OUT:-outputs/reverse_text}"
 PORT="${PORT:-8400}"
+SEED="${SEED:-0}"
 # Must match [[orchestrator.envs.envs]] args in rl.toml: SFT data, RL tasks and eval share one env.
 ENV_ARGS='{"min_len": 3, "max_len": 5}'
-SFT_ROWS="${SFT_ROWS:-20000}"
+SFT_ROWS="${SFT_ROWS:-26000}"
 CORRUPT_PROB="${CORRUPT_PROB:-0.3}"
 EVAL_TASKS="${EVAL_TASKS:-128}"
 MAX_TOKENS="${MAX_TOKENS:-10}"
@@ -35,15 +40,15 @@ rm -rf "$OUT/base" "$OUT/data" "$OUT/sft" "$OUT/rl" "$OUT/eval.jsonl"
 mkdir -p "$OUT"
 
 stage "1/6 init-model: a random tiny MoE"
-$ASYNCRL init-model --preset tiny-moe --out "$OUT/base" --seed 0
+$ASYNCRL init-model --preset tiny-moe --init-std 0.06 --out "$OUT/base" --seed "$SEED"
 
 stage "2/6 sft-data: $SFT_ROWS reference answers, ${CORRUPT_PROB} of them with one wrong character"
 $ASYNCRL sft-data --env reverse-text --num "$SFT_ROWS" --out "$OUT/data/sft.jsonl" \
-    --corrupt-prob "$CORRUPT_PROB" --env-args "$ENV_ARGS"
+    --corrupt-prob "$CORRUPT_PROB" --env-args "$ENV_ARGS" --seed "$SEED"
 
 stage "3/6 sft: imperfect demonstrations -> the RL start point"
 $ASYNCRL sft @ "$HERE/sft.toml" --model.path "$OUT/base" --data.path "$OUT/data/sft.jsonl" \
-    --run-dir "$OUT/sft"
+    --run-dir "$OUT/sft" --seed "$SEED"
 SFT_MODEL="$(last_weights "$OUT/sft")"
 
 evaluate() {  # $1 label, $2 model
@@ -55,7 +60,8 @@ stage "4/6 eval of the SFT model ($EVAL_TASKS held-out tasks, greedy and at temp
 evaluate sft "$SFT_MODEL"
 
 stage "5/6 rl: inference server ($BACKEND) + orchestrator + trainer, asynchronous"
-$ASYNCRL rl @ "$HERE/rl.toml" "${BACKEND_CFG[@]}" --model "$SFT_MODEL" --run-dir "$OUT/rl" --deployment.base-port "$PORT"
+$ASYNCRL rl @ "$HERE/rl.toml" "${BACKEND_CFG[@]}" --model "$SFT_MODEL" --run-dir "$OUT/rl" \
+    --deployment.base-port "$PORT" --seed "$SEED"
 RL_MODEL="$(last_weights "$OUT/rl")"
 
 stage "6/6 eval of the RL model"
@@ -66,6 +72,9 @@ python - "$OUT" <<'PY'
 import json, sys
 rows = {(r["label"], r["temperature"]): r for r in map(json.loads, open(f"{sys.argv[1]}/eval.jsonl"))}
 orch = [r for r in map(json.loads, open(f"{sys.argv[1]}/rl/metrics.jsonl")) if r.get("role") == "orchestrator"]
+sft = [json.loads(line) for line in open(f"{sys.argv[1]}/sft/metrics.jsonl")]
+tail = [r["loss"] for r in sft[-25:]]
+print(f"SFT: {len(sft)} steps, mean loss of the last {len(tail)} {sum(tail) / len(tail):.3f}")
 k = max(1, len(orch) // 4)
 first = sum(r["reward/mean"] for r in orch[:k]) / k
 last = sum(r["reward/mean"] for r in orch[-k:]) / k
@@ -75,3 +84,4 @@ for t, name in ((0.0, "greedy"), (1.0, "sampled, temperature 1")):
           f"  (exact match {sft['rewards'].get('exact', 0):.3f} -> {rl['rewards'].get('exact', 0):.3f})")
 print(f"training reward (sampled): first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
 PY
+$ASYNCRL report "$OUT/rl" --eval "$OUT/eval.jsonl"  # prints "report: $OUT/rl/report/index.html"

@@ -29,6 +29,7 @@ __all__ = [
     "RLTrainerConfig",
     "SFTConfig",
     "SFTDataConfig",
+    "SFTStopConfig",
     "ScheduleConfig",
 ]
 
@@ -188,10 +189,29 @@ class SFTDataConfig(BaseConfig):
     shuffle: bool = Field(True, description="shuffle rows each epoch (under `seed`)")
 
 
+class SFTStopConfig(BaseConfig):
+    """Stop before max_steps once the mean loss of the last `window` steps is at most `loss`.
+
+    A step's loss is measured before the update on rows the model has not trained on yet, as long as
+    max_steps * batch_size stays within one pass over the data: it is then a held-out loss, and a
+    threshold that only a learned skill reaches ends the run when the skill is there, wherever the
+    run's numerics put that point. max_steps stays the cap. The last step is published and
+    checkpointed as the final one.
+    """
+
+    loss: float | None = Field(
+        None, gt=0, description="stop once the windowed mean loss is at most this (None: run max_steps)"
+    )
+    window: int = Field(25, ge=1, description="steps in the mean loss (one batch alone is noisy)")
+
+
 class SFTConfig(CommonTrainConfig):
     """`asyncrl sft`: cross-entropy on chat / prompt-completion data, same outputs as the RL trainer."""
 
     data: SFTDataConfig
+    stop: SFTStopConfig = Field(
+        default_factory=SFTStopConfig, description="early stop at a loss threshold (max_steps is the cap)"
+    )
     sinks: SinksConfig = Field(
         default_factory=SinksConfig, description="W&B / TensorBoard mirrors of metrics.jsonl"
     )

@@ -142,13 +142,16 @@ class TrainSession:
         result: StepResult,
         extra: dict[str, Any] | None = None,
         drop_keys: tuple[str, ...] = (),
+        last: bool = False,
     ) -> dict[str, Any]:
-        """Publish v_step, checkpoint on the interval (and at the last step), log the metrics."""
+        """Publish v_step, checkpoint on the interval (and at the last step: max_steps, or `last`
+        for a run that stops early), log the metrics."""
         cfg = self.cfg
-        if step % cfg.publish.interval == 0 or step == cfg.max_steps:
+        last = last or step == cfg.max_steps
+        if step % cfg.publish.interval == 0 or last:
             self.publisher.publish(self.model, step)
         interval = cfg.checkpoint.interval
-        if interval and (step % interval == 0 or step == cfg.max_steps):
+        if interval and (step % interval == 0 or last):
             save_checkpoint(
                 cfg.run_dir,
                 step,

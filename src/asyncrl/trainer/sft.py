@@ -7,17 +7,20 @@ this rank's share of them, packs them into rows of at most seq_len tokens and mi
 cross-entropy of the loss tokens, normalised by the global loss-token count. The optimizer,
 schedule, checkpoints (`--resume`), weight publishing (`RUN/weights/step_n/`) and metrics are the
 ones the RL trainer uses, so the output directory serves as the base model of an RL run.
+With `[stop] loss = X` the run ends early, at the first step where the mean loss of the last
+`stop.window` steps is at most X (see SFTStopConfig); max_steps is then the cap.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import deque
 from typing import Any
 
 from transformers import AutoTokenizer
 
 from asyncrl.config import load_config
-from asyncrl.config.trainer import SFTConfig
+from asyncrl.config.trainer import SFTConfig, SFTStopConfig
 from asyncrl.trainer.loss import LossInputs, LossResult, sft_loss
 from asyncrl.trainer.packing import pack_samples, shard_samples
 from asyncrl.trainer.session import TrainSession
@@ -44,17 +47,47 @@ def build_source(cfg: SFTConfig) -> SFTSource:
     )
 
 
+class _StopRule:
+    """SFTStopConfig over a run: the losses of the last `window` applied steps.
+
+    The loss is all-reduced, so every rank reaches the same decision at the same step.
+    """
+
+    def __init__(self, cfg: SFTStopConfig) -> None:
+        self.threshold = cfg.loss
+        self.recent: deque[float] = deque(maxlen=cfg.window)
+
+    def reached(self, loss: float, skipped: bool) -> bool:
+        if self.threshold is None:
+            return False
+        if not skipped:
+            self.recent.append(loss)
+        full = len(self.recent) == self.recent.maxlen
+        return full and sum(self.recent) / len(self.recent) <= self.threshold
+
+
 def run_sft(cfg: SFTConfig, source: SFTSource | None = None) -> list[dict[str, Any]]:
-    """Train from session.start_step + 1 to cfg.max_steps; returns the metric records (main rank)."""
+    """Train from session.start_step + 1 to cfg.max_steps, or until cfg.stop is met; returns the
+    metric records (main rank)."""
     source = source or build_source(cfg)
     session = TrainSession.build(cfg)
+    stop = _StopRule(cfg.stop)
     records = []
     try:
         for step in range(session.start_step + 1, cfg.max_steps + 1):
             mine = shard_samples(source.batch(step), session.data_rank, session.data_size)
             micro_batches = pack_samples(mine, cfg.seq_len, replay=False)
             result = session.engine.step(micro_batches, _loss, trained_version=step - 1)
-            records.append(session.end_step(step, result, drop_keys=_RL_ONLY))
+            done = stop.reached(result.loss, result.skipped)
+            records.append(session.end_step(step, result, drop_keys=_RL_ONLY, last=done))
+            if done:
+                if session.info.is_main:
+                    print(
+                        f"[sft] stop at step {step}: mean loss of the last {cfg.stop.window} steps "
+                        f"<= {cfg.stop.loss}",
+                        flush=True,
+                    )
+                break
     finally:
         session.close()
     return records

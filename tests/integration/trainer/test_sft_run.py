@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from asyncrl.config import load_config
 from asyncrl.config.trainer import SFTConfig
 from asyncrl.launcher.init_model import init_model
@@ -60,3 +62,42 @@ def test_sft_learns_a_fixed_answer_and_publishes(tmp_path):
     assert stable_steps(cfg.run_dir) == [12]
     assert (weights_dir(cfg.run_dir, 12) / "chat_template.jinja").is_file()
     assert sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir()) == ["step_12", "step_6"]
+
+
+def test_sft_stops_at_the_loss_threshold_and_publishes_that_step(tmp_path):
+    model_dir = tmp_path / "model"
+    init_model("tiny-dense", model_dir, seed=0)
+    rows = [{"prompt": f"say {i}:", "completion": "ok!"} for i in range(8)]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = load_config(
+        SFTConfig,
+        {
+            "model": {"path": str(model_dir)},
+            "run_dir": str(tmp_path / "run"),
+            "max_steps": 60,
+            "seq_len": 96,
+            "optim": {"lr": 3e-3},
+            "data": {"path": str(data), "batch_size": 4},
+            "checkpoint": {"interval": 100},
+            "publish": {"interval": 100, "keep_last": 1},
+            "stop": {"loss": 1.0, "window": 3},
+            "peak_flops": 1e11,
+        },
+    )
+    records = run_sft(cfg)
+    losses = [r["loss"] for r in records]
+    last = len(records)
+    assert 3 <= last < 60, losses
+    assert sum(losses[-3:]) / 3 <= 1.0, losses
+    assert all(sum(losses[i - 3 : i]) / 3 > 1.0 for i in range(3, last)), losses  # the first such step
+    assert stable_steps(cfg.run_dir) == [last]  # published although neither interval nor max_steps
+    assert [p.name for p in (cfg.run_dir / "checkpoints").iterdir()] == [f"step_{last}"]
+
+
+def test_sft_stop_threshold_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="stop.loss"):
+        load_config(
+            SFTConfig,
+            {"model": {"path": str(tmp_path)}, "max_steps": 1, "data": {"path": "x"}, "stop": {"loss": 0}},
+        )

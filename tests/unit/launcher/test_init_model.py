@@ -68,3 +68,16 @@ def test_refuses_to_overwrite_and_bad_preset(tmp_path):
 def test_unknown_command_suggests_nearest(capsys):
     assert main(["init-modle"]) == 2
     assert "did you mean 'init-model'" in capsys.readouterr().err
+
+
+def test_init_std_scales_the_matrices_not_the_norms(tmp_path):
+    for name, std in (("a", "0.02"), ("b", "0.06")):
+        main(["init-model", "--out", str(tmp_path / name), "--seed", "1", "--init-std", std])
+    a, b = (load_file(tmp_path / n / "model.safetensors") for n in "ab")
+    emb = "model.embed_tokens.weight"
+    assert abs(b[emb].std().item() - 0.06) < 0.003 and abs(a[emb].std().item() - 0.02) < 0.001
+    torch.testing.assert_close(b[emb], 3 * a[emb])  # same seed: the same draw, scaled
+    norms = [k for k in a if k.endswith("norm.weight")]
+    assert norms and all(torch.equal(b[k], torch.ones_like(b[k])) for k in norms)
+    with pytest.raises(ValueError, match="--init-std must be > 0"):
+        main(["init-model", "--out", str(tmp_path / "c"), "--init-std", "0"])
