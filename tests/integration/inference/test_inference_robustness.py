@@ -4,7 +4,9 @@ bounded bodies, weight roots, and good requests unaffected by bad ones running b
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import threading
 
 import httpx
 import pytest
@@ -169,3 +171,50 @@ def test_good_requests_are_unaffected_by_bad_ones_beside_them(hardened):
     with hardened.client() as c:
         text = c.get("/metrics").text
     assert "asyncrl_request_errors_total 0" in text and "asyncrl_engine_step_errors_total 0" in text
+
+
+class _BlockingTokenizer:
+    """The server's tokenizer, except that encoding the marker text blocks until released."""
+
+    MARKER = "tokenize-me-slowly"
+
+    def __init__(self, inner) -> None:
+        self.inner, self.entered, self.release = inner, threading.Event(), threading.Event()
+
+    def encode(self, text, **kw):
+        if self.MARKER in text:
+            self.entered.set()
+            self.release.wait(
+                timeout=30
+            )  # bounded, so an on-loop tokenizer fails the test instead of hanging it
+        return self.inner.encode(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_health_answers_while_a_prompt_is_being_tokenized(hardened):
+    """Tokenization runs off the event loop: while one request's prompt is still being tokenized,
+    /health (and a token-id request) are answered. On the loop, both would wait for the tokenizer."""
+    state = hardened.app.state.server
+    blocking = _BlockingTokenizer(state.tokenizer)
+    state.tokenizer = blocking
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, hardened.client() as c:
+            body = {"model": hardened.name, "prompt": blocking.MARKER, "max_tokens": 2}
+
+            def post_slow() -> httpx.Response:
+                with hardened.client() as own:
+                    return own.post("/v1/completions", json=body)
+
+            slow = pool.submit(post_slow)
+            assert blocking.entered.wait(timeout=30), "the slow prompt never reached the tokenizer"
+            assert c.get("/health").status_code == 200
+            gen = c.post("/v1/generate", json={"prompt_token_ids": [1, 2, 3], "max_tokens": 2})
+            assert gen.status_code == 200 and len(gen.json()["token_ids"]) == 2
+            assert not blocking.release.is_set() and not slow.done()  # answered while it was blocked
+            blocking.release.set()
+            assert slow.result(timeout=60).status_code == 200
+    finally:
+        blocking.release.set()
+        state.tokenizer = blocking.inner
