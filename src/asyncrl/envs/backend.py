@@ -98,12 +98,16 @@ class HttpBackend:
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = url.rstrip("/")
-        self._http = httpx.AsyncClient(
-            base_url=self.url, headers=headers, timeout=timeout_s, transport=transport
-        )
+        kw = {"base_url": self.url, "headers": headers, "timeout": timeout_s, "transport": transport}
+        # Two connection pools. Generation gets an unbounded one: the orchestrator bounds how many
+        # requests are in flight, and a paused server holds them all open. Admin calls (pause,
+        # update_weights, resume, health) get their own, so they never queue behind held requests:
+        # with one shared pool, 100 requests held by a pause starved the update that would end it.
+        self._gen = httpx.AsyncClient(limits=httpx.Limits(max_connections=None), **kw)
+        self._http = httpx.AsyncClient(**kw)
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
-        return await self._call("POST", "/v1/generate", GenerateResponse, request)
+        return await self._call("POST", "/v1/generate", GenerateResponse, request, generation=True)
 
     async def pause(self, request: PauseRequest) -> PauseResponse:
         return await self._call("POST", "/pause", PauseResponse, request)
@@ -127,28 +131,46 @@ class HttpBackend:
         return (await self._send("GET", "/metrics", None)).text
 
     async def aclose(self) -> None:
+        await self._gen.aclose()
         await self._http.aclose()
 
     async def _call(
-        self, method: str, path: str, answer: type[_Answer], body: BaseModel | None = None
+        self,
+        method: str,
+        path: str,
+        answer: type[_Answer],
+        body: BaseModel | None = None,
+        *,
+        generation: bool = False,
     ) -> _Answer:
-        response = await self._send(method, path, body)
+        response = await self._send(method, path, body, generation=generation)
         try:
             return answer.model_validate_json(response.content)
         except ValidationError as e:
             raise InferenceError(f"{method} {self.url}{path}: response breaks the contract: {e}") from None
 
-    async def _send(self, method: str, path: str, body: BaseModel | None) -> httpx.Response:
+    async def _send(
+        self, method: str, path: str, body: BaseModel | None, *, generation: bool = False
+    ) -> httpx.Response:
         payload = body.model_dump(exclude_none=True) if body is not None else {}
-        return await self._send_json(method, path, payload if method == "POST" else None)
+        return await self._send_json(
+            method, path, payload if method == "POST" else None, generation=generation
+        )
 
     async def _send_json(
-        self, method: str, path: str, payload: dict | None, params: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        payload: dict | None,
+        params: dict[str, str] | None = None,
+        *,
+        generation: bool = False,
     ) -> httpx.Response:
         """One request; transport errors and 5xx raise ServerUnavailable, other non-200 InferenceError."""
         where = f"{method} {self.url}{path}"
         try:
-            response = await self._http.request(method, path, json=payload, params=params)
+            client = self._gen if generation else self._http
+            response = await client.request(method, path, json=payload, params=params)
         except httpx.HTTPError as e:
             raise ServerUnavailable(f"{where} failed: {type(e).__name__}: {e}") from e
         if response.status_code >= 500:

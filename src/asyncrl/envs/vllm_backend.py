@@ -59,7 +59,7 @@ class VLLMBackend(HttpBackend):
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
         path = "/inference/v1/generate"
-        response = await self._send_json("POST", path, to_vllm_generate(request))
+        response = await self._send_json("POST", path, to_vllm_generate(request), generation=True)
         try:
             return from_vllm_generate(response.json(), request, fallback_version=self._version)
         except (VLLMProtocolError, ValueError) as e:
