@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.model import Transformer, preset_args, save_pretrained
-from bench_model import _fwd_bwd, _time_pair
+from bench_model import _fwd_bwd, _time_pair, paired_models
 from report import write_section
 
 TITLE = "## Model: DeepSeek-V3, GLM-5, GLM-4.5"
@@ -38,16 +38,8 @@ def hf_model_via_disk(ours: Transformer):
 
 def bench_family(preset: str, batch: int, seq: int, steps: int, **overrides) -> dict:
     """One whole-model row; `overrides` replace preset fields (named in the row)."""
-    ours = Transformer(dataclasses.replace(preset_args(preset), **overrides))
-    ours.init_weights(seed=0)
-    with torch.no_grad():
-        for layer in ours.layers:
-            if layer.is_moe:
-                layer.mlp.gate.weight.normal_(std=0.5)  # spread tokens over experts
-    hf = hf_model_via_disk(ours)
-    ids = torch.randint(0, ours.args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert (ours(ids).logits - hf(ids).logits).abs().max() < 1e-3
+    args = dataclasses.replace(preset_args(preset), **overrides)
+    ours, hf, ids = paired_models(args, hf_model_via_disk, batch, seq)
     t_ours, t_hf = _time_pair(_fwd_bwd(ours, ids), _fwd_bwd(hf, ids), steps)
     tokens = batch * seq
     what = ", ".join([preset, *(f"{k}={v}" for k, v in overrides.items())])

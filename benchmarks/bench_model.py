@@ -105,17 +105,26 @@ def bench_block(name: str, tokens: int, steps: int, dtype: torch.dtype) -> dict:
     return _row(f"MoE block ({name})", dtype, tokens, t_ours, t_hf, flops)
 
 
-def bench_model(name: str, batch: int, seq: int, steps: int, dtype: torch.dtype) -> dict:
-    ours = Transformer(SHAPES[name])
+def paired_models(
+    args: ModelArgs, to_hf, batch: int, seq: int
+) -> tuple[Transformer, torch.nn.Module, torch.Tensor]:
+    """Our model over `args` (routers spread), transformers' copy `to_hf(ours)`, and input ids on
+    which both give the same logits (checked)."""
+    ours = Transformer(args)
     ours.init_weights(seed=0)
     with torch.no_grad():
         for layer in ours.layers:
             if layer.is_moe:
                 layer.mlp.gate.weight.normal_(std=0.5)  # spread tokens over experts
-    hf = hf_model_from_ours(ours)
+    hf = to_hf(ours)
     ids = torch.randint(0, ours.args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (ours(ids).logits - hf(ids).logits).abs().max() < 1e-3
+    return ours, hf, ids
+
+
+def bench_model(name: str, batch: int, seq: int, steps: int, dtype: torch.dtype) -> dict:
+    ours, hf, ids = paired_models(SHAPES[name], hf_model_from_ours, batch, seq)
     ours.to(dtype), hf.to(dtype)
     t_ours, t_hf = _time_pair(_fwd_bwd(ours, ids), _fwd_bwd(hf, ids), steps)
     flops = flops_per_token(ours.args, mean_context=(seq + 1) / 2)
