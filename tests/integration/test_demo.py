@@ -148,11 +148,11 @@ def test_demo_reward_rises_with_small_mismatch_and_in_flight_updates(tmp_path):
     first, last = float(np.mean(rewards[:6])), float(np.mean(rewards[-6:]))
     assert last > first + 0.03, f"reward did not rise: {[round(x, 3) for x in rewards]}"
 
-    # Tokens sampled by the weights being trained (v_{n-1}) measure the engine mismatch alone: an fp32
-    # engine and trainer agree, up to completions that span a weight update (their later tokens attend
-    # over KV computed by the older weights).
+    # Tokens sampled by the weights being trained (v_{n-1}), over a context those weights computed,
+    # measure the engine mismatch alone: an fp32 engine and trainer agree to rounding. (Before the
+    # split looked at the context, a completion spanning an update put 0.054 here in one CI run.)
     current = [r["mismatch_kl_current"] for r in trainer]
-    assert max(current) < 5e-3, current  # seen: <= 6e-4 (0 where a batch holds no v_{n-1} token)
+    assert max(current) < 1e-6, current  # seen: <= 1e-12 (0 where a batch holds no such token)
     # Older tokens (max_off_policy_steps = 1) add an optimizer step of drift: bounded, not zero.
     kl = [r["mismatch_kl"] for r in trainer]
     assert float(np.mean(kl)) < 0.1 and max(kl) < 0.5, kl  # seen: means 0.009-0.033, max 0.065

@@ -217,5 +217,5 @@ class StepEngine:
             if mask_T.any():
                 staleness_max.copy_(torch.maximum(staleness_max, staleness_T[mask_T].max().reshape(1)))
             replayed = None if mb.routed_experts is None else mb.routed_experts[0]
-            mm.add(logprobs_T, mb.inference_logprobs, mask_T, mb.policy_versions, trainer_version=trained_version,
+            mm.add(logprobs_T, mb.inference_logprobs, mask_T, mb.context_versions, trainer_version=trained_version,
                    replayed_TLK=replayed, router_topk_TLK=router_topk_TLK)  # fmt: skip

@@ -2,7 +2,7 @@
 
     sums = mismatch_sums(logprobs_T, inference_logprobs_T, loss_mask_T)       # per micro-batch
     split = mismatch_by_staleness(logprobs_T, inference_logprobs_T, loss_mask_T,
-                                  policy_versions_T, trainer_version=n - 1)  # current vs stale
+                                  context_versions_T, trainer_version=n - 1)  # current vs stale
     agree_L = routing_agreement(replayed_TLK, router_topk_TLK, loss_mask_T, moe_layers)
     metrics = (sums_a + sums_b).metrics()     # {"mismatch_kl": .., "mismatch_kl_max": .., ...}
     check_mismatch_gate(kl_current, max_kl=1e-3, mode="fail", step=n, kl_stale=kl_stale)
@@ -14,9 +14,13 @@ from mu, both under the sampling temperature):
   outlier fraction = share of tokens with r outside [ratio_low, ratio_high] (default [0.5, 2])
   routing agreement of a layer = |replayed ids & router's own top-k ids| / K, averaged over tokens
 
-Staleness split: tokens sampled by the trainer's current weights (policy version equal to
-`trainer_version`) measure engine mismatch alone; older tokens add off-policy drift. Comparing
-the two tells the two causes apart, and the gate looks at the current ones only.
+Staleness split: tokens sampled by the trainer's current weights measure engine mismatch alone;
+older tokens add off-policy drift. Comparing the two tells the two causes apart, and the gate
+looks at the current ones only. "Sampled by the current weights" must hold for the whole context:
+a completion that spans a weight update continues on KV that the older weights computed, so its
+later tokens carry the new version yet differ from a forward of the new weights. The trainer
+therefore splits on the context version of each token (the oldest version sampled in its
+sequence up to it, `MicroBatch.context_versions`), not on its own stamp.
 
 Shape legend: T tokens, L layers, K top_k.
 """
@@ -120,7 +124,7 @@ def mismatch_by_staleness(
     logprobs_T: torch.Tensor,
     inference_logprobs_T: torch.Tensor,
     mask_T: torch.Tensor,
-    policy_versions_T: torch.Tensor,
+    versions_T: torch.Tensor,
     *,
     trainer_version: int,
     ratio_low: float = 0.5,
@@ -128,14 +132,17 @@ def mismatch_by_staleness(
 ) -> dict[str, MismatchSums]:
     """{"current": tokens of version == trainer_version, "stale": older tokens} as MismatchSums.
 
+    Pass context versions (see the module docstring) so that tokens whose context older weights
+    computed count as stale.
+
     trainer_version is the version of the weights that computed `logprobs_T` (at trainer step n,
     before the optimizer step, that is n - 1).
     """
-    if policy_versions_T.shape != mask_T.shape:
+    if versions_T.shape != mask_T.shape:
         raise ValueError(
-            f"mismatch: policy_versions {tuple(policy_versions_T.shape)} must match mask {tuple(mask_T.shape)}"
+            f"mismatch: versions {tuple(versions_T.shape)} must match mask {tuple(mask_T.shape)}"
         )
-    current_T = policy_versions_T == trainer_version
+    current_T = versions_T == trainer_version
     kw = {"ratio_low": ratio_low, "ratio_high": ratio_high}
     return {
         "current": mismatch_sums(logprobs_T, inference_logprobs_T, mask_T & current_T, **kw),
@@ -209,7 +216,7 @@ class MismatchAccumulator:
     """Per-step mismatch statistics over micro-batches and ranks, as tensors ready to all-reduce.
 
     acc = MismatchAccumulator(moe_layers=[0, 1], ratio_low=0.5, ratio_high=2.0, device=dev)
-    acc.add(logprobs_T, inference_logprobs_T, mask_T, versions_T, trainer_version=n - 1,
+    acc.add(logprobs_T, inference_logprobs_T, mask_T, context_versions_T, trainer_version=n - 1,
             replayed_TLK=..., router_topk_TLK=...)          # per micro-batch
     acc.all_reduce(sum_fn, max_fn); acc.metrics()           # once per step
 
@@ -233,14 +240,14 @@ class MismatchAccumulator:
         logprobs_T: torch.Tensor,
         inference_logprobs_T: torch.Tensor,
         mask_T: torch.Tensor,
-        policy_versions_T: torch.Tensor,
+        versions_T: torch.Tensor,
         *,
         trainer_version: int,
         replayed_TLK: torch.Tensor | None = None,
         router_topk_TLK: torch.Tensor | None = None,
     ) -> None:
         split = mismatch_by_staleness(
-            logprobs_T, inference_logprobs_T, mask_T, policy_versions_T,
+            logprobs_T, inference_logprobs_T, mask_T, versions_T,
             trainer_version=trainer_version, ratio_low=self.ratio_low, ratio_high=self.ratio_high,
         )  # fmt: skip
         cur, old = split["current"], split["stale"]

@@ -37,6 +37,10 @@ class MicroBatch:
     advantages: torch.Tensor  # f32 [T]
     temperatures: torch.Tensor  # f32 [T], never 0 (1.0 where there is no target)
     policy_versions: torch.Tensor  # int64 [T]
+    # int64 [T]: the oldest version among the sampled tokens of the sequence up to the target, so
+    # every weight version whose KV the engine attended over when it sampled the target (a
+    # completion that spans a weight update continues on KV computed by the older weights)
+    context_versions: torch.Tensor
     seq_ids: torch.Tensor  # int64 [T], 0..num_sequences-1
     routed_experts: torch.Tensor | None  # int64 [1, T, L, K], or None when not replaying
     num_sequences: int
@@ -96,6 +100,16 @@ def _shifted(values: np.ndarray, fill: float | int | bool) -> np.ndarray:
     return out
 
 
+def _context_versions(versions: np.ndarray) -> np.ndarray:
+    """Running minimum of the sampled versions (prompt, env and tool tokens, -1, are skipped).
+
+    Example: [-1, -1, 2, 2, 3, -1, 3] -> [-1, -1, 2, 2, 2, 2, 2].
+    """
+    big = np.iinfo(np.int64).max
+    running = np.minimum.accumulate(np.where(versions >= 0, versions.astype(np.int64), big))
+    return np.where(running == big, -1, running)
+
+
 def build_micro_batch(samples: list[RolloutSample], replay: bool) -> MicroBatch:
     """Concatenate whole samples into one row (see module docstring for the target convention)."""
     cat = np.concatenate
@@ -117,6 +131,9 @@ def build_micro_batch(samples: list[RolloutSample], replay: bool) -> MicroBatch:
         temperatures=torch.from_numpy(cat([_shifted(s.temperatures, 1.0) for s in samples])),
         policy_versions=torch.from_numpy(
             cat([_shifted(s.policy_versions, 0) for s in samples]).astype(np.int64)
+        ),
+        context_versions=torch.from_numpy(
+            cat([_shifted(_context_versions(s.policy_versions), 0) for s in samples]).astype(np.int64)
         ),
         seq_ids=torch.from_numpy(
             cat([np.full(s.num_tokens, i) for i, s in enumerate(samples)]).astype(np.int64)

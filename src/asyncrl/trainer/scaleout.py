@@ -54,7 +54,7 @@ __all__ = [
 _ROW_STREAMS = {"input_ids": (1, 0), "position_ids": (1, 0), "routed_experts": (1, 0)}
 _TOKEN_STREAMS = {
     "target_ids": 0, "loss_mask": False, "inference_logprobs": 0.0, "advantages": 0.0,
-    "temperatures": 1.0, "policy_versions": 0, "seq_ids": 0,
+    "temperatures": 1.0, "policy_versions": 0, "context_versions": 0, "seq_ids": 0,
 }  # fmt: skip
 
 
@@ -143,6 +143,7 @@ def _empty_micro_batch(num_tokens: int, device: torch.device) -> MicroBatch:
         advantages=torch.zeros(num_tokens, device=device),
         temperatures=torch.ones(num_tokens, device=device),
         policy_versions=zeros_T,
+        context_versions=zeros_T,
         seq_ids=zeros_T,
         routed_experts=None,
         num_sequences=0,

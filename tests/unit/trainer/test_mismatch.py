@@ -79,7 +79,7 @@ def test_staleness_split_separates_current_and_old_tokens():
     assert split["current"] == MismatchSums(kl_sum=0.0, kl_max=0.0, num_outside=0, num_tokens=2)
     assert split["stale"].num_tokens == 1 and split["stale"].kl_sum == pytest.approx(k3(3.0))
     assert split["stale"].num_outside == 1
-    with pytest.raises(ValueError, match="policy_versions"):
+    with pytest.raises(ValueError, match="versions"):
         mismatch_by_staleness(lp, inf, mask, versions[:3], trainer_version=4)
 
 

@@ -56,6 +56,27 @@ def test_stale_tokens_and_foreign_routing_are_told_apart(tiny_model, make_engine
     assert m["routing_agreement"] < 0.6  # random pairs of 8 experts overlap 25% on average
 
 
+def test_tokens_after_an_update_inside_a_completion_count_as_stale(tiny_model, make_engine):
+    # Each completion switches from version 1 to the trained version 2 halfway. Its later tokens
+    # carry version 2, but the engine sampled them over KV that version 1 computed, so their
+    # logprobs differ from a forward of version 2: they are off-policy drift, not engine mismatch.
+    model = tiny_model()
+    batch = synthetic_batch(model, step=3, num_samples=4, prompt_len=8, completion_len=12, seed=3)
+    samples = []
+    for s in batch.samples:
+        idx = np.flatnonzero(s.loss_mask)
+        versions = np.full_like(s.policy_versions, -1)
+        versions[idx] = np.where(np.arange(idx.size) < idx.size // 2, 1, 2)
+        late = np.zeros_like(s.loss_mask)
+        late[idx[idx.size // 2 :]] = True
+        shifted = np.where(late, s.inference_logprobs - 0.5, s.inference_logprobs).astype(np.float32)
+        samples.append(dataclasses.replace(s, policy_versions=versions, inference_logprobs=shifted))
+    result = make_engine(model).step(pack_samples(samples, 64, replay=True), _rl(), trained_version=2)
+    m = result.mismatch
+    assert m["mismatch_tokens_stale_fraction"] == 1.0  # every token has version 1 in its context
+    assert m["mismatch_kl_current"] == 0.0 and m["mismatch_kl_stale"] > 0.05
+
+
 def test_gate_warns_or_fails():
     assert check_mismatch_gate(1e-4, max_kl=1e-3, mode="fail", step=1) is None
     with pytest.warns(UserWarning, match="step 2: mismatch KL 5.000e-03 exceeds"):

@@ -53,6 +53,21 @@ def test_micro_batch_shifts_fields_to_targets_and_restarts_positions():
     assert mb.routed_experts is None
 
 
+def test_context_version_is_the_oldest_version_sampled_so_far_in_the_sequence():
+    # A two-turn episode whose first completion spans an update (2 -> 3), then a fresh sample.
+    spanning = dataclasses.replace(
+        _sample([1, 2, 3, 4, 5, 6, 7], [0, 1, 1, 1, 0, 1, 1]),
+        policy_versions=np.array([-1, 2, 3, 3, -1, 4, 4], np.int32),
+    )
+    fresh = dataclasses.replace(
+        _sample([8, 9, 10], [0, 1, 1]), policy_versions=np.array([-1, 4, 4], np.int32)
+    )
+    mb = build_micro_batch([spanning, fresh], replay=False)
+    assert mb.policy_versions.tolist() == [2, 3, 3, -1, 4, 4, 0, 4, 4, 0]
+    # targets after the update still attend over KV that version 2 computed
+    assert mb.context_versions.tolist() == [2, 2, 2, 2, 2, 2, 0, 4, 4, 0]
+
+
 def test_shards_are_disjoint_complete_and_balanced():
     samples = [_sample(list(range(n)), [1] * n) for n in (9, 2, 7, 4, 4, 3, 8, 1)]
     shards = [shard_samples(samples, r, 3) for r in range(3)]
