@@ -3,19 +3,20 @@
     backend = VLLMBackend("http://127.0.0.1:8000")
     out = await backend.generate(GenerateRequest(prompt_token_ids=[1, 2], max_tokens=8))
 
-Each method maps to vLLM's own endpoints; no asyncrl code runs inside vLLM:
+Each method maps to vLLM's own endpoints. The one piece of asyncrl inside vLLM is the worker
+extension that the launcher loads (asyncrl.launcher.vllm, `vllm_ext/asyncrl_vllm_ext.py`):
 
 | seam             | vLLM                                                                        |
 |------------------|-----------------------------------------------------------------------------|
 | generate         | POST /inference/v1/generate (token ids in; ids, logprobs, weight versions out) |
 | pause            | POST /pause?mode=keep / abort (keep: running requests and their KV stay)    |
 | resume           | POST /resume                                                                |
-| update_weights   | POST /collective_rpc reload_weights {weights_path}, then /update_weight_version |
+| update_weights   | POST /collective_rpc asyncrl_reload_weights {weights_path}, then /update_weight_version |
 | weights          | GET /weight_info (vLLM's "default" label = version 0)                      |
 | health, metrics  | GET /health, GET /metrics                                                   |
 
-The server must run with `VLLM_SERVER_DEV_MODE=1` and `--enable-scale-out` (asyncrl's launcher
-starts it so, asyncrl.launcher.vllm). Per-token policy versions are exact: vLLM stamps each output
+The server must run with `VLLM_SERVER_DEV_MODE=1`, `--enable-scale-out` and the worker extension
+(asyncrl's launcher starts it so). Per-token policy versions are exact: vLLM stamps each output
 token with the label of the weights that sampled it, and asyncrl labels each version with its step.
 Cancelling `generate` closes the connection, and vLLM aborts the request.
 """
@@ -88,7 +89,8 @@ class VLLMBackend(HttpBackend):
             await self.pause(PauseRequest(mode=request.mode))
         try:
             t1 = time.perf_counter()
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": request.path}}
+            # asyncrl's worker extension (launcher/vllm_ext): vLLM's reload_weights + a CPU MoE repair
+            rpc = {"method": "asyncrl_reload_weights", "kwargs": {"weights_path": request.path}}
             await self._send_json("POST", "/collective_rpc", rpc)
             await self._send_json("POST", "/update_weight_version", {"new_version": str(request.version)})
             load_seconds = time.perf_counter() - t1

@@ -7,6 +7,10 @@ server, with the interpreter of vLLM's own environment (`bash scripts/setup-vllm
         --model DIR --host 127.0.0.1 --port 8000 --dtype bfloat16 --max-num-seqs 64 ... \\
         --enable-scale-out --enable-prefix-caching
 
+Every server also loads asyncrl's worker extension (`vllm_ext/asyncrl_vllm_ext.py`, put on the
+server's PYTHONPATH): weight updates call its `asyncrl_reload_weights`, vLLM's in-place reload plus
+a repair of the CPU build's MoE expert prepacking (see that module).
+
 `VLLM_SERVER_DEV_MODE=1` turns on vLLM's RL endpoints (`/pause`, `/resume`, `/collective_rpc`,
 `/update_weight_version`) that in-flight weight updates use; `--enable-scale-out` turns on the
 token-in/token-out `POST /inference/v1/generate`. Both stay on 127.0.0.1 unless `host` says
@@ -33,6 +37,8 @@ from asyncrl.config.vllm import DEFAULT_VLLM_PYTHON
 __all__ = [
     "FLAG_MAP",
     "MIN_VLLM_VERSION",
+    "WORKER_EXTENSION_CLS",
+    "WORKER_EXTENSION_DIR",
     "VLLMCommand",
     "VLLMProbe",
     "build_vllm_command",
@@ -42,6 +48,10 @@ __all__ = [
 ]
 
 MIN_VLLM_VERSION = (0, 32)
+
+# asyncrl's worker extension: a folder holding one module that imports only torch and vLLM.
+WORKER_EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
+WORKER_EXTENSION_CLS = "asyncrl_vllm_ext.AsyncRLWorkerExtension"
 
 # asyncrl key -> vLLM flag (the table in docs/inference.md). Booleans become bare flags.
 FLAG_MAP: dict[str, str] = {
@@ -79,6 +89,8 @@ _EMBEDDED_ONLY = (
 _PROBE = r"""
 import json, sys
 import vllm
+sys.path.insert(0, sys.argv[1])
+import asyncrl_vllm_ext  # the worker extension imports in this interpreter
 from vllm.platforms import current_platform
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -180,13 +192,17 @@ def build_vllm_command(cfg: InferenceConfig, *, python: str) -> VLLMCommand:
     # scale-out: /inference/v1/generate; prompt tokens details: cached prompt tokens in `usage`
     argv += ["--enable-scale-out", "--enable-prompt-tokens-details", "--uvicorn-log-level", cfg.log_level]
     argv += ["--logprobs-mode", "processed_logprobs"]  # our contract: temperature applied
+    argv += ["--worker-extension-cls", WORKER_EXTENSION_CLS]
     argv += cfg.vllm.extra_args  # last, so that they win over ours
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(WORKER_EXTENSION_DIR)}
     if cfg.api_key:  # through the environment, so that it shows in neither `ps` nor --dry-run
         env["VLLM_API_KEY"] = cfg.api_key
     if cfg.vllm.cpu_kv_cache_space_gb is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm.cpu_kv_cache_space_gb)
-    env |= cfg.vllm.env
+    extra = dict(cfg.vllm.env)
+    if "PYTHONPATH" in extra:  # the user's entries first, the extension's folder kept
+        extra["PYTHONPATH"] = f"{extra['PYTHONPATH']}:{WORKER_EXTENSION_DIR}"
+    env |= extra
     return VLLMCommand(argv=argv, env=env)
 
 
@@ -194,7 +210,11 @@ def probe_vllm(python: str, *, timeout_s: float = 300.0) -> VLLMProbe:
     """Run the probe script in `python`; ConfigError when vLLM is missing or broken there."""
     try:
         done = subprocess.run(
-            [python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s, check=False
+            [python, "-c", _PROBE, str(WORKER_EXTENSION_DIR)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
         )
     except FileNotFoundError:
         raise ConfigError(

@@ -6,12 +6,20 @@ import json
 import sys
 
 import pytest
+import torch
 
 from asyncrl.config import ConfigError, InferenceConfig, load_config
 from asyncrl.config.rl import RLConfig
 from asyncrl.launcher.cli import main
 from asyncrl.launcher.slurm import SlurmRLConfig, render_sbatch
-from asyncrl.launcher.vllm import VLLMProbe, build_vllm_command, check_vllm, resolve_vllm_python
+from asyncrl.launcher.vllm import (
+    WORKER_EXTENSION_CLS,
+    WORKER_EXTENSION_DIR,
+    VLLMProbe,
+    build_vllm_command,
+    check_vllm,
+    resolve_vllm_python,
+)
 
 
 @pytest.fixture
@@ -62,6 +70,28 @@ def test_command_maps_our_keys_to_vllm_flags(model_dir):
     assert "sekret" not in " ".join(a) and cmd.env["VLLM_API_KEY"] == "sekret"
     assert "sekret" not in cmd.shell() and "VLLM_SERVER_DEV_MODE=1" in cmd.shell()
     assert cmd.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    # asyncrl's worker extension: its folder on vLLM's path, its class named on the command line
+    assert value("--worker-extension-cls") == WORKER_EXTENSION_CLS
+    assert cmd.env["PYTHONPATH"] == str(WORKER_EXTENSION_DIR)
+    assert (WORKER_EXTENSION_DIR / "asyncrl_vllm_ext.py").is_file()
+    mine = build_vllm_command(_inference(model_dir, vllm={"env": {"PYTHONPATH": "/mine"}}), python="py")
+    assert mine.env["PYTHONPATH"] == f"/mine:{WORKER_EXTENSION_DIR}"  # the user's first, ours kept
+
+
+def test_worker_extension_imports_without_vllm_and_leaves_other_models_alone():
+    # It runs in vLLM's interpreter, so it may import torch and vLLM only: here (no vLLM), a model
+    # without vLLM's CPU MoE experts is left as it is.
+    sys.path.insert(0, str(WORKER_EXTENSION_DIR))
+    try:
+        import asyncrl_vllm_ext
+    finally:
+        sys.path.remove(str(WORKER_EXTENSION_DIR))
+    source = (WORKER_EXTENSION_DIR / "asyncrl_vllm_ext.py").read_text()
+    assert "import asyncrl" not in source.replace("import asyncrl_vllm_ext", "")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    before = model[0].weight.detach().clone()
+    assert asyncrl_vllm_ext.repack_cpu_moe_experts(model) == 0
+    assert torch.equal(model[0].weight, before)
 
 
 def test_unknown_vllm_key_is_an_error_naming_it(model_dir):
@@ -151,6 +181,7 @@ def test_slurm_renders_vllm_servers(model_dir, tmp_path):
     assert '--host 0.0.0.0 --port "$port"' in server and '--seed "$((0 + i))"' in server
     assert "--data-parallel-size 8 --enable-expert-parallel" in server
     assert "VLLM_SERVER_DEV_MODE=1" in script and "export VLLM_API_KEY=" in script
+    assert f"PYTHONPATH={WORKER_EXTENSION_DIR}" in script and WORKER_EXTENSION_CLS in server
     assert "asyncrl inference @" not in script
 
 

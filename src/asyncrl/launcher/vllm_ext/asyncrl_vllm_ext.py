@@ -1,0 +1,74 @@
+"""asyncrl's vLLM worker extension: runs inside vLLM's own interpreter, never inside asyncrl's.
+
+The launcher puts this folder on the vLLM server's PYTHONPATH and passes
+`--worker-extension-cls asyncrl_vllm_ext.AsyncRLWorkerExtension`. The class is mixed into every
+vLLM worker, and its methods are callable through `POST /collective_rpc`:
+
+    {"method": "asyncrl_reload_weights", "kwargs": {"weights_path": "/run/weights/step_12"}}
+
+`asyncrl_reload_weights` is vLLM's in-place `reload_weights` followed by a repair that vLLM 0.32's
+CPU build needs. At start-up, vLLM's CPU MoE experts prepack w13/w2 into the layout of their
+grouped GEMM (`CPUUnquantizedExperts.process_weights_after_loading`). A reload runs the MoE layer's
+processing again, but that step is skipped on a weight update, so the new weights land unpacked
+in storage that the kernel reads as packed: the served model is wrong after every update (reloading
+the very weights it serves moved teacher-forced KL from 2e-4 to 1.7-3.3). The repair prepacks the
+reloaded expert weights in place. Other layers are unaffected (their CPU GEMM dispatch is redone by
+the reload), and GPU builds need no repair: the method is a plain reload there.
+
+Only torch and vLLM are imported here; nothing from asyncrl.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["AsyncRLWorkerExtension", "repack_cpu_moe_experts"]
+
+
+def _cpu_experts(module: torch.nn.Module):
+    """The CPU unquantized experts that run `module`'s MoE, or None."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a build without the CPU MoE backend
+        return None
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+        return None  # zentorch reads the plain layout, which a reload writes correctly
+    return experts
+
+
+@torch.no_grad()
+def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Prepack freshly reloaded (plain-layout) CPU MoE expert weights in place; the layer count."""
+    count = 0
+    for name, module in model.named_modules():
+        experts = _cpu_experts(module)
+        if experts is None or not hasattr(module, "w13_weight"):
+            continue
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            raise RuntimeError(
+                f"{name}: the CPU MoE kernel pads the intermediate size "
+                f"{config.intermediate_size_per_partition}; asyncrl cannot repack such a layer after a "
+                "reload (use an intermediate size that is a multiple of 32, or restart vLLM per update)"
+            )
+        from vllm._custom_ops import cpu_prepack_moe_weight
+
+        for weight in (module.w13_weight, module.w2_weight):
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+        count += 1
+    return count
+
+
+class AsyncRLWorkerExtension:
+    """Methods mixed into vLLM's worker class (`self` is the worker)."""
+
+    def asyncrl_reload_weights(self, weights_path: str) -> dict[str, float]:
+        """vLLM's in-place reload from an HF safetensors folder, then the CPU MoE repair."""
+        t0 = time.perf_counter()
+        self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+        repacked = repack_cpu_moe_experts(self.model_runner.get_model())
+        return {"seconds": time.perf_counter() - t0, "repacked_moe_layers": float(repacked)}
