@@ -6,12 +6,14 @@ Both backends run as servers and are driven through the orchestrator's own seam 
 `VLLMBackend`): token-id prompts (16-64 tokens), greedy, EOS ignored so that both produce exactly
 the requested tokens, at most `--concurrency` requests in flight. Two workloads: fixed output
 length (`--fixed-tokens`) and mixed lengths (uniform in [16, `--max-tokens`]). Throughput counts
-generated tokens over wall time, after a short warm-up. Each backend uses its own dtype (embedded:
-float32, its exact mode; vLLM: bfloat16).
+generated tokens over wall time, after a short warm-up. Servers (`--backends`): `embedded` (float32,
+its exact mode), `embedded-bf16` and `vllm` (bfloat16, vLLM's CPU build).
 
-The weight-update pause is measured as the orchestrator's updater sees it (pause keep -> update_weights
--> resume, wall time) on the `--pause-preset` model (default moe-50m), with requests in flight,
-median of `--updates` updates. vLLM comes from `.venv-vllm` (`bash scripts/setup-vllm.sh`).
+The weight-update pause is measured as the orchestrator's updater drives it: one `update_weights` with
+8 long requests in flight, the backend pausing itself for as long as it needs (keep mode). Each
+update reports how long generation stalled (`paused_seconds`) and how long the checkpoint read took
+(`load_seconds`); the table also gives the update's wall time. On the `--pause-preset` model
+(default moe-50m), median of `--updates` updates. vLLM comes from `.venv-vllm` (`bash scripts/setup-vllm.sh`).
 With --write the tables replace the `## Backends: embedded vs vLLM` section of BENCHMARKS.md.
 """
 
@@ -40,7 +42,7 @@ from asyncrl.envs.backend import HttpBackend
 from asyncrl.envs.vllm_backend import VLLMBackend
 from asyncrl.launcher.init_model import init_model
 from asyncrl.launcher.vllm import build_vllm_command
-from asyncrl.wire import GenerateRequest, PauseRequest, UpdateWeightsRequest
+from asyncrl.wire import GenerateRequest, UpdateWeightsRequest
 
 SECTION = "## Backends: embedded vs vLLM"
 REPO = Path(__file__).resolve().parents[1]
@@ -59,9 +61,10 @@ def serve(kind: str, model: Path, args: argparse.Namespace, log: Path) -> Iterat
     """One server of `kind` over `model`, in its own process group; yields its URL once healthy."""
     port = _free_port()
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    if kind == "embedded":
+    if kind.startswith("embedded"):
+        dtype = "bfloat16" if kind == "embedded-bf16" else "float32"
         argv = [sys.executable, "-m", "asyncrl", "inference", "--model", str(model), "--port", str(port),
-                "--dtype", "float32", "--device", "cpu", "--max-num-seqs", str(args.concurrency),
+                "--dtype", dtype, "--device", "cpu", "--max-num-seqs", str(args.concurrency),
                 "--kv-cache-tokens", "65536", "--log-level", "warning"]  # fmt: skip
     else:
         cfg = InferenceConfig(
@@ -96,7 +99,7 @@ def serve(kind: str, model: Path, args: argparse.Namespace, log: Path) -> Iterat
 
 
 def _backend(kind: str, url: str) -> HttpBackend:
-    return (HttpBackend if kind == "embedded" else VLLMBackend)(url, timeout_s=1800)
+    return (VLLMBackend if kind == "vllm" else HttpBackend)(url, timeout_s=1800)
 
 
 def workload(n: int, seed: int, lengths: tuple[int, int]) -> list[GenerateRequest]:
@@ -131,23 +134,22 @@ async def throughput(kind: str, url: str, requests: list[GenerateRequest], concu
         await backend.aclose()
 
 
-async def update_pauses(kind: str, url: str, new_weights: Path, num_updates: int) -> list[float]:
-    """Wall time of pause(keep) -> update_weights -> resume, each with 8 long requests in flight."""
+async def update_pauses(kind: str, url: str, new_weights: Path, num_updates: int) -> list[dict[str, float]]:
+    """Per update with 8 long requests in flight: stall, checkpoint read and wall time (seconds)."""
     backend = _backend(kind, url)
-    pauses = []
+    results = []
     try:
         for version in range(1, num_updates + 1):
             busy = [asyncio.create_task(backend.generate(r)) for r in workload(8, version, (192, 192))]
             await asyncio.sleep(1.0)
             t0 = time.perf_counter()
-            await backend.pause(PauseRequest(mode="keep"))
-            await backend.update_weights(UpdateWeightsRequest(path=str(new_weights), version=version))
-            await backend.resume()
-            pauses.append(time.perf_counter() - t0)
+            out = await backend.update_weights(UpdateWeightsRequest(path=str(new_weights), version=version))
+            wall = time.perf_counter() - t0
+            results.append({"paused": out.paused_seconds, "load": out.load_seconds, "wall": wall})
             await asyncio.gather(*busy)
     finally:
         await backend.aclose()
-    return pauses
+    return results
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -160,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256, help="mixed lengths: uniform in [16, this]")
     p.add_argument("--updates", type=int, default=3)
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
-    p.add_argument("--backends", default="embedded,vllm")
+    p.add_argument("--backends", default="embedded,embedded-bf16,vllm")
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     return p
 
@@ -169,7 +171,7 @@ def main() -> None:
     args = _parser().parse_args()
     kinds = args.backends.split(",")
     tok_s: dict[tuple[str, str], float] = {}
-    pauses: dict[str, list[float]] = {}
+    pauses: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         init_model(args.preset, root / "tput", seed=0)
@@ -186,7 +188,7 @@ def main() -> None:
                     print(f"{kind:8s} {name:5s}: {tok_s[kind, name]:8.1f} tok/s", flush=True)
             with serve(kind, root / "pause-v0", args, root / f"{kind}-pause.log") as url:
                 pauses[kind] = asyncio.run(update_pauses(kind, url, root / "pause-v1", args.updates))
-                print(f"{kind:8s} pause: {[f'{p:.3f}' for p in pauses[kind]]} s", flush=True)
+                print(f"{kind:8s} update: {pauses[kind]}", flush=True)
     table = format_tables(args, kinds, tok_s, pauses)
     print(table)
     if args.write:
@@ -194,35 +196,37 @@ def main() -> None:
 
 
 def format_tables(args, kinds, tok_s, pauses) -> str:
+    vllm = "vllm" in kinds
+    embedded = [k for k in kinds if k != "vllm"]
     rows = [
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, shared; one run. Model {args.preset}, "
         f"{args.requests} requests, token-id prompts of 16-64 tokens, concurrency {args.concurrency}, greedy, "
-        "EOS ignored; embedded float32, vLLM 0.32 CPU build bfloat16, both over HTTP through the orchestrator's "
-        "backend classes.",
+        "EOS ignored; `embedded` float32, `embedded-bf16` bfloat16, vLLM 0.32 CPU build bfloat16, all over "
+        "HTTP through the orchestrator's backend classes.",
         "",
         f"| workload | {' | '.join(f'{k} tok/s' for k in kinds)} |"
-        + (" vLLM / embedded |" if len(kinds) == 2 else ""),
-        "|---" * (len(kinds) + 1 + (len(kinds) == 2)) + "|",
+        + "".join(f" {k} / vLLM |" for k in embedded if vllm),
+        "|---" * (len(kinds) + 1 + (len(embedded) if vllm else 0)) + "|",
     ]
     for name, what in (
         ("fixed", f"fixed {args.fixed_tokens} tokens"),
         ("mixed", f"mixed 16-{args.max_tokens}"),
     ):
         cells = [f"{tok_s[k, name]:.0f}" for k in kinds]
-        ratio = f" {tok_s['vllm', name] / tok_s['embedded', name]:.2f}x |" if len(kinds) == 2 else ""
-        rows.append(f"| {what} | {' | '.join(cells)} |{ratio}")
+        ratios = "".join(f" {tok_s[k, name] / tok_s['vllm', name]:.2f}x |" for k in embedded if vllm)
+        rows.append(f"| {what} | {' | '.join(cells)} |{ratios}")
     rows += [
         "",
-        f"Weight-update pause on {args.pause_preset} (pause keep -> update_weights -> resume, 8 requests in "
-        f"flight; median of {args.updates}):",
+        f"Weight update on {args.pause_preset}, as the orchestrator drives it (one `update_weights`, 8 "
+        f"requests in flight, the server pausing itself in keep mode); median of {args.updates}, seconds:",
         "",
-        "| backend | pause (s) | all (s) |",
-        "|---|---|---|",
+        "| backend | generation paused | checkpoint read | update wall time | paused, all updates |",
+        "|---|---|---|---|---|",
     ]
-    rows += [
-        f"| {k} | {statistics.median(pauses[k]):.3f} | {', '.join(f'{p:.3f}' for p in pauses[k])} |"
-        for k in kinds
-    ]
+    for k in kinds:
+        med = {key: statistics.median(p[key] for p in pauses[k]) for key in ("paused", "load", "wall")}
+        every = ", ".join(f"{p['paused']:.3f}" for p in pauses[k])
+        rows.append(f"| {k} | {med['paused']:.3f} | {med['load']:.3f} | {med['wall']:.3f} | {every} |")
     return "\n".join(rows)
 
 

@@ -232,7 +232,9 @@ def rl_curve(model_dir: Path, replay: bool, steps: int, num_prompts: int, group:
             lambda inp, k: rl_loss(inp, loss_cfg, k),
             trained_version=n - 1,
         )
-        engine.load_weights({k: v.detach().to(torch.bfloat16) for k, v in trainer.state_dict().items()}, n)
+        engine.load_weights(
+            {k: v.detach().to(torch.bfloat16, copy=True) for k, v in trainer.state_dict().items()}, n
+        )
         curve.append((float(np.mean([s.reward for s in batch])), result.mismatch_kl, result.masked_fraction))
         print(
             f"  rl R3={'on' if replay else 'off'} step {n}: reward {curve[-1][0]:.3f} kl {curve[-1][1]:.2e}"

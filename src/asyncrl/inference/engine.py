@@ -205,10 +205,13 @@ class Engine:
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Swap in new weights between steps. Running requests keep their KV and continue.
 
+        The engine takes `state` over: on its device the model's tensors become `state`'s (a pointer
+        swap, no copy), so the caller must neither change nor reuse them afterwards.
+
         The prefix cache moves to a new weights epoch: blocks computed by the old weights are never
         matched again (running requests keep theirs), and the unreferenced ones are freed now.
         """
-        load_into(self.model, state, where="weight update")
+        load_into(self.model, state, where="weight update", share=True)  # `state` is ours to keep
         self.version = version
         self.scheduler.weights_epoch += 1
         self.pool.reset_prefix_cache()

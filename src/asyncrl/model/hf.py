@@ -203,12 +203,22 @@ def check_state_dict(model: Transformer, state: dict[str, torch.Tensor], where: 
             raise ModelConfigError(f"{where}: tensor '{name}' has dtype {t.dtype}, expected {p.dtype}")
 
 
-def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
-    """Copy `state` (our names) into `model`; every name, shape and dtype is checked before any copy."""
+def load_into(
+    model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint", *, share: bool = False
+) -> None:
+    """Copy `state` (our names) into `model`; every name, shape and dtype is checked before any copy.
+
+    share=True points the model's tensors at `state`'s instead, where they sit on the same device
+    (no copy: the engine's weight swap is then a pointer swap); the caller must not reuse `state`.
+    """
     check_state_dict(model, state, where)
     with torch.no_grad():
         for name, p in _tensors(model).items():
-            p.copy_(state[name])
+            t = state[name]
+            if share and t.device == p.device:
+                p.data = t
+            else:
+                p.copy_(t)
 
 
 def is_hf_tensor(name: str, args: ModelArgs) -> bool:

@@ -53,7 +53,9 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
 
         def on_batch(step: int, metrics: dict) -> None:
             metrics["inference/pause_s"] = sum(updater.pause_seconds)
+            metrics["inference/weight_load_s"] = sum(updater.load_seconds)
             updater.pause_seconds.clear()
+            updater.load_seconds.clear()
             print(format_line(writer.write(step, metrics)), flush=True)
 
         try:

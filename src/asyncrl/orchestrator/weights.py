@@ -1,15 +1,20 @@
 """Weight-update driver: watch `RUN/weights/step_n/STABLE` and move every server to the newest version.
 
-On a new version: pause every healthy server (mode keep: running requests hold their KV cache),
-`POST /update_weights {path, version}`, resume. The pause is timed and reported. A server that fails
-the update leaves the rotation: it would otherwise sample with stale weights under a new version.
-It stays paused until it rejoins: the pool's health probe calls `sync_server`, which loads the
-current version and resumes it.
+On a new version: `update_weights {path, version}` on every healthy server at once. Each server
+pauses itself only as long as it must, in keep mode (running requests hold their KV cache): the
+embedded server reads and checks the checkpoint while it keeps generating and stops only for the
+swap between two engine steps; VLLMBackend pauses vLLM around its reload. The stall each server
+reports (`paused_seconds`) and its read time (`load_seconds`) are logged apart.
+
+A server that fails the update is paused (keep) and leaves the rotation: it would otherwise
+sample with stale weights under a new version. It stays paused until it rejoins: the pool's
+health probe calls `sync_server`, which loads the current version and resumes it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -37,7 +42,8 @@ class WeightUpdater:
         self.pool, self.run_dir, self.poll_s = pool, Path(run_dir), poll_s
         self.version = 0
         self.on_version = on_version
-        self.pause_seconds: list[float] = []
+        self.pause_seconds: list[float] = []  # per update: the longest generation stall of a server
+        self.load_seconds: list[float] = []  # per update: the longest checkpoint read of a server
 
     async def sync_once(self) -> bool:
         """Load the newest STABLE weights if newer than what the servers hold; True if updated."""
@@ -50,16 +56,26 @@ class WeightUpdater:
     async def update(self, version: int) -> None:
         request = self._request(version)
         t0 = time.monotonic()
-        self._fail(await self.pool.call_all(lambda b: b.pause(PauseRequest(mode="keep"))), "pause")
-        self._fail(await self.pool.call_all(lambda b: b.update_weights(request)), "update")
-        self._fail(await self.pool.call_all(lambda b: b.resume()), "resume")
-        paused = time.monotonic() - t0
+        results = await self.pool.call_all(lambda b: b.update_weights(request))
+        for server in self.pool.servers:
+            if isinstance(results.get(server.url), Exception):
+                # hold its requests (keep) until it rejoins with the current weights; best effort,
+                # since a server that cannot answer is out of the rotation all the same
+                with contextlib.suppress(InferenceError):
+                    await server.backend.pause(PauseRequest(mode="keep"))
+        self._fail(results, "update")
+        done = [r for r in results.values() if not isinstance(r, Exception)]
+        paused = max((r.paused_seconds for r in done), default=0.0)
+        loaded = max((r.load_seconds for r in done), default=0.0)
         self.pause_seconds.append(paused)
+        self.load_seconds.append(loaded)
         self.version = version
         log.info(
-            "weights v%d loaded on %d server(s); paused %.3fs",
+            "weights v%d loaded on %d server(s) in %.3fs (read %.3fs, generation paused %.3fs)",
             version,
             len(self.pool.healthy_servers),
+            time.monotonic() - t0,
+            loaded,
             paused,
         )
         if self.on_version is not None:
