@@ -93,7 +93,10 @@ def test_update_inside_a_pause_reloads_and_labels_the_version():
     assert [c[1] for c in fake.calls] == [
         "/pause?mode=keep", "/collective_rpc", "/update_weight_version", "/resume", "/weight_info",
     ]  # fmt: skip
-    assert fake.calls[1][2] == {"method": "reload_weights", "kwargs": {"weights_path": "/run/weights/step_5"}}
+    assert fake.calls[1][2] == {
+        "method": "asyncrl_reload_weights",
+        "kwargs": {"weights_path": "/run/weights/step_5"},
+    }
     assert fake.calls[2][2] == {"new_version": "5"}
     assert res.version == 5 and res.load_seconds >= 0
     assert info.version == 5
