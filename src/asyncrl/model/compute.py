@@ -15,6 +15,12 @@ On CUDA and on CPUs with native bf16 nothing changes.
 
 The MoE experts (asyncrl.model.moe.grouped_swiglu) ask `cpu_upcast` and run their SwiGLU in fp32.
 
+Under `torch.inference_mode()` (the embedded engine's steps) the fp32 copy of a weight is kept
+(`as_fp32`) rather than made again on every call: decoding a small batch would otherwise spend as
+long casting the weights as multiplying by them. The copy is made again when the weight changes
+(another tensor, as after the engine's weight swap, or an in-place write). That costs an fp32 copy
+of the weights in memory, on these CPUs only; training (autograd through the cast) never keeps one.
+
 `set_cpu_upcast(True | False | None)` forces the choice (None: detect), for tests and benchmarks.
 """
 
@@ -26,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "cpu_upcast", "linear", "sdpa", "set_cpu_upcast"]
+__all__ = ["Linear", "as_fp32", "cpu_upcast", "linear", "sdpa", "set_cpu_upcast"]
 
 _FORCED: bool | None = None
 
@@ -51,11 +57,34 @@ def cpu_upcast(x: torch.Tensor) -> bool:
     return _FORCED if _FORCED is not None else not _cpu_native(x.dtype)
 
 
+_KEPT = "_asyncrl_fp32"
+
+
+def _version(w: torch.Tensor) -> int:
+    try:
+        return w._version
+    except RuntimeError:  # an inference tensor: no version counter, written only by a swap
+        return -1
+
+
+def as_fp32(w: torch.Tensor) -> torch.Tensor:
+    """`w.float()`; kept from call to call under inference mode while `w` is unchanged."""
+    if w.dtype == torch.float32 or not torch.is_inference_mode_enabled():
+        return w.float()
+    key = (w.data_ptr(), _version(w))
+    hit = getattr(w, _KEPT, None)  # (data_ptr, version, the fp32 copy), on the weight itself
+    if hit is not None and hit[:2] == key:
+        return hit[2]
+    out = w.float()
+    setattr(w, _KEPT, (*key, out))
+    return out
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, b); in fp32 and rounded back to x's dtype where `cpu_upcast(x)`."""
     if not cpu_upcast(x):
         return F.linear(x, w, b)
-    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+    return F.linear(x.float(), as_fp32(w), None if b is None else as_fp32(b)).to(x.dtype)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.compute import as_fp32
 from asyncrl.model.moe import Routing
 
 __all__ = ["GroupedSigmoidRouter"]
@@ -54,7 +55,7 @@ class GroupedSigmoidRouter(nn.Module):
     def forward(
         self, x_ND: torch.Tensor, replay_ids_NK: torch.Tensor | None = None, *, with_router_topk: bool = False
     ) -> Routing:
-        scores_NE = torch.sigmoid(F.linear(x_ND.float(), self.weight.float()))
+        scores_NE = torch.sigmoid(F.linear(x_ND.float(), as_fp32(self.weight)))
         if replay_ids_NK is None:
             with torch.no_grad():
                 ids_NK = self.select(scores_NE.detach())

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
-from asyncrl.model.compute import cpu_upcast
+from asyncrl.model.compute import as_fp32, cpu_upcast
 from asyncrl.model.layers import MLP
 
 __all__ = ["GroupedExperts", "MoE", "MoEOutput", "Router", "Routing", "grouped_swiglu"]
@@ -68,7 +68,7 @@ class Router(nn.Module):
         with_router_topk: also report this router's own top-k ids (equal to the ids used unless
         replaying); otherwise `router_topk_NK` is None.
         """
-        probs_NE = F.softmax(F.linear(x_ND.float(), self.weight.float()), dim=-1)
+        probs_NE = F.softmax(F.linear(x_ND.float(), as_fp32(self.weight)), dim=-1)
         if replay_ids_NK is None:
             weights_NK, ids_NK = probs_NE.topk(self.top_k, dim=-1)
             own_ids_NK = ids_NK
@@ -129,7 +129,7 @@ def grouped_swiglu(
     """
     if linear is None and cpu_upcast(x_sorted):
         # no native low-precision kernels on this CPU: the whole SwiGLU in fp32, one cast each way
-        args = (counts_E, gate_EID.float(), up_EID.float(), down_EDI.float())
+        args = (counts_E, as_fp32(gate_EID), as_fp32(up_EID), as_fp32(down_EDI))
         return grouped_swiglu(x_sorted.float(), *args).to(x_sorted.dtype)
     if linear is None and _use_grouped_mm(x_sorted, gate_EID, down_EDI):
         offs = counts_E.cumsum(0).to(torch.int32)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.model import Transformer, preset_args
-from asyncrl.model.compute import cpu_upcast, linear, sdpa, set_cpu_upcast
+from asyncrl.model.compute import as_fp32, cpu_upcast, linear, sdpa, set_cpu_upcast
 
 
 @pytest.fixture
@@ -64,6 +64,35 @@ def test_bf16_model_upcast_close_to_native_and_fp32(forced):
     err_native = (native - ref).abs().max()
     err_upcast = (upcast - ref).abs().max()
     assert err_upcast < 2 * err_native + 1e-3, (err_upcast, err_native)
+
+
+def test_fp32_copy_is_kept_under_inference_mode_until_the_weight_changes():
+    w = torch.nn.Parameter(torch.randn(4, 3).bfloat16(), requires_grad=False)
+    with torch.inference_mode():
+        first = as_fp32(w)
+        assert as_fp32(w) is first and torch.equal(first, w.float())  # kept, not cast again
+    with torch.no_grad():
+        w.add_(1.0)  # an in-place write bumps the version
+    with torch.inference_mode():
+        assert torch.equal(as_fp32(w), w.float())
+    w.data = torch.randn(4, 3).bfloat16()  # the engine's weight swap: another tensor
+    with torch.inference_mode():
+        assert torch.equal(as_fp32(w), w.float())
+    assert as_fp32(w) is not as_fp32(w)  # outside inference mode (training): cast every time
+
+
+def test_bf16_model_after_a_weight_swap_computes_with_the_new_weights(forced):
+    forced(True)
+    old, new = Transformer(preset_args("tiny-moe")), Transformer(preset_args("tiny-moe"))
+    old.init_weights(seed=0)
+    new.init_weights(seed=1)
+    old.bfloat16(), new.bfloat16()
+    ids = torch.randint(0, old.args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        old(ids)  # fills the kept fp32 copies
+        for name, p in old.named_parameters():
+            p.data = new.get_parameter(name).detach().clone()
+        assert torch.equal(old(ids).logits, new(ids).logits)
 
 
 def test_rms_norm_fused_inference_path_equals_the_autograd_path():
