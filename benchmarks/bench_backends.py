@@ -199,6 +199,9 @@ def format_tables(args, kinds, tok_s, pauses) -> str:
     vllm = "vllm" in kinds
     embedded = [k for k in kinds if k != "vllm"]
     rows = [
+        "Command: `PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_backends.py --write`; vLLM from "
+        "`scripts/setup-vllm.sh`'s venv.",
+        "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, shared; one run. Model {args.preset}, "
         f"{args.requests} requests, token-id prompts of 16-64 tokens, concurrency {args.concurrency}, greedy, "
         "EOS ignored; `embedded` float32, `embedded-bf16` bfloat16, vLLM 0.32 CPU build bfloat16, all over "
