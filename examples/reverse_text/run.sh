@@ -75,13 +75,14 @@ orch = [r for r in map(json.loads, open(f"{sys.argv[1]}/rl/metrics.jsonl")) if r
 sft = [json.loads(line) for line in open(f"{sys.argv[1]}/sft/metrics.jsonl")]
 tail = [r["loss"] for r in sft[-25:]]
 print(f"SFT: {len(sft)} steps, mean loss of the last {len(tail)} {sum(tail) / len(tail):.3f}")
-k = max(1, len(orch) // 4)
-first = sum(r["reward/mean"] for r in orch[:k]) / k
-last = sum(r["reward/mean"] for r in orch[-k:]) / k
+rewards = [r["reward/mean"] for r in orch if "reward/mean" in r]  # steps where episodes finished
+k = max(1, len(rewards) // 4)
+first = sum(rewards[:k]) / k
+last = sum(rewards[-k:]) / k
 for t, name in ((0.0, "greedy"), (1.0, "sampled, temperature 1")):
     sft, rl = rows[("sft", t)], rows[("rl", t)]
     print(f"eval reward ({name}, {sft['num_tasks']} held-out tasks): SFT {sft['reward']:.3f} -> RL {rl['reward']:.3f}"
           f"  (exact match {sft['rewards'].get('exact', 0):.3f} -> {rl['rewards'].get('exact', 0):.3f})")
-print(f"training reward (sampled): first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
+print(f"training reward (sampled, steps where episodes finished): first {k} {first:.3f} -> last {k} {last:.3f}")
 PY
 $ASYNCRL report "$OUT/rl" --eval "$OUT/eval.jsonl"  # prints "report: $OUT/rl/report/index.html"

@@ -144,7 +144,7 @@ def test_demo_reward_rises_with_small_mismatch_and_in_flight_updates(tmp_path):
     trainer = [r for r in records if r.get("role") != "orchestrator"]
     assert [r["step"] for r in orch] == list(range(1, RL_STEPS + 1))
     assert len(trainer) == RL_STEPS
-    rewards = [r["reward/mean"] for r in orch]
+    rewards = [r["reward/mean"] for r in orch if "reward/mean" in r]  # steps where episodes finished
     first, last = float(np.mean(rewards[:6])), float(np.mean(rewards[-6:]))
     assert last > first + 0.03, f"reward did not rise: {[round(x, 3) for x in rewards]}"
 

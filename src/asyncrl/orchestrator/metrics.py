@@ -77,17 +77,25 @@ def batch_metrics(
     all_rewards = [r for rs in since.rewards.values() for r in rs]
     ep = since.episodes
     c = counters
+    # Means over the episodes finished since the previous batch: absent when none finished (a batch
+    # cut from groups already buffered), rather than a 0 that reads as a reward or a length.
+    finished: dict[str, float] = {}
+    if all_rewards:
+        finished["reward/mean"] = _mean(all_rewards)
+    finished |= {f"reward/{env}": _mean(rs) for env, rs in since.rewards.items() if rs}
+    if ep:
+        finished |= {
+            "episode/tokens": _mean(
+                [e.get("num_prompt_tokens", 0) + e.get("num_completion_tokens", 0) for e in ep]
+            ),
+            "episode/completion_tokens": _mean([e.get("num_completion_tokens", 0) for e in ep]),
+            "episode/turns": _mean([e.get("num_turns", 0) for e in ep]),
+            "episode/tool_errors": _mean([e.get("num_tool_errors", 0) for e in ep]),
+        }
     return {
         "policy_version": policy_version,
-        "reward/mean": _mean(all_rewards),
         "reward/batch_mean": _mean([s.reward for s in batch.samples]),
-        **{f"reward/{env}": _mean(rs) for env, rs in since.rewards.items()},
-        "episode/tokens": _mean(
-            [e.get("num_prompt_tokens", 0) + e.get("num_completion_tokens", 0) for e in ep]
-        ),
-        "episode/completion_tokens": _mean([e.get("num_completion_tokens", 0) for e in ep]),
-        "episode/turns": _mean([e.get("num_turns", 0) for e in ep]),
-        "episode/tool_errors": _mean([e.get("num_tool_errors", 0) for e in ep]),
+        **finished,
         "episode/failed": float(sum(e.get("failed", 0) for e in ep)),
         "batch/samples": len(batch.samples),
         "batch/tokens": batch.num_tokens,
@@ -107,9 +115,13 @@ def batch_metrics(
     }
 
 
+def _fmt(value: float | None) -> str:
+    return "  -  " if value is None else f"{value:.3f}"
+
+
 def format_line(m: dict) -> str:
     return (
-        f"[orchestrator] step {m['step']:>4} | reward {m['reward/mean']:.3f} | v{m['policy_version']} "
+        f"[orchestrator] step {m['step']:>4} | reward {_fmt(m.get('reward/mean'))} | v{m['policy_version']} "
         f"| stale {m['staleness/mean']:.2f}/{m['staleness/max']} | drop q{m['dropped/groups_stale_queue']} "
         f"f{m['dropped/groups_stale_in_flight']} | cache {m['inference/prefix_cache_hit_rate']:.2f} "
         f"| {m['inference/tokens_per_s']:.0f} tok/s | idle {m['inference/idle_s']:.1f}s"
