@@ -148,12 +148,15 @@ def test_reloading_the_served_weights_leaves_the_logprobs_unchanged(server, mode
     assert diff < 1e-3, f"reloading the same weights moved a logprob by {diff:.3g}"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="intermittent (2 of 6 runs on this machine): the request was running when the pause was sent, "
-    "yet finished with no token stamped v1; docs/inference.md, Known defect",
-)
 def test_update_in_flight_keeps_the_request_and_stamps_each_token(server, models):
+    """A quarter of the way into a long request: pause (keep), load v1, resume; the request goes on.
+
+    The quarter is timed by this machine's pace, and on a shared machine this process can be left
+    off the CPU for seconds (seen: a 2.7 s sleep that returned after 11 s, the process using no CPU
+    in between), so the pause may only be sent after vLLM finished the request. Such an attempt is
+    recognised by the pause's own timestamp and repeated (at most 3 times); a request that was
+    paused early and still has no v1 token fails the test.
+    """
     n = 1800  # long enough that the update lands mid-request on a fast or a busy machine
     req = GenerateRequest(
         prompt_token_ids=PROMPTS[1], max_tokens=n, temperature=0.0, ignore_eos=True, cache_salt="0"
@@ -164,24 +167,34 @@ def test_update_in_flight_keeps_the_request_and_stamps_each_token(server, models
         t0 = time.monotonic()
         old = await backend.generate(req)  # v0 all the way: the reference
         duration = time.monotonic() - t0
-        task = asyncio.create_task(backend.generate(req.model_copy(update={"cache_salt": "0-inflight"})))
-        await asyncio.sleep(0.25 * duration)  # a quarter of the tokens under v0, by this machine's pace
-        assert not task.done()
-        t0 = time.monotonic()
-        await backend.pause(PauseRequest(mode="keep"))
-        update = await backend.update_weights(UpdateWeightsRequest(path=str(models[1]), version=1))
-        await backend.resume()
-        paused = time.monotonic() - t0
-        mixed = await task
+        for attempt in range(3):
+            salt = f"0-inflight-{attempt}"
+            t_start = time.monotonic()
+            task = asyncio.create_task(backend.generate(req.model_copy(update={"cache_salt": salt})))
+            await asyncio.sleep(0.25 * duration)  # a quarter of the tokens under v0, by this machine's pace
+            t0 = time.monotonic()
+            await backend.pause(PauseRequest(mode="keep"))
+            paused_at = (time.monotonic() - t_start) / duration  # when the pause held, in reference runs
+            update = await backend.update_weights(UpdateWeightsRequest(path=str(models[1]), version=1))
+            await backend.resume()
+            paused = time.monotonic() - t0
+            mixed = await task
+            if 1 in mixed.policy_versions or paused_at < 0.75:
+                break
+            print(f"\nattempt {attempt}: the pause held only at {paused_at:.2f} of the reference time; again")
+            await backend.update_weights(UpdateWeightsRequest(path=str(models[0]), version=0))
         new = await backend.generate(req.model_copy(update={"cache_salt": "1"}))
         info = await backend.weights()
         await backend.update_weights(UpdateWeightsRequest(path=str(models[0]), version=0))  # restore
         await backend.aclose()
-        return old, mixed, new, info, update, paused
+        return old, mixed, new, info, update, paused, paused_at
 
-    old, mixed, new, info, update, paused = _run(go())
+    old, mixed, new, info, update, paused, paused_at = _run(go())
     print(f"\nvLLM pause for the update: {paused * 1e3:.0f} ms (reload {update.load_seconds * 1e3:.0f} ms)")
     assert mixed.finish_reason == "length" and len(mixed.token_ids) == n  # kept, not aborted
+    assert 1 in mixed.policy_versions, (
+        f"no token sampled by v1; the pause held at {paused_at:.2f} of the reference time"
+    )
     k = mixed.policy_versions.index(1)
     assert 0 < k < n and mixed.policy_versions == [0] * k + [1] * (n - k)
     assert mixed.token_ids[:k] == old.token_ids[:k]  # sampled by v0
