@@ -77,6 +77,7 @@ def run_mode(model: Path, work: Path, name: str, lag: int, a) -> dict:
     trainer = [r for r in records if r.get("role") != "orchestrator"]
     # steady state: trainer steps 2..N (start-up and the first batch excluded), and how much of each
     # step the trainer spent busy rather than waiting for its batch
+    rewards = [r["reward/mean"] for r in orch if "reward/mean" in r]  # steps where episodes finished
     times = [r["time"] for r in trainer]
     step_s = (times[-1] - times[0]) / max(len(times) - 1, 1)
     waits = [r["wait_s"] for r in trainer[1:]]
@@ -85,11 +86,16 @@ def run_mode(model: Path, work: Path, name: str, lag: int, a) -> dict:
         "wall_s": wall,
         "step_s": step_s,
         "trainer_busy_s": step_s - sum(waits) / max(len(waits), 1),
-        "reward_first": orch[0]["reward/mean"],
-        "reward_last": orch[-1]["reward/mean"],
+        "reward_first": rewards[0],
+        "reward_last": rewards[-1],
         "idle_s": sum(r["inference/idle_s"] for r in orch),
         "staleness_max": max(r["staleness/max"] for r in orch),
         "trainer_steps": len(trainer),
+        # work that trained nothing: groups dispatched per batch (4 would waste none), and why
+        "groups_per_step": orch[-1]["groups/dispatched_total"] / len(orch),
+        "dropped_stale": orch[-1]["dropped/groups_stale_in_flight"]
+        + sum(r["dropped/groups_stale_queue"] for r in orch),
+        "dropped_zero_adv": orch[-1]["dropped/groups_zero_advantage"],
     }
 
 
@@ -110,11 +116,12 @@ def main() -> None:
     steady = rows[0]["step_s"] / rows[1]["step_s"]
     lines = [
         "| mode | wall s | s/step (steps 2-N) | trainer busy s/step | reward first step | reward last step "
-        "| inference idle s | max staleness |",
-        "|---|---|---|---|---|---|---|---|",
+        "| inference idle s | max staleness | groups dispatched / step | dropped stale | dropped zero-adv |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['mode']} | {r['wall_s']:.1f} | {r['step_s']:.2f} | {r['trainer_busy_s']:.2f} "
-            f"| {r['reward_first']:.3f} | {r['reward_last']:.3f} | {r['idle_s']:.1f} | {r['staleness_max']} |"
+            f"| {r['reward_first']:.3f} | {r['reward_last']:.3f} | {r['idle_s']:.1f} | {r['staleness_max']} "
+            f"| {r['groups_per_step']:.1f} | {r['dropped_stale']} | {r['dropped_zero_adv']} |"
             for r in rows
         ),
         "",

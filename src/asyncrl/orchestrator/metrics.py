@@ -101,6 +101,7 @@ def batch_metrics(
         "batch/tokens": batch.num_tokens,
         "staleness/mean": float(staleness.mean()),
         "staleness/max": int(staleness.max()),
+        "groups/dispatched_total": c.groups_dispatched,
         "dropped/groups_stale_queue": num_dropped_stale_queue,
         "dropped/groups_stale_in_flight": c.groups_cancelled_stale,
         "dropped/groups_zero_advantage": c.groups_zero_advantage,
