@@ -27,26 +27,22 @@ import torch
 __all__ = ["AsyncRLWorkerExtension", "repack_cpu_moe_experts"]
 
 
-def _cpu_experts(module: torch.nn.Module):
-    """The CPU unquantized experts that run `module`'s MoE, or None."""
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # a build without the CPU MoE backend
-        return None
-    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-    experts = getattr(kernel, "fused_experts", None)
-    if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
-        return None  # zentorch reads the plain layout, which a reload writes correctly
-    return experts
-
-
 @torch.no_grad()
 def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
     """Prepack freshly reloaded (plain-layout) CPU MoE expert weights in place; the layer count."""
+    try:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # no vLLM here, or a build without the CPU MoE backend: nothing to repair
+        return 0
     count = 0
     for name, module in model.named_modules():
-        experts = _cpu_experts(module)
-        if experts is None or not hasattr(module, "w13_weight"):
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        # zentorch reads the plain layout, which a reload writes correctly
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+            continue
+        if not hasattr(module, "w13_weight"):
             continue
         config = experts.moe_config
         if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
@@ -55,8 +51,6 @@ def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
                 f"{config.intermediate_size_per_partition}; asyncrl cannot repack such a layer after a "
                 "reload (use an intermediate size that is a multiple of 32, or restart vLLM per update)"
             )
-        from vllm._custom_ops import cpu_prepack_moe_weight
-
         for weight in (module.w13_weight, module.w2_weight):
             weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
         count += 1
