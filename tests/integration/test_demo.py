@@ -47,24 +47,31 @@ COPY_LOSS = 1.3  # the loss plateau before copying is ~2.2; the demo itself stop
 COPY_CAP = 400  # seen: the mean of 25 steps passes 1.3 at steps 209 and 254 (seeds 0, 1)
 
 
-def sft(tmp_path: Path) -> Path:
-    init_model("tiny-moe", tmp_path / "base", seed=0)
-    data = tmp_path / "sft.jsonl"
-    write_sft_data("reverse-text", 1000, data, corrupt_prob=0.5, seed=0, env_args=ENV_ARGS)
-    cfg = load_config(
+def sft_config(tmp_path: Path, data: Path, *, steps: int, batch_size: int, warmup: int, **extra) -> SFTConfig:
+    """SFT of tmp_path/base on `data` into tmp_path/sft at lr 1e-2, publishing the last step; `extra`
+    adds keys (seed, stop)."""
+    return load_config(
         SFTConfig,
         {
             "model": {"path": str(tmp_path / "base")},
             "run_dir": str(tmp_path / "sft"),
-            "max_steps": SFT_STEPS,
+            "max_steps": steps,
             "seq_len": 512,
             "optim": {"lr": 1e-2},
-            "schedule": {"warmup_steps": 5},
-            "data": {"path": str(data), "batch_size": 16},
-            "publish": {"interval": SFT_STEPS, "keep_last": 1},
+            "schedule": {"warmup_steps": warmup},
+            "data": {"path": str(data), "batch_size": batch_size},
+            "publish": {"interval": steps, "keep_last": 1},
             "peak_flops": 1e11,
+            **extra,
         },
     )
+
+
+def sft(tmp_path: Path) -> Path:
+    init_model("tiny-moe", tmp_path / "base", seed=0)
+    data = tmp_path / "sft.jsonl"
+    write_sft_data("reverse-text", 1000, data, corrupt_prob=0.5, seed=0, env_args=ENV_ARGS)
+    cfg = sft_config(tmp_path, data, steps=SFT_STEPS, batch_size=16, warmup=5)
     run_sft(cfg)
     return weights_dir(cfg.run_dir, SFT_STEPS)
 
@@ -76,22 +83,8 @@ def test_demo_sft_reaches_copying(tmp_path, seed):
     init_model("tiny-moe", tmp_path / "base", seed=seed, std=DEMO_INIT_STD)
     data = tmp_path / "sft.jsonl"
     write_sft_data("reverse-text", 32 * COPY_CAP, data, corrupt_prob=0.3, seed=seed, env_args=DEMO_ENV_ARGS)
-    cfg = load_config(
-        SFTConfig,
-        {
-            "model": {"path": str(tmp_path / "base")},
-            "run_dir": str(tmp_path / "sft"),
-            "max_steps": COPY_CAP,
-            "seq_len": 512,
-            "seed": seed,
-            "optim": {"lr": 1e-2},
-            "schedule": {"warmup_steps": 10},
-            "data": {"path": str(data), "batch_size": 32},
-            "stop": {"loss": COPY_LOSS, "window": 25},
-            "publish": {"interval": COPY_CAP, "keep_last": 1},
-            "peak_flops": 1e11,
-        },
-    )
+    cfg = sft_config(tmp_path, data, steps=COPY_CAP, batch_size=32, warmup=10,
+                     seed=seed, stop={"loss": COPY_LOSS, "window": 25})  # fmt: skip
     records = run_sft(cfg)
     losses = [r["loss"] for r in records]
     assert len(records) < COPY_CAP, f"no copy transition in {COPY_CAP} steps: {losses[::25]}"

@@ -31,6 +31,19 @@ def test_sft_cli_entry_point(tmp_path):
     assert stable_steps(tmp_path / "run") == [1, 2]
 
 
+def _config(tmp_path, model_dir, data, **keys) -> SFTConfig:
+    """SFT of `model_dir` on `data` at lr 3e-3, rows of 96 tokens, batches of 4; `keys` add the rest."""
+    base = {
+        "model": {"path": str(model_dir)},
+        "run_dir": str(tmp_path / "run"),
+        "seq_len": 96,
+        "optim": {"lr": 3e-3},
+        "data": {"path": str(data), "batch_size": 4},
+        "peak_flops": 1e11,
+    }
+    return load_config(SFTConfig, base | keys)
+
+
 def test_sft_learns_a_fixed_answer_and_publishes(tmp_path):
     model_dir = tmp_path / "model"
     init_model("tiny-dense", model_dir, seed=0)
@@ -41,19 +54,8 @@ def test_sft_learns_a_fixed_answer_and_publishes(tmp_path):
     rows += [{"prompt": f"say {i}:", "completion": "ok!"} for i in range(4)]
     data = tmp_path / "sft.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cfg = load_config(
-        SFTConfig,
-        {
-            "model": {"path": str(model_dir)},
-            "run_dir": str(tmp_path / "run"),
-            "max_steps": 12,
-            "seq_len": 96,
-            "optim": {"lr": 3e-3},
-            "data": {"path": str(data), "batch_size": 4},
-            "checkpoint": {"interval": 6},
-            "publish": {"keep_last": 1},
-            "peak_flops": 1e11,
-        },
+    cfg = _config(
+        tmp_path, model_dir, data, max_steps=12, checkpoint={"interval": 6}, publish={"keep_last": 1}
     )
     records = run_sft(cfg)
     assert [r["step"] for r in records] == list(range(1, 13))
@@ -70,21 +72,10 @@ def test_sft_stops_at_the_loss_threshold_and_publishes_that_step(tmp_path):
     rows = [{"prompt": f"say {i}:", "completion": "ok!"} for i in range(8)]
     data = tmp_path / "sft.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cfg = load_config(
-        SFTConfig,
-        {
-            "model": {"path": str(model_dir)},
-            "run_dir": str(tmp_path / "run"),
-            "max_steps": 60,
-            "seq_len": 96,
-            "optim": {"lr": 3e-3},
-            "data": {"path": str(data), "batch_size": 4},
-            "checkpoint": {"interval": 100},
-            "publish": {"interval": 100, "keep_last": 1},
-            "stop": {"loss": 1.0, "window": 3},
-            "peak_flops": 1e11,
-        },
-    )
+    cfg = _config(
+        tmp_path, model_dir, data, max_steps=60, checkpoint={"interval": 100},
+        publish={"interval": 100, "keep_last": 1}, stop={"loss": 1.0, "window": 3},
+    )  # fmt: skip
     records = run_sft(cfg)
     losses = [r["loss"] for r in records]
     last = len(records)
