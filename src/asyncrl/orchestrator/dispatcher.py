@@ -3,7 +3,10 @@
 Reading order:
 1. Dispatch groups of `group_size` episodes of one task while the lag bound allows: a new group
    would land in batch m (the step being filled plus what is in flight and buffered), which needs
-   version >= m - 1 - max_async_steps. `max_async_steps = 0` is synchronous on-policy RL.
+   version >= m - 1 - max_async_steps. `max_async_steps = 0` is synchronous on-policy RL. Up to
+   one batch's worth of groups may land past `max_steps`: spares, so that the last batch is cut
+   from the first groups to finish, as every other batch is, rather than waiting for the slowest
+   group of the tail (spares still in flight at the end are cancelled).
 2. Each request's `cache_salt` is the version the servers hold when it is sent (every turn and
    every retry reads it anew), so siblings share prefix-cache blocks and a later turn never asks
    for KV of older weights; the engine keys its cache by the weights that computed each block as
@@ -141,7 +144,7 @@ class Dispatcher:
         target = self._target_step()
         return (
             len(self._in_flight) < self.cfg.concurrent_groups
-            and target <= self.cfg.max_steps
+            and target <= self.cfg.max_steps + 1  # one batch of spares for the last batch
             and self.version >= target - 1 - self.cfg.max_async_steps
         )
 

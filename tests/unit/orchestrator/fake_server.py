@@ -58,10 +58,12 @@ class FakeServer:
         delay_sigma: float = 0.0,
         port: int | None = None,
         hang_after: int | None = None,
+        hang_first_prompt: bool = False,
         hold_after_tokens: int | None = None,
         fail_updates: int = 0,
     ) -> None:
         """`hang_after`: requests after the first N never answer (a server that stops responding).
+        `hang_first_prompt`: requests with the first request's prompt never answer (one straggler group).
         `hold_after_tokens`: every response waits after that many tokens until `release()`.
         `fail_updates`: the next N `/update_weights` calls answer 500 (the weights stay as they are).
         """
@@ -80,6 +82,8 @@ class FakeServer:
         self.rng = random.Random(seed)
         self.delay_median_s, self.delay_sigma = delay_median_s, delay_sigma
         self.hang_after = hang_after
+        self.hang_first_prompt = hang_first_prompt
+        self._first_prompt: list[int] | None = None
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = self._build_app()
@@ -98,6 +102,10 @@ class FakeServer:
             self._loop = asyncio.get_running_loop()
             self.num_requests += 1
             if self.hang_after is not None and self.num_requests > self.hang_after:
+                await asyncio.Event().wait()
+            if self._first_prompt is None:
+                self._first_prompt = req.prompt_token_ids
+            if self.hang_first_prompt and req.prompt_token_ids == self._first_prompt:
                 await asyncio.Event().wait()
             if self.delay_median_s:
                 await asyncio.sleep(

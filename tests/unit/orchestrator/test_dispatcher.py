@@ -11,6 +11,7 @@ import pytest
 
 from asyncrl.config.envs import EnvConfig, EnvsConfig
 from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.orchestrator.checkpoint import load_latest_state
 from asyncrl.orchestrator.main import run_orchestrator
 
 from .conftest import fake_trainer
@@ -33,10 +34,10 @@ def _cfg(tmp_path, tokenizer_dir, servers, **kw) -> OrchestratorConfig:
     return OrchestratorConfig(**(base | kw))
 
 
-async def _run(cfg: OrchestratorConfig, step_time_s: float = 0.05):
+async def _run(cfg: OrchestratorConfig, step_time_s: float = 0.05, timeout_s: float = 60):
     seen: list = []
     trainer = asyncio.create_task(fake_trainer(cfg.run_dir, cfg.max_steps, seen, step_time_s))
-    await asyncio.wait_for(run_orchestrator(cfg), timeout=60)
+    await asyncio.wait_for(run_orchestrator(cfg), timeout=timeout_s)
     await asyncio.wait_for(trainer, timeout=10)
     lines = Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
@@ -84,6 +85,18 @@ def test_heavy_tailed_latency_respects_max_off_policy_steps(tmp_path, tokenizer_
     last = records[-1]
     dropped = last["dropped/groups_stale_queue"] + last["dropped/groups_stale_in_flight"]
     assert dropped >= 1, "heavy-tailed latency with async lag 2 should leave some groups too stale"
+
+
+def test_the_last_batch_does_not_wait_for_a_straggler_group(tmp_path, tokenizer_dir, servers):
+    # The first group never finishes. Every other batch is cut from the groups that finish first;
+    # the last one must be too, from spare groups dispatched past max_steps, instead of waiting.
+    (server,) = servers(1, hang_first_prompt=True)
+    cfg = _cfg(tmp_path, tokenizer_dir, [server], max_steps=2, max_async_steps=1, max_off_policy_steps=2)
+    batches, _ = asyncio.run(_run(cfg, timeout_s=20))
+    assert [b.step for b in batches] == [1, 2]
+    state = load_latest_state(cfg.run_dir)
+    assert 0 not in state.trained and 0 in {ref.index for ref in state.in_flight}  # the straggler
+    assert max(state.trained) >= cfg.max_steps * cfg.groups_per_batch  # a spare filled batch 2
 
 
 def test_killed_server_episodes_are_retried_and_restart_is_readmitted(tmp_path, tokenizer_dir, servers):
