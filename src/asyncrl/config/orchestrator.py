@@ -72,7 +72,11 @@ class OrchestratorConfig(BaseConfig):
     )
     return_routed_experts: bool = Field(True, description="ask inference for routing (router replay)")
     max_episode_retries: int = Field(3, ge=0, description="re-runs of an episode whose server failed")
-    weights_poll_s: float = Field(0.2, gt=0.0, description="how often to look for new RUN/weights/step_n")
+    weights_poll_s: float = Field(
+        0.05,
+        gt=0.0,
+        description="how often to look for new RUN/weights/step_n (as the trainer polls for batches)",
+    )
     health_poll_s: float = Field(1.0, gt=0.0, description="how often to probe each server's /health")
     request_timeout_s: float = Field(600.0, gt=0.0, description="HTTP timeout of one inference request")
     server_ready_timeout_s: float = Field(

@@ -36,7 +36,7 @@ class WeightUpdater:
         pool: ServerPool,
         run_dir: str | Path,
         *,
-        poll_s: float = 0.2,
+        poll_s: float = 0.05,
         on_version: Callable[[int], None] | None = None,
     ) -> None:
         self.pool, self.run_dir, self.poll_s = pool, Path(run_dir), poll_s
