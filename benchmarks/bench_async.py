@@ -1,11 +1,19 @@
 """Asynchronous versus synchronous RL on the same env with heavy-tailed latency, in one run.
 
-    python benchmarks/bench_async.py [--steps 8] [--median-s 0.4] [--sigma 1.2] [--no-write]
+    python benchmarks/bench_async.py [--steps 16] [--repeats 3] [--median-s 0.4] [--sigma 1.2]
+                                     [--model DIR | --from-scratch] [--no-write]
 
-Runs `asyncrl rl` twice on a fresh tiny MoE (`reverse-text`, lognormal delay on every episode step):
-once with max_async_steps = 0 (synchronous, on-policy) and once with max_async_steps = 2
-(max_off_policy_steps = 2). Reports wall time for N steps, the speed-up, the final reward, and how
-long inference sat idle waiting for weights. Appends a section "## Async vs sync" to BENCHMARKS.md.
+Runs `asyncrl rl` on `reverse-text` with a lognormal delay on every episode step, twice per repeat
+from the same start model and seed: once with max_async_steps = 0 (synchronous, on-policy) and once
+with max_async_steps = 2 (max_off_policy_steps = 2). The start model is, by default, the reverse-text
+demo's SFT model, built here the way examples/reverse_text/run.sh builds it (about 2 minutes), so
+that the policy learns and "equal final reward" means something: the final weights of both modes
+are evaluated on the same 128 held-out tasks. `--model DIR` starts from a model you have,
+`--from-scratch` from a random tiny MoE (throughput only; its reward stays near zero).
+
+Reports, per repeat and mode: wall time for N steps, the steady step time, the trainer's busy
+time, the training and held-out rewards, staleness and wasted groups; then the speed-ups. Writes
+the section "## Async vs sync" of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +33,11 @@ from pathlib import Path
 from report import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "reverse_text"
+ENV_ARGS = '{"min_len": 3, "max_len": 5}'  # the demo's tasks
+MAX_TOKENS = 10
+EVAL_TASKS = 128
+MODES = (("sync", 0), ("async", 2))  # (name, max_async_steps = max_off_policy_steps)
 
 
 def _free_port() -> int:
@@ -32,39 +46,83 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(model: Path, run_dir: Path, steps: int, median_s: float, sigma: float, lag: int) -> str:
+def _asyncrl(*args: str, env: dict | None = None) -> None:
+    proc = subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"asyncrl {args[0]} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def _config(model: Path, run_dir: Path, a, lag: int, seed: int) -> str:
     return f"""
 model = "{model}"
 run_dir = "{run_dir}"
-max_steps = {steps}
-seq_len = 1024
+max_steps = {a.steps}
+seq_len = 512
+seed = {seed}
 
 [deployment]
 base_port = {_free_port()}
 
 [inference]
-max_num_seqs = 64
+max_num_seqs = 128
 
 [orchestrator]
 batch_size = 32
 group_size = 8
 max_async_steps = {lag}
 max_off_policy_steps = {lag}
-sampling = {{ temperature = 1.0, max_tokens = 12 }}
+sampling = {{ temperature = 1.0, max_tokens = {MAX_TOKENS} }}
+advantage = {{ normalize_std = true }}
 
 [[orchestrator.envs.envs]]
 name = "reverse-text"
-latency = {{ median_s = {median_s}, sigma = {sigma} }}
+args = {{ min_len = 3, max_len = 5 }}
+latency = {{ median_s = {a.median_s}, sigma = {a.sigma} }}
 
 [trainer]
-optim = {{ lr = 1e-4 }}
+optim = {{ lr = 2e-3 }}
+publish = {{ keep_last = 2 }}
 """
 
 
-def run_mode(model: Path, work: Path, name: str, lag: int, a) -> dict:
-    run_dir = work / name
-    cfg = work / f"{name}.toml"
-    cfg.write_text(_config(model, run_dir, a.steps, a.median_s, a.sigma, lag))
+def start_model(work: Path, a) -> tuple[Path, str]:
+    """The model both modes start from, and how it was made."""
+    if a.model:
+        return Path(a.model), f"the model at `{a.model}`"
+    base = work / "base"
+    init = ["init-model", "--preset", "tiny-moe", "--out", str(base), "--seed", "0"]
+    if a.from_scratch:
+        _asyncrl(*init)
+        return base, "a random tiny MoE (`asyncrl init-model`), which does not learn in this budget"
+    print("[bench_async] building the start model: the reverse-text demo's SFT (about 2 minutes)", flush=True)
+    t0 = time.perf_counter()
+    _asyncrl(*init, "--init-std", "0.06")
+    data = work / "sft.jsonl"
+    _asyncrl("sft-data", "--env", "reverse-text", "--num", "26000", "--out", str(data), "--corrupt-prob", "0.3",
+             "--env-args", ENV_ARGS, "--seed", "0")  # fmt: skip
+    run = work / "sft"
+    env = os.environ | {"OMP_NUM_THREADS": "1"}  # as run.sh: SFT is deterministic for a thread count
+    _asyncrl("sft", "@", str(DEMO / "sft.toml"), "--model.path", str(base), "--data.path", str(data),
+             "--run-dir", str(run), "--seed", "0", env=env)  # fmt: skip
+    model = max((run / "weights").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    print(f"[bench_async] SFT done in {time.perf_counter() - t0:.0f}s: {model.name}", flush=True)
+    return model, f"the reverse-text demo's SFT model (seed 0, {model.name}; run.sh's stages 1-3)"
+
+
+def evaluate(model: Path, work: Path, label: str) -> float:
+    """Sampled (temperature 1) mean reward on the demo's held-out tasks."""
+    out = work / "eval.jsonl"
+    _asyncrl("eval", "--model", str(model), "--label", label, "--env", "reverse-text", "--env-args", ENV_ARGS,
+             "--num", str(EVAL_TASKS), "--max-tokens", str(MAX_TOKENS), "--temperature", "1",
+             "--json-out", str(out))  # fmt: skip
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    return next(r["reward"] for r in reversed(rows) if r["label"] == label)
+
+
+def run_mode(model: Path, work: Path, name: str, lag: int, seed: int, a) -> dict:
+    run_dir = work / f"{name}-{seed}"
+    cfg = work / f"{name}-{seed}.toml"
+    cfg.write_text(_config(model, run_dir, a, lag, seed))
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl", "rl", "@", str(cfg)], capture_output=True, text=True
@@ -78,19 +136,22 @@ def run_mode(model: Path, work: Path, name: str, lag: int, a) -> dict:
     # steady state: trainer steps 2..N (start-up and the first batch excluded), and how much of each
     # step the trainer spent busy rather than waiting for its batch
     rewards = [r["reward/mean"] for r in orch if "reward/mean" in r]  # steps where episodes finished
+    quarter = max(1, len(rewards) // 4)
     times = [r["time"] for r in trainer]
     step_s = (times[-1] - times[0]) / max(len(times) - 1, 1)
     waits = [r["wait_s"] for r in trainer[1:]]
+    final = run_dir / "weights" / f"step_{a.steps}"
     return {
         "mode": name,
+        "seed": seed,
         "wall_s": wall,
         "step_s": step_s,
         "trainer_busy_s": step_s - sum(waits) / max(len(waits), 1),
-        "reward_first": rewards[0],
-        "reward_last": rewards[-1],
+        "reward_first": sum(rewards[:quarter]) / quarter,
+        "reward_last": sum(rewards[-quarter:]) / quarter,
+        "heldout": evaluate(final, work, f"{name}-{seed}"),
         "idle_s": sum(r["inference/idle_s"] for r in orch),
         "staleness_max": max(r["staleness/max"] for r in orch),
-        "trainer_steps": len(trainer),
         # work that trained nothing: groups dispatched per batch (4 would waste none), and why
         "groups_per_step": orch[-1]["groups/dispatched_total"] / len(orch),
         "dropped_stale": orch[-1]["dropped/groups_stale_in_flight"]
@@ -101,54 +162,70 @@ def run_mode(model: Path, work: Path, name: str, lag: int, a) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="pairs of runs, RL seeds 0..R-1")
     p.add_argument("--median-s", type=float, default=0.4)
     p.add_argument("--sigma", type=float, default=1.2)
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--model", help="start from this HF model directory instead of building the SFT model")
+    start.add_argument("--from-scratch", action="store_true", help="start from a random tiny MoE")
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args()
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = work / "model"
-        subprocess.run([sys.executable, "-m", "asyncrl", "init-model", "--out", str(model)], check=True,
-                       capture_output=True)  # fmt: skip
-        rows = [run_mode(model, work, "sync", 0, a), run_mode(model, work, "async", 2, a)]
-    speedup = rows[0]["wall_s"] / rows[1]["wall_s"]
-    steady = rows[0]["step_s"] / rows[1]["step_s"]
+        model, origin = start_model(work, a)
+        start_reward = evaluate(model, work, "start")
+        for seed in range(a.repeats):
+            for name, lag in MODES:
+                print(f"[bench_async] seed {seed}: {name}, {a.steps} steps", flush=True)
+                rows.append(run_mode(model, work, name, lag, seed, a))
+                r = rows[-1]
+                print(f"[bench_async]   {r['wall_s']:.0f}s wall, {r['step_s']:.2f} s/step, "
+                      f"held-out reward {r['heldout']:.3f}", flush=True)  # fmt: skip
+    pairs = [(rows[i], rows[i + 1]) for i in range(0, len(rows), 2)]
+    step_ratios = [s["step_s"] / x["step_s"] for s, x in pairs]
+    wall_ratios = [s["wall_s"] / x["wall_s"] for s, x in pairs]
+
+    def mean(mode: str, key: str) -> float:
+        return statistics.mean(r[key] for r in rows if r["mode"] == mode)
+
     lines = [
-        "| mode | wall s | s/step (steps 2-N) | trainer busy s/step | reward first step | reward last step "
-        "| inference idle s | max staleness | groups dispatched / step | dropped stale | dropped zero-adv |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | seed | wall s | s/step (steps 2-N) | trainer busy s/step | training reward, first -> last quarter "
+        "| held-out reward, final weights | inference idle s | max staleness | groups dispatched / step "
+        "| dropped stale | dropped zero-adv |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(
-            f"| {r['mode']} | {r['wall_s']:.1f} | {r['step_s']:.2f} | {r['trainer_busy_s']:.2f} "
-            f"| {r['reward_first']:.3f} | {r['reward_last']:.3f} | {r['idle_s']:.1f} | {r['staleness_max']} "
-            f"| {r['groups_per_step']:.1f} | {r['dropped_stale']} | {r['dropped_zero_adv']} |"
+            f"| {r['mode']} | {r['seed']} | {r['wall_s']:.1f} | {r['step_s']:.2f} | {r['trainer_busy_s']:.2f} "
+            f"| {r['reward_first']:.3f} -> {r['reward_last']:.3f} | {r['heldout']:.3f} | {r['idle_s']:.1f} "
+            f"| {r['staleness_max']} | {r['groups_per_step']:.1f} | {r['dropped_stale']} | {r['dropped_zero_adv']} |"
             for r in rows
         ),
         "",
-        f"Speed-up of async over sync: **{speedup:.2f}x** in wall time for {a.steps} steps (start-up "
-        f"included), **{steady:.2f}x** per step once running.",
-        f"The async step ({rows[1]['step_s']:.2f} s) against the trainer's busy time in it "
-        f"({rows[1]['trainer_busy_s']:.2f} s): the closer they are, the more the run is bound by the trainer's "
-        "compute, which inference shares the same cores with, and no scheduling can go below it.",
+        f"Held-out reward of the start model: {start_reward:.3f}. Final weights, mean over "
+        f"{a.repeats} seed(s): sync {mean('sync', 'heldout'):.3f}, async {mean('async', 'heldout'):.3f}.",
         "",
-        "Reading: a synchronous step lasts as long as the slowest of its 32 episodes (the lognormal tail) plus",
-        "the trainer step, with inference idle during the latter. The asynchronous run keeps dispatching",
-        "groups for the next batches while the tail finishes and while the trainer trains, so the step time",
-        "approaches the mean episode time; the price is staleness (at most max_off_policy_steps).",
-        "Published async systems report 2-2.8x; the ratio here grows with the tail weight (sigma) and with",
-        "the trainer's share of the step. The model starts from random weights, so both rewards stay near",
-        "zero: this run measures throughput. Learning under async RL is shown by the reverse-text demo.",
+        "Speed-up of async over sync, per seed: "
+        + ", ".join(f"{s:.2f}x" for s in step_ratios)
+        + f" per step once running (median **{statistics.median(step_ratios):.2f}x**); "
+        + ", ".join(f"{w:.2f}x" for w in wall_ratios)
+        + f" in wall time for {a.steps} steps, start-up included (median "
+        f"**{statistics.median(wall_ratios):.2f}x**).",
     ]
     table = "\n".join(lines)
     print(table)
     if not a.no_write:
+        command = f"python benchmarks/bench_async.py --steps {a.steps} --repeats {a.repeats} " + (
+            f"--median-s {a.median_s} --sigma {a.sigma}"
+            + (" --from-scratch" if a.from_scratch else " --model DIR" if a.model else "")
+        )
         header = (
             "## Async vs sync\n\n"
-            f"`reverse-text` with a lognormal delay per episode step (median {a.median_s}s, sigma {a.sigma}); "
-            f"tiny-moe from scratch, batch 32 = 4 groups of 8, {a.steps} steps; sync = max_async_steps 0, "
-            "async = max_async_steps 2 and max_off_policy_steps 2. Same machine, one run.\n"
-            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs. Command: "
-            f"`python benchmarks/bench_async.py --steps {a.steps} --median-s {a.median_s} --sigma {a.sigma}`\n\n"
+            f"`reverse-text` (the demo's tasks, 3-5 characters) with a lognormal delay per episode step "
+            f"(median {a.median_s}s, sigma {a.sigma}), starting from {origin}; batch 32 = 4 groups of 8, "
+            f"{a.steps} steps, lr 2e-3; sync = max_async_steps 0, async = max_async_steps 2 and "
+            f"max_off_policy_steps 2; each seed runs both modes, one after the other.\n"
+            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs. Command: `{command}`\n\n"
         )
         write_section("## Async vs sync", header + table + "\n")
 
