@@ -3,9 +3,10 @@
     python benchmarks/bench_async.py [--steps 16] [--repeats 3] [--median-s 0.4] [--sigma 1.2]
                                      [--model DIR | --from-scratch] [--no-write]
 
-Runs `asyncrl rl` on `reverse-text` with a lognormal delay on every episode step, twice per repeat
-from the same start model and seed: once with max_async_steps = 0 (synchronous, on-policy) and once
-with max_async_steps = 2 (max_off_policy_steps = 2). The start model is, by default, the reverse-text
+Runs `asyncrl rl` on `reverse-text` with a lognormal delay on every episode step, three times per
+repeat from the same start model and seed: with max_async_steps = 0 (synchronous, on-policy), with
+max_async_steps = 2 (max_off_policy_steps = 2), and async again for 3x the steps, which asks
+whether async reaches sync's final reward in less wall time. The start model is, by default, the reverse-text
 demo's SFT model, built here the way examples/reverse_text/run.sh builds it (about 2 minutes), so
 that the policy learns and "equal final reward" means something: the final weights of both modes
 are evaluated on the same 128 held-out tasks. `--model DIR` starts from a model you have,
@@ -37,7 +38,8 @@ DEMO = ROOT / "examples" / "reverse_text"
 ENV_ARGS = '{"min_len": 3, "max_len": 5}'  # the demo's tasks
 MAX_TOKENS = 10
 EVAL_TASKS = 128
-MODES = (("sync", 0), ("async", 2))  # (name, max_async_steps = max_off_policy_steps)
+# (name, max_async_steps = max_off_policy_steps, steps as a multiple of --steps)
+MODES = (("sync", 0, 1), ("async", 2, 1), ("async-long", 2, 3))
 
 
 def _free_port() -> int:
@@ -52,11 +54,11 @@ def _asyncrl(*args: str, env: dict | None = None) -> None:
         raise SystemExit(f"asyncrl {args[0]} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def _config(model: Path, run_dir: Path, a, lag: int, seed: int) -> str:
+def _config(model: Path, run_dir: Path, a, lag: int, seed: int, steps: int) -> str:
     return f"""
 model = "{model}"
 run_dir = "{run_dir}"
-max_steps = {a.steps}
+max_steps = {steps}
 seq_len = 512
 seed = {seed}
 
@@ -119,10 +121,10 @@ def evaluate(model: Path, work: Path, label: str) -> float:
     return next(r["reward"] for r in reversed(rows) if r["label"] == label)
 
 
-def run_mode(model: Path, work: Path, name: str, lag: int, seed: int, a) -> dict:
+def run_mode(model: Path, work: Path, name: str, lag: int, seed: int, steps: int, a) -> dict:
     run_dir = work / f"{name}-{seed}"
     cfg = work / f"{name}-{seed}.toml"
-    cfg.write_text(_config(model, run_dir, a, lag, seed))
+    cfg.write_text(_config(model, run_dir, a, lag, seed, steps))
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl", "rl", "@", str(cfg)], capture_output=True, text=True
@@ -140,10 +142,11 @@ def run_mode(model: Path, work: Path, name: str, lag: int, seed: int, a) -> dict
     times = [r["time"] for r in trainer]
     step_s = (times[-1] - times[0]) / max(len(times) - 1, 1)
     waits = [r["wait_s"] for r in trainer[1:]]
-    final = run_dir / "weights" / f"step_{a.steps}"
+    final = run_dir / "weights" / f"step_{steps}"
     return {
         "mode": name,
         "seed": seed,
+        "steps": steps,
         "wall_s": wall,
         "step_s": step_s,
         "trainer_busy_s": step_s - sum(waits) / max(len(waits), 1),
@@ -177,33 +180,37 @@ def main() -> None:
         model, origin = start_model(work, a)
         start_reward = evaluate(model, work, "start")
         for seed in range(a.repeats):
-            for name, lag in MODES:
-                print(f"[bench_async] seed {seed}: {name}, {a.steps} steps", flush=True)
-                rows.append(run_mode(model, work, name, lag, seed, a))
+            for name, lag, factor in MODES:
+                print(f"[bench_async] seed {seed}: {name}, {a.steps * factor} steps", flush=True)
+                rows.append(run_mode(model, work, name, lag, seed, a.steps * factor, a))
                 r = rows[-1]
                 print(f"[bench_async]   {r['wall_s']:.0f}s wall, {r['step_s']:.2f} s/step, "
                       f"held-out reward {r['heldout']:.3f}", flush=True)  # fmt: skip
-    pairs = [(rows[i], rows[i + 1]) for i in range(0, len(rows), 2)]
-    step_ratios = [s["step_s"] / x["step_s"] for s, x in pairs]
-    wall_ratios = [s["wall_s"] / x["wall_s"] for s, x in pairs]
+    by_seed = [{r["mode"]: r for r in rows if r["seed"] == seed} for seed in range(a.repeats)]
+    step_ratios = [m["sync"]["step_s"] / m["async"]["step_s"] for m in by_seed]
+    wall_ratios = [m["sync"]["wall_s"] / m["async"]["wall_s"] for m in by_seed]
+    long_walls = [m["async-long"]["wall_s"] / m["sync"]["wall_s"] for m in by_seed]
+    long_gain = [m["async-long"]["heldout"] - m["sync"]["heldout"] for m in by_seed]
+    long_steps = a.steps * MODES[-1][2]
 
     def mean(mode: str, key: str) -> float:
         return statistics.mean(r[key] for r in rows if r["mode"] == mode)
 
     lines = [
-        "| mode | seed | wall s | s/step (steps 2-N) | trainer busy s/step | training reward, first -> last quarter "
+        "| mode | seed | steps | wall s | s/step (steps 2-N) | trainer busy s/step | training reward, first -> last quarter "
         "| held-out reward, final weights | inference idle s | max staleness | groups dispatched / step "
         "| dropped stale | dropped zero-adv |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(
-            f"| {r['mode']} | {r['seed']} | {r['wall_s']:.1f} | {r['step_s']:.2f} | {r['trainer_busy_s']:.2f} "
+            f"| {r['mode']} | {r['seed']} | {r['steps']} | {r['wall_s']:.1f} | {r['step_s']:.2f} | {r['trainer_busy_s']:.2f} "
             f"| {r['reward_first']:.3f} -> {r['reward_last']:.3f} | {r['heldout']:.3f} | {r['idle_s']:.1f} "
             f"| {r['staleness_max']} | {r['groups_per_step']:.1f} | {r['dropped_stale']} | {r['dropped_zero_adv']} |"
             for r in rows
         ),
         "",
         f"Held-out reward of the start model: {start_reward:.3f}. Final weights, mean over "
-        f"{a.repeats} seed(s): sync {mean('sync', 'heldout'):.3f}, async {mean('async', 'heldout'):.3f}.",
+        f"{a.repeats} seed(s): sync {mean('sync', 'heldout'):.3f}, async {mean('async', 'heldout'):.3f} "
+        f"after {a.steps} steps, async {mean('async-long', 'heldout'):.3f} after {long_steps}.",
         "",
         "Speed-up of async over sync, per seed: "
         + ", ".join(f"{s:.2f}x" for s in step_ratios)
@@ -211,6 +218,12 @@ def main() -> None:
         + ", ".join(f"{w:.2f}x" for w in wall_ratios)
         + f" in wall time for {a.steps} steps, start-up included (median "
         f"**{statistics.median(wall_ratios):.2f}x**).",
+        "",
+        f"Async for {long_steps} steps against sync for {a.steps}, per seed: wall time "
+        + ", ".join(f"{w:.2f}x" for w in long_walls)
+        + " of sync's, held-out reward "
+        + ", ".join(f"{g:+.3f}" for g in long_gain)
+        + " against sync's final.",
     ]
     table = "\n".join(lines)
     print(table)
@@ -224,7 +237,9 @@ def main() -> None:
             f"`reverse-text` (the demo's tasks, 3-5 characters) with a lognormal delay per episode step "
             f"(median {a.median_s}s, sigma {a.sigma}), starting from {origin}; batch 32 = 4 groups of 8, "
             f"{a.steps} steps, lr 2e-3; sync = max_async_steps 0, async = max_async_steps 2 and "
-            f"max_off_policy_steps 2; each seed runs both modes, one after the other.\n"
+            f"max_off_policy_steps 2; async-long is async for {long_steps} steps. Each seed (the RL seed) runs "
+            "the three, one after the other. Held-out reward: `asyncrl eval` of the final weights on the "
+            f"demo's {EVAL_TASKS} eval tasks, sampled at temperature 1.\n"
             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs. Command: `{command}`\n\n"
         )
         write_section("## Async vs sync", header + table + "\n")
