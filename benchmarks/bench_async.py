@@ -158,7 +158,7 @@ def run_mode(model: Path, work: Path, name: str, lag: int, seed: int, steps: int
         # work that trained nothing: groups dispatched per batch (4 would waste none), and why
         "groups_per_step": orch[-1]["groups/dispatched_total"] / len(orch),
         "dropped_stale": orch[-1]["dropped/groups_stale_in_flight"]
-        + sum(r["dropped/groups_stale_queue"] for r in orch),
+        + orch[-1]["dropped/groups_stale_queue"],  # both are run totals
         "dropped_zero_adv": orch[-1]["dropped/groups_zero_advantage"],
     }
 
