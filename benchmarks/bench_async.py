@@ -6,8 +6,8 @@
 Runs `asyncrl rl` on `reverse-text` with a lognormal delay on every episode step, three times per
 repeat from the same start model and seed: with max_async_steps = 0 (synchronous, on-policy), with
 max_async_steps = 2 (max_off_policy_steps = 2), and async again for 3x the steps, which asks
-whether async reaches sync's final reward in less wall time. The start model is, by default, the reverse-text
-demo's SFT model, built here the way examples/reverse_text/run.sh builds it (about 2 minutes), so
+whether async reaches sync's final reward in less wall time. The start model is, by default, the
+reverse-text demo's SFT model, built here the way examples/reverse_text/run.sh builds it (about 2 minutes), so
 that the policy learns and "equal final reward" means something: the final weights of both modes
 are evaluated on the same 128 held-out tasks. `--model DIR` starts from a model you have,
 `--from-scratch` from a random tiny MoE (throughput only; its reward stays near zero).
@@ -38,8 +38,9 @@ DEMO = ROOT / "examples" / "reverse_text"
 ENV_ARGS = '{"min_len": 3, "max_len": 5}'  # the demo's tasks
 MAX_TOKENS = 10
 EVAL_TASKS = 128
+LONG_FACTOR = 3  # async-long runs this many times --steps
 # (name, max_async_steps = max_off_policy_steps, steps as a multiple of --steps)
-MODES = (("sync", 0, 1), ("async", 2, 1), ("async-long", 2, 3))
+MODES = (("sync", 0, 1), ("async", 2, 1), ("async-long", 2, LONG_FACTOR))
 
 
 def _free_port() -> int:
@@ -191,7 +192,7 @@ def main() -> None:
     wall_ratios = [m["sync"]["wall_s"] / m["async"]["wall_s"] for m in by_seed]
     long_walls = [m["async-long"]["wall_s"] / m["sync"]["wall_s"] for m in by_seed]
     long_gain = [m["async-long"]["heldout"] - m["sync"]["heldout"] for m in by_seed]
-    long_steps = a.steps * MODES[-1][2]
+    long_steps = a.steps * LONG_FACTOR
 
     def mean(mode: str, key: str) -> float:
         return statistics.mean(r[key] for r in rows if r["mode"] == mode)
