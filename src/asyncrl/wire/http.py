@@ -126,6 +126,10 @@ class GenerateResponse(_Message):
     num_cached_tokens: int = 0
     prompt_token_ids: list[int] | None = None
     routed_experts: RoutedExperts | None = None
+    # The oldest weights version whose KV this request's context was computed with (a prompt
+    # prefilled in chunks across an update, or a prefix-cache hit, can predate its first sampled
+    # token). None: the server does not report it; readers then take the first token's version.
+    context_version: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _one_entry_per_token(self) -> GenerateResponse:
