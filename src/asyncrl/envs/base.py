@@ -71,6 +71,7 @@ class EpisodeState:
     messages: list[Message]
     num_turns: int = 0
     final_text: str = ""  # text of the last assistant turn
+    stop_reason: str | None = None  # how the loop ended ("done", "max_turns", ...), set before scoring
     data: dict[str, Any] = field(default_factory=dict)  # env-specific (e.g. the sandbox)
 
 

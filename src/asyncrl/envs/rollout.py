@@ -147,6 +147,7 @@ async def run_episode(
         error, stop_reason = f"{type(e).__name__}: {e}", "error"
     reward, rewards = 0.0, {}
     if error is None and state is not None:
+        state.stop_reason = stop_reason  # rewards may read how the episode ended (cut or finished)
         try:
             reward, rewards = await env.rubric.score(state)
         except Exception as e:  # same boundary, for reward functions

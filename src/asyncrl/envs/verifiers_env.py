@@ -19,6 +19,9 @@ What comes from verifiers and what from asyncrl:
 - scoring: the finished conversation becomes a `vf.Trace` and the task's own `score` fills its
   `@vf.reward`s (weighted; their weighted sum is the episode reward) and `@vf.metric`s (reported
   under `rewards` with their names). A reward or tool that raises fails the episode, not the run.
+  In the trace every tool call, malformed ones included, has its own id and its own result, and
+  the stop condition says how the episode ended (`agent_completed`, `max_turns`,
+  `max_total_tokens`, `agent_timeout`), as verifiers' own rollout records them.
 
 Not supported (an error says so when it matters): custom harnesses (bash, codex, ...) and
 runtimes, `@vf.stop` / `@vf.intercept` hooks, judges that call a model, infinite tasksets,
@@ -35,11 +38,14 @@ import re
 from typing import Any
 
 from asyncrl.envs.base import EnvConfigError, Environment, EpisodeState, Rubric, Split, Task, split_of
-from asyncrl.envs.tools import Tool, parse_tool_calls
+from asyncrl.envs.tools import Tool, ToolCall, parse_tool_calls
 
 __all__ = ["VERIFIERS_PREFIX", "VerifiersEnv", "VerifiersRubric"]
 
 VERIFIERS_PREFIX = "verifiers:"
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # the blocks parse_tool_calls reads
+# asyncrl's stop reasons named as verifiers names the same ends ("deadline" and "aborted": see _stop)
+_STOP_CONDITIONS = {"done": "agent_completed", "max_turns": "max_turns", "max_tokens": "max_total_tokens"}
 _MISSING = "verifiers is not installed: pip install -e '.[verifiers]' (verifiers==0.4.0)"
 
 
@@ -59,7 +65,10 @@ class VerifiersRubric(Rubric):
 
     async def score(self, state: EpisodeState) -> tuple[float, dict[str, float]]:
         vf_task = state.task.info["vf_task"]
-        trace = build_trace(vf_task, state.messages)
+        if state.stop_reason is None:
+            raise ValueError("a verifiers episode is scored once run_episode has stopped it (no stop_reason)")
+        calls_ran = bool(_tools(state.data["vf_toolsets"]))
+        trace = build_trace(vf_task, state.messages, stop_reason=state.stop_reason, calls_ran=calls_ran)
         await vf_task.score(trace)
         values = {name: float(r.score) for name, r in trace.rewards.items() if r is not None}
         values |= {name: float(v) for name, v in trace.metrics.items() if v is not None}
@@ -117,15 +126,19 @@ class VerifiersEnv(Environment):
         return EpisodeState(task=task, messages=list(task.prompt), data={"vf_toolsets": servers})
 
     def tools(self, state: EpisodeState) -> list[Tool]:
-        from verifiers.v1.utils.decorators import discover_decorated
+        return _tools(state.data["vf_toolsets"])
 
-        tools = []
-        for server in state.data["vf_toolsets"]:
-            for fn in discover_decorated(server, "tool"):
-                name = getattr(fn, "tool_name", None) or fn.__name__
-                full = f"{server.server_name}_{name}" if server.server_name else name
-                tools.append(Tool.from_function(fn, name=full, description=(fn.__doc__ or "").strip()))
-        return tools
+
+def _tools(servers: list[Any]) -> list[Tool]:
+    from verifiers.v1.utils.decorators import discover_decorated
+
+    tools = []
+    for server in servers:
+        for fn in discover_decorated(server, "tool"):
+            name = getattr(fn, "tool_name", None) or fn.__name__
+            full = f"{server.server_name}_{name}" if server.server_name else name
+            tools.append(Tool.from_function(fn, name=full, description=(fn.__doc__ or "").strip()))
+    return tools
 
 
 def _load_taskset(vf: Any, module: str, args: dict[str, Any]) -> Any:
@@ -178,24 +191,26 @@ def _prompt(data: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def build_trace(vf_task: Any, messages: list[dict[str, Any]]) -> Any:
-    """The conversation as a linear `vf.Trace` (sampled = the model's turns), ready for `Task.score`."""
+def build_trace(vf_task: Any, messages: list[dict[str, Any]], *, stop_reason: str, calls_ran: bool) -> Any:
+    """The conversation as a linear `vf.Trace` (sampled = the model's turns), ready for `Task.score`.
+
+    Every `<tool_call>` of a turn becomes a `vf.ToolCall` with an id of its own, malformed ones
+    included, and the tool messages after the turn answer them in order: one result per call, as
+    verifiers' chat harness pairs them. Without tools (`calls_ran` False) the loop ran no call and a
+    turn is all text. The trace is stopped the way verifiers' rollout stops it (`_stop`).
+    """
     vf = _vf()
     nodes, pending_ids = [], []
     for i, m in enumerate(messages):
         role, content = m["role"], m.get("content") or ""
         if role == "assistant":
-            calls = [c for c in parse_tool_calls(content) if c.error is None]
-            pending_ids = [f"call_{i}_{k}" for k in range(len(calls))]
-            tool_calls = [
-                vf.ToolCall(id=cid, name=c.name, arguments=json.dumps(c.arguments))
-                for cid, c in zip(pending_ids, calls)
-            ] or None
-            message = vf.AssistantMessage(content=_strip_calls(content) if tool_calls else content,
-                                          tool_calls=tool_calls)  # fmt: skip
+            message = _assistant_message(vf, content, id_prefix=f"call_{i}", calls_ran=calls_ran)
+            pending_ids = [c.id for c in message.tool_calls or []]
         elif role == "tool":
-            call_id = pending_ids.pop(0) if pending_ids else f"call_{i}"
-            message = vf.ToolMessage(tool_call_id=call_id, content=content, name=m.get("name"))
+            if not pending_ids:
+                raise ValueError(f"message {i} is a tool result that answers no call of the turn before it")
+            call_id, name = pending_ids.pop(0), m.get("name") or None  # an unreadable call has no name
+            message = vf.ToolMessage(tool_call_id=call_id, content=content, name=name)
         elif role == "system":
             message = vf.SystemMessage(content=content)
         else:
@@ -203,9 +218,42 @@ def build_trace(vf_task: Any, messages: list[dict[str, Any]]) -> Any:
         parent = len(nodes) - 1 if nodes else None
         nodes.append(vf.MessageNode(parent=parent, message=message, sampled=role == "assistant"))
     task = vf.TraceTask(type=type(vf_task).__name__, data=vf_task.data, key=vf_task.key, hash=vf_task.hash)
-    return vf.Trace(task=task, agent=vf.AgentInfo(config=vf.AgentConfig()), nodes=nodes,
-                    is_completed=True, ok=True)  # fmt: skip
+    trace = vf.Trace(task=task, agent=vf.AgentInfo(config=vf.AgentConfig()), nodes=nodes, ok=True)
+    _stop(vf, trace, stop_reason)
+    return trace
 
 
-def _strip_calls(text: str) -> str | None:
-    return re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.DOTALL).strip() or None
+def _assistant_message(vf: Any, text: str, *, id_prefix: str, calls_ran: bool) -> Any:
+    """The turn's prose as content and its calls as tool calls (ids `<id_prefix>_<k>`), or all text."""
+    bodies = _TOOL_CALL_RE.findall(text) if calls_ran else []
+    if not bodies:
+        return vf.AssistantMessage(content=text)
+    parsed = parse_tool_calls(text)
+    assert len(parsed) == len(bodies), "parse_tool_calls reads the same <tool_call> blocks"
+    calls = [
+        vf.ToolCall(id=f"{id_prefix}_{k}", name=call.name, arguments=_arguments_as_written(call, body))
+        for k, (call, body) in enumerate(zip(parsed, bodies))
+    ]
+    return vf.AssistantMessage(content=_TOOL_CALL_RE.sub("", text).strip() or None, tool_calls=calls)
+
+
+def _arguments_as_written(call: ToolCall, body: str) -> str:
+    """`vf.ToolCall.arguments`: JSON text (a string as written); the whole call if it has no readable name."""
+    if call.error is not None and not call.name:
+        return body
+    arguments = json.loads(body).get("arguments", {})
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _stop(vf: Any, trace: Any, stop_reason: str) -> None:
+    """Stop the trace as verifiers' rollout stops one before scoring it: every scored trace is stopped
+    (`is_completed`), and `stop_condition`, `is_truncated` and `is_timeout` tell a finished episode
+    from one cut by a limit or a deadline."""
+    if stop_reason == "deadline":
+        trace.record_timeout("agent")  # a stop, not a failure: the partial episode is scored
+    elif stop_reason == "aborted":  # the server dropped the model call: a failed call to verifiers
+        trace.record_error(vf.ProviderError("the inference server aborted the request"))
+    elif stop_reason in _STOP_CONDITIONS:
+        trace.stop(_STOP_CONDITIONS[stop_reason])
+    else:
+        raise ValueError(f"no verifiers stop condition for an episode that stopped with {stop_reason!r}")
