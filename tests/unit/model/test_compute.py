@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.model import Transformer, preset_args
-from asyncrl.model.compute import as_fp32, cpu_upcast, linear, sdpa, set_cpu_upcast
+from asyncrl.model.compute import as_fp32, cpu_upcast, drop_fp32_copies, linear, sdpa, set_cpu_upcast
 
 
 @pytest.fixture
@@ -107,3 +107,31 @@ def test_rms_norm_fused_inference_path_equals_the_autograd_path():
         with torch.no_grad():
             fused = norm(x.to(dtype))
         assert torch.equal(fused, norm(x.to(dtype)).detach())
+
+
+def test_fp32_copy_is_not_served_for_a_new_tensor_at_a_freed_address():
+    w = torch.nn.Parameter(torch.randn(64, 32).bfloat16(), requires_grad=False)
+    with torch.inference_mode():
+        as_fp32(w)
+    old_ptr = w.data_ptr()
+    w.data = torch.zeros(64, 32, dtype=torch.bfloat16)  # the old storage is freed
+    # The allocator hands the freed block out again: the new weight gets the cached one's address,
+    # and a swap leaves the version counter where it was.
+    held = [torch.full((64, 32), float(i), dtype=torch.bfloat16) for i in range(1, 65)]
+    reused = next((t for t in held if t.data_ptr() == old_ptr), None)
+    assert reused is not None, "no allocation reused the freed address; this test needs one"
+    w.data = reused
+    assert w.data_ptr() == old_ptr
+    with torch.inference_mode():
+        assert torch.equal(as_fp32(w), reused.float())
+
+
+def test_drop_fp32_copies_forgets_writes_the_version_counter_cannot_see():
+    w = torch.nn.Parameter(torch.randn(4, 3).bfloat16(), requires_grad=False)
+    alias = w.data  # shares the storage, not the version counter
+    with torch.inference_mode():
+        as_fp32(w)
+    alias.fill_(2.0)
+    drop_fp32_copies([w])
+    with torch.inference_mode():
+        assert torch.equal(as_fp32(w), torch.full((4, 3), 2.0))
