@@ -10,10 +10,12 @@ rendering; `num_resets` counts this. Sampled tokens are never dropped. (With
 keeps the sampled ids when only their text fails to round-trip.)
 
 Per token: the loss mask is true only on sampled tokens; logprobs and policy versions come from
-`/v1/generate` (0.0 and -1 on tokens the model did not sample); temperatures are the sampling
-temperature of the turn the token belongs to (prompt tokens take the temperature of the turn they
-prompt, so a trainer dividing logits by it never sees 0). Routed experts are gathered for every
-token of the sample, [T, layers, top_k].
+`/v1/generate` (0.0 and -1 on tokens the model did not sample); KV versions are the turn's
+`context_version` on its sampled tokens, the oldest weights version whose KV the engine attended
+over (each token's own version when the server does not report one; -1 on other tokens);
+temperatures are the sampling temperature of the turn the token belongs to (prompt tokens take the
+temperature of the turn they prompt, so a trainer dividing logits by it never sees 0). Routed
+experts are gathered for every token of the sample, [T, layers, top_k].
 """
 
 from __future__ import annotations
@@ -37,16 +39,25 @@ class _Segment:
     logprobs: list[float] = field(default_factory=list)
     temperatures: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    kv_versions: list[int] = field(default_factory=list)
     routing: list[np.ndarray | None] = field(default_factory=list)  # one [layers, top_k] row per token
 
     def append(
-        self, ids: list[int], *, sampled: bool, logprobs: list[float], temperature: float, versions: list[int]
+        self,
+        ids: list[int],
+        *,
+        sampled: bool,
+        logprobs: list[float],
+        temperature: float,
+        versions: list[int],
+        kv_versions: list[int],
     ) -> None:
         self.token_ids += ids
         self.loss_mask += [sampled] * len(ids)
         self.logprobs += logprobs
         self.temperatures += [temperature] * len(ids)
         self.versions += versions
+        self.kv_versions += kv_versions
         self.routing += [None] * len(ids)
 
     @property
@@ -112,18 +123,21 @@ class TrajectoryBuilder:
             logprobs=[0.0] * len(new),
             temperature=temperature,
             versions=[NOT_SAMPLED_VERSION] * len(new),
+            kv_versions=[NOT_SAMPLED_VERSION] * len(new),
         )
         return list(self._cur.token_ids)
 
     def add_completion(self, response: GenerateResponse, *, temperature: float) -> None:
         """Append the sampled tokens and place the returned routing rows (prompt + completion positions)."""
         ids = response.token_ids  # a GenerateResponse has one logprob and one version per token
+        context = response.context_version
         self._cur.append(
             list(ids),
             sampled=True,
             logprobs=list(response.logprobs),
             temperature=temperature,
             versions=list(response.policy_versions),
+            kv_versions=list(response.policy_versions) if context is None else [context] * len(ids),
         )
         if response.routed_experts is not None:
             self._place_routing(response.routed_experts.to_array(), response.routed_experts.start)
@@ -159,6 +173,7 @@ class TrajectoryBuilder:
                     advantages=np.zeros(len(seg.token_ids), np.float32),
                     temperatures=np.asarray(seg.temperatures, np.float32),
                     policy_versions=np.asarray(seg.versions, np.int32),
+                    kv_versions=np.asarray(seg.kv_versions, np.int32),
                     routed_experts=routed,
                     reward=reward,
                     env=env,

@@ -5,7 +5,9 @@ h_{-1} = blake2b(weights epoch || cache_salt). Equal prefixes under different sa
 block, and neither do prefixes computed by different weights: the engine's weights epoch counts
 weight loads, so after an update no request (salted or not) is served KV of the old weights.
 A block whose refcount drops to zero keeps its contents and its hash, and sits in an LRU list
-from which it can be revived by a later hit or evicted when a fresh block is needed.
+from which it can be revived by a later hit or evicted when a fresh block is needed. A cached block
+also records the oldest weights version in the KV it holds or attended over (`kv_version`), so a
+request that reuses it takes that version on as its own context version.
 
 The pool knows nothing about tensors; `kv_cache.KVCache` holds the buffers that block ids index.
 """
@@ -46,6 +48,7 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.refcount = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.block_kv_version: list[int | None] = [None] * num_blocks  # of hashed blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # never-hashed blocks (a stack)
         self._lru: OrderedDict[int, None] = OrderedDict()  # hashed blocks with refcount 0, oldest first
         self._by_hash: dict[bytes, int] = {}
@@ -94,7 +97,7 @@ class BlockPool:
             else:
                 block, _ = self._lru.popitem(last=False)
                 del self._by_hash[self.block_hash[block]]
-                self.block_hash[block] = None
+                self.block_hash[block], self.block_kv_version[block] = None, None
             self.refcount[block] = 1
             out.append(block)
         return out
@@ -110,8 +113,11 @@ class BlockPool:
                 else:
                     self._lru[block] = None
 
-    def register(self, block: int, block_hash: bytes) -> None:
-        """Make a just-filled block findable by its hash (unless an equal block is already cached)."""
+    def register(self, block: int, block_hash: bytes, kv_version: int | None = None) -> None:
+        """Make a just-filled block findable by its hash (unless an equal block is already cached).
+
+        kv_version: the oldest weights version that computed this block's KV or any KV it attended over.
+        """
         if (
             not self.enable_prefix_caching
             or block_hash in self._by_hash
@@ -120,12 +126,18 @@ class BlockPool:
             return
         self._by_hash[block_hash] = block
         self.block_hash[block] = block_hash
+        self.block_kv_version[block] = kv_version
+
+    def oldest_kv_version(self, blocks: list[int]) -> int | None:
+        """The oldest `kv_version` among cached `blocks` (None: none recorded)."""
+        versions = [v for b in blocks if (v := self.block_kv_version[b]) is not None]
+        return min(versions, default=None)
 
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached block (referenced ones stay usable by their owners)."""
         for block in list(self._lru):
             del self._by_hash[self.block_hash[block]]
-            self.block_hash[block] = None
+            self.block_hash[block], self.block_kv_version[block] = None, None
             self._free.append(block)
         self._lru.clear()
 

@@ -4,7 +4,7 @@
     engine.add_request("r1", [257, 104, 105], SamplingOptions(max_tokens=8))
     while engine.has_unfinished():
         for out in engine.step():      # RequestOutput deltas: new tokens, logprobs, versions
-            ...
+            ...                        # (the last also: finish_reason, context_version, routing)
 
 One `step()` = schedule, one forward of all scheduled tokens as a single row, sample, commit.
 The engine is token-in/token-out and single-threaded; `async_engine.AsyncEngine` drives it from a
@@ -209,7 +209,9 @@ class Engine:
         swap, no copy), so the caller must neither change nor reuse them afterwards.
 
         The prefix cache moves to a new weights epoch: blocks computed by the old weights are never
-        matched again (running requests keep theirs), and the unreferenced ones are freed now.
+        matched again (running requests keep theirs), and the unreferenced ones are freed now. A
+        running request's later tokens attend over KV of the old weights; its final output says so
+        (`RequestOutput.context_version`).
         """
         load_into(self.model, state, where="weight update", share=True)  # `state` is ours to keep
         self.version = version
@@ -236,6 +238,7 @@ class Engine:
         ids_N, pos_N, seqs, slots = [], [], [], []
         for s in batch:
             req, start = s.request, s.request.num_computed_tokens
+            req.note_kv_version(self.version)  # this step's KV joins the request's context
             end = start + s.num_new_tokens
             ids_N += _token_slice(req, start, end)
             pos_N += range(start, end)
@@ -319,7 +322,7 @@ class Engine:
             request_id=req.request_id, new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions,
             finish_reason=req.finish_reason, num_cached_tokens=max(req.num_cached_tokens, 0),
             num_prompt_tokens=len(req.prompt_token_ids),
-            routed_experts=None if routing is None else routing[start:],
+            routed_experts=None if routing is None else routing[start:], context_version=req.context_version,
         )  # fmt: skip
 
     def _routing(self, req: Request) -> np.ndarray:

@@ -112,6 +112,15 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     weights_epoch: int = -1  # the scheduler's weights epoch at admission; keys `block_hashes`
     num_preemptions: int = 0
+    # The oldest weights version that computed any KV this request attended over (its own chunks
+    # and prefix-cache hits); None until its first forward. A preemption keeps it: tokens sampled
+    # before the recompute saw the older KV.
+    context_version: int | None = None
+
+    def note_kv_version(self, version: int | None) -> None:
+        """Fold in the version of KV this request's context now includes."""
+        if version is not None and (self.context_version is None or version < self.context_version):
+            self.context_version = version
 
     def set_blocks(self, block_ids: list[int]) -> None:
         self.block_ids, self.slot_table, self.block_table = block_ids, None, None
@@ -147,6 +156,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     routed_experts: torch.Tensor | None = None  # uint8|uint16 [tokens, layers, top_k]; when finished
     error: str | None = None  # set when the engine failed this request (finish_reason is then 'abort')
+    # When finished: the oldest weights version whose KV the request attended over (a prompt
+    # prefilled across an update, or a prefix-cache hit, can predate its first sampled token);
+    # None when nothing was computed.
+    context_version: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -9,7 +9,9 @@ never truncated.
 
 A request's blocks are hashed under the weights epoch of its admission (`weights_epoch`, bumped by
 the engine on every weight load): a request running across an update keeps its own blocks, while
-requests admitted after it never match blocks computed by the old weights.
+requests admitted after it never match blocks computed by the old weights. A prefix-cache hit
+also hands the request the oldest weights version recorded in the blocks it reuses
+(`Request.context_version`); the engine folds in the version of each step that runs it.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class Scheduler:
             req.block_hashes, req.weights_epoch,
         )  # fmt: skip
         for b in range(req.num_hashed_blocks, num_full):
-            self.pool.register(req.block_ids[b], req.block_hashes[b])
+            self.pool.register(req.block_ids[b], req.block_hashes[b], req.context_version)
         req.num_hashed_blocks = num_full
 
     def remove(self, req: Request) -> None:
@@ -133,6 +135,7 @@ class Scheduler:
             self.pool.release(cached)
             return 0
         req.set_blocks(cached + fresh)
+        req.note_kv_version(self.pool.oldest_kv_version(cached))
         req.num_computed_tokens = len(cached) * bs
         req.num_hashed_blocks = len(cached)
         if req.num_cached_tokens < 0:

@@ -221,6 +221,7 @@ def _add_core_routes(app: FastAPI) -> None:
             token_ids=result.token_ids, logprobs=result.logprobs, policy_versions=result.versions,
             finish_reason=result.finish_reason, num_cached_tokens=result.num_cached_tokens,
             prompt_token_ids=body.prompt_token_ids, routed_experts=routed,
+            context_version=result.context_version,
         )  # fmt: skip
 
     @app.post("/v1/generate")

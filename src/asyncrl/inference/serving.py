@@ -49,6 +49,7 @@ class Collected:
     finish_reason: str = "abort"
     num_cached_tokens: int = 0
     routed_experts: np.ndarray | None = None
+    context_version: int | None = None  # the oldest weights version in the request's KV context
 
     def add(self, out: RequestOutput) -> None:
         self.token_ids += out.new_token_ids
@@ -58,6 +59,7 @@ class Collected:
             self.finish_reason = out.finish_reason.value
             self.num_cached_tokens = out.num_cached_tokens
             self.routed_experts = out.routed_experts
+            self.context_version = out.context_version
 
 
 async def collect(

@@ -17,9 +17,13 @@ The MoE experts (asyncrl.model.moe.grouped_swiglu) ask `cpu_upcast` and run thei
 
 Under `torch.inference_mode()` (the embedded engine's steps) the fp32 copy of a weight is kept
 (`as_fp32`) rather than made again on every call: decoding a small batch would otherwise spend as
-long casting the weights as multiplying by them. The copy is made again when the weight changes
-(another tensor, as after the engine's weight swap, or an in-place write). That costs an fp32 copy
-of the weights in memory, on these CPUs only; training (autograd through the cast) never keeps one.
+long casting the weights as multiplying by them. That costs an fp32 copy of the weights in memory,
+on these CPUs only; training (autograd through the cast) never keeps one. A kept copy is used only
+while the weight still reads the very storage it was made from (held by a weak reference, so a new
+tensor that the allocator puts at a freed address never matches), at the same offset, shape and
+stride, with an unchanged version counter. Writes a version counter cannot see (through another
+alias of the storage, or to an inference tensor) must call `drop_fp32_copies`; `hf.load_into`, the
+engine's weight swap, does so for every tensor it sets.
 
 `set_cpu_upcast(True | False | None)` forces the choice (None: detect), for tests and benchmarks.
 """
@@ -27,12 +31,14 @@ of the weights in memory, on these CPUs only; training (autograd through the cas
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "as_fp32", "cpu_upcast", "linear", "sdpa", "set_cpu_upcast"]
+__all__ = ["Linear", "as_fp32", "cpu_upcast", "drop_fp32_copies", "linear", "sdpa", "set_cpu_upcast"]
 
 _FORCED: bool | None = None
 
@@ -67,17 +73,28 @@ def _version(w: torch.Tensor) -> int:
         return -1
 
 
+def _source_key(w: torch.Tensor) -> tuple:
+    return (w.data_ptr(), tuple(w.shape), w.stride(), _version(w))
+
+
 def as_fp32(w: torch.Tensor) -> torch.Tensor:
     """`w.float()`; kept from call to call under inference mode while `w` is unchanged."""
     if w.dtype == torch.float32 or not torch.is_inference_mode_enabled():
         return w.float()
-    key = (w.data_ptr(), _version(w))
-    hit = getattr(w, _KEPT, None)  # (data_ptr, version, the fp32 copy), on the weight itself
-    if hit is not None and hit[:2] == key:
+    storage, key = w.untyped_storage(), _source_key(w)
+    hit = getattr(w, _KEPT, None)  # (weak ref to the source storage, key, the fp32 copy), on the weight
+    if hit is not None and hit[0]() is storage and hit[1] == key:
         return hit[2]
     out = w.float()
-    setattr(w, _KEPT, (*key, out))
+    setattr(w, _KEPT, (weakref.ref(storage), key, out))
     return out
+
+
+def drop_fp32_copies(tensors: Iterable[torch.Tensor]) -> None:
+    """Forget the fp32 copies `as_fp32` keeps of `tensors`, and free them now."""
+    for w in tensors:
+        if hasattr(w, _KEPT):
+            delattr(w, _KEPT)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

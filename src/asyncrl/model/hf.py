@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from asyncrl.model.args import ModelArgs, ModelConfigError
+from asyncrl.model.compute import drop_fp32_copies
 from asyncrl.model.dtypes import dtype_name
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
 from asyncrl.model.mtp import hf_name as mtp_hf_name
@@ -210,15 +211,19 @@ def load_into(
 
     share=True points the model's tensors at `state`'s instead, where they sit on the same device
     (no copy: the engine's weight swap is then a pointer swap); the caller must not reuse `state`.
+    Every fp32 copy derived from the old values (`compute.as_fp32`) is dropped: nothing computed
+    from the old weights outlives the swap, whatever addresses the new tensors got.
     """
     check_state_dict(model, state, where)
+    params = _tensors(model)
     with torch.no_grad():
-        for name, p in _tensors(model).items():
+        for name, p in params.items():
             t = state[name]
             if share and t.device == p.device:
                 p.data = t
             else:
                 p.copy_(t)
+    drop_fp32_copies(params.values())
 
 
 def is_hf_tensor(name: str, args: ModelArgs) -> bool:

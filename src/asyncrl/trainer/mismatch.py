@@ -17,10 +17,11 @@ from mu, both under the sampling temperature):
 Staleness split: tokens sampled by the trainer's current weights measure engine mismatch alone;
 older tokens add off-policy drift. Comparing the two tells the two causes apart, and the gate
 looks at the current ones only. "Sampled by the current weights" must hold for the whole context:
-a completion that spans a weight update continues on KV that the older weights computed, so its
-later tokens carry the new version yet differ from a forward of the new weights. The trainer
-therefore splits on the context version of each token (the oldest version sampled in its
-sequence up to it, `MicroBatch.context_versions`), not on its own stamp.
+a completion that spans a weight update continues on KV that the older weights computed, and so
+does one whose prompt was prefilled across an update or served from the prefix cache, so such
+tokens carry the new version yet differ from a forward of the new weights. The trainer therefore
+splits on the context version of each token (the oldest version, policy or KV, among the sampled
+tokens of its sequence up to it, `MicroBatch.context_versions`), not on its own stamp.
 
 Shape legend: T tokens, L layers, K top_k.
 """

@@ -37,9 +37,11 @@ class MicroBatch:
     advantages: torch.Tensor  # f32 [T]
     temperatures: torch.Tensor  # f32 [T], never 0 (1.0 where there is no target)
     policy_versions: torch.Tensor  # int64 [T]
-    # int64 [T]: the oldest version among the sampled tokens of the sequence up to the target, so
-    # every weight version whose KV the engine attended over when it sampled the target (a
-    # completion that spans a weight update continues on KV computed by the older weights)
+    # int64 [T]: the oldest weights version among the sampled tokens of the sequence up to the
+    # target, each counted as min(its policy version, its KV version): every version whose KV the
+    # engine attended over when it sampled the target (a completion that spans a weight update
+    # continues on KV computed by the older weights, and a prompt prefilled across an update or
+    # taken from the prefix cache can predate the first sampled token)
     context_versions: torch.Tensor
     seq_ids: torch.Tensor  # int64 [T], 0..num_sequences-1
     routed_experts: torch.Tensor | None  # int64 [1, T, L, K], or None when not replaying
@@ -100,13 +102,20 @@ def _shifted(values: np.ndarray, fill: float | int | bool) -> np.ndarray:
     return out
 
 
-def _context_versions(versions: np.ndarray) -> np.ndarray:
-    """Running minimum of the sampled versions (prompt, env and tool tokens, -1, are skipped).
+def _context_versions(versions: np.ndarray, kv_versions: np.ndarray | None = None) -> np.ndarray:
+    """Running minimum over sampled tokens of min(policy version, KV version); -1 before the first.
 
-    Example: [-1, -1, 2, 2, 3, -1, 3] -> [-1, -1, 2, 2, 2, 2, 2].
+    Prompt, env and tool tokens (-1) are skipped; a sample without KV versions (None, or -1 on a
+    sampled token) counts the policy version alone.
+
+    Example: versions [-1, -1, 2, 2, 3, -1, 3] -> [-1, -1, 2, 2, 2, 2, 2]; with kv_versions
+    [-1, -1, 1, 1, 3, -1, 3] -> [-1, -1, 1, 1, 1, 1, 1].
     """
+    versions = versions.astype(np.int64)
+    if kv_versions is not None:
+        versions = np.where(kv_versions >= 0, np.minimum(versions, kv_versions), versions)
     big = np.iinfo(np.int64).max
-    running = np.minimum.accumulate(np.where(versions >= 0, versions.astype(np.int64), big))
+    running = np.minimum.accumulate(np.where(versions >= 0, versions, big))
     return np.where(running == big, -1, running)
 
 
@@ -132,8 +141,8 @@ def build_micro_batch(samples: list[RolloutSample], replay: bool) -> MicroBatch:
         policy_versions=torch.from_numpy(
             cat([_shifted(s.policy_versions, 0) for s in samples]).astype(np.int64)
         ),
-        context_versions=torch.from_numpy(
-            cat([_shifted(_context_versions(s.policy_versions), 0) for s in samples]).astype(np.int64)
+        context_versions=torch.from_numpy(  # int64 already
+            cat([_shifted(_context_versions(s.policy_versions, s.kv_versions), 0) for s in samples])
         ),
         seq_ids=torch.from_numpy(
             cat([np.full(s.num_tokens, i) for i, s in enumerate(samples)]).astype(np.int64)

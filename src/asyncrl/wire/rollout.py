@@ -23,6 +23,10 @@ _TOKEN_FIELDS: dict[str, np.dtype] = {
     "temperatures": np.dtype(np.float32),
     "policy_versions": np.dtype(np.int32),
 }
+# Optional columns: present when some sample carries them, with a per-sample flag in the metadata
+# (the key below); a sample without one gets filler rows. Batch files written before a column
+# existed decode with it None on every sample.
+_OPTIONAL_FLAGS = {"routed_experts": "routed", "kv_versions": "kv_versions"}
 
 
 class BatchFormatError(ValueError):
@@ -42,6 +46,7 @@ class RolloutSample:
             advantages=np.array([0, 0, 0, 0, 0, 0.5, 0.5, 0.5], np.float32),
             temperatures=np.ones(8, np.float32),
             policy_versions=np.array([0, 0, 0, 0, 0, 2, 2, 2], np.int32),
+            kv_versions=np.array([-1, -1, -1, -1, -1, 1, 1, 1], np.int32),  # prompt prefilled by v1
             reward=1.0, env="reverse-text", episode_id="ep-17",
         )
     """
@@ -53,6 +58,10 @@ class RolloutSample:
     temperatures: np.ndarray  # f32 [T], sampling temperature of each token
     policy_versions: np.ndarray  # int32 [T], version of the weights that produced each token
     routed_experts: np.ndarray | None = None  # uint8|uint16 [T, layers, top_k]
+    # int32 [T] or None (not reported: read as the token's own version). On sampled tokens, the oldest
+    # weights version whose KV the engine attended over when sampling it (the prompt's KV can predate
+    # the token: a prefill across an update, a prefix-cache hit); -1 on other tokens.
+    kv_versions: np.ndarray | None = None
     reward: float = 0.0
     env: str = ""
     episode_id: str = ""
@@ -69,22 +78,11 @@ class RolloutSample:
         """Raise BatchFormatError naming the field if any array breaks the contract."""
         n = None
         for name, dtype in _TOKEN_FIELDS.items():
-            arr = getattr(self, name)
-            if not isinstance(arr, np.ndarray):
-                raise BatchFormatError(
-                    f"{where}: field '{name}' must be a numpy array, got {type(arr).__name__}"
-                )
-            if arr.ndim != 1:
-                raise BatchFormatError(f"{where}: field '{name}' must be 1-D [T], got shape {arr.shape}")
-            if arr.dtype != dtype:
-                raise BatchFormatError(f"{where}: field '{name}' must be {dtype}, got {arr.dtype}")
-            n = arr.shape[0] if n is None else n
-            if arr.shape[0] != n:
-                raise BatchFormatError(
-                    f"{where}: field '{name}' has {arr.shape[0]} tokens but token_ids has {n}"
-                )
+            n = _check_token_field(getattr(self, name), name, dtype, n, where)
         if n == 0:
             raise BatchFormatError(f"{where}: field 'token_ids' is empty")
+        if self.kv_versions is not None:
+            _check_token_field(self.kv_versions, "kv_versions", np.dtype(np.int32), n, where)
         re = self.routed_experts
         if re is not None:
             if re.dtype not in (np.uint8, np.uint16):
@@ -95,6 +93,19 @@ class RolloutSample:
                 raise BatchFormatError(
                     f"{where}: field 'routed_experts' must be [T={n}, layers, top_k], got {re.shape}"
                 )
+
+
+def _check_token_field(arr: Any, name: str, dtype: np.dtype, n: int | None, where: str) -> int:
+    """Raise BatchFormatError unless `arr` is a 1-D `dtype` array of n tokens (any n if None); its n."""
+    if not isinstance(arr, np.ndarray):
+        raise BatchFormatError(f"{where}: field '{name}' must be a numpy array, got {type(arr).__name__}")
+    if arr.ndim != 1:
+        raise BatchFormatError(f"{where}: field '{name}' must be 1-D [T], got shape {arr.shape}")
+    if arr.dtype != dtype:
+        raise BatchFormatError(f"{where}: field '{name}' must be {dtype}, got {arr.dtype}")
+    if n is not None and arr.shape[0] != n:
+        raise BatchFormatError(f"{where}: field '{name}' has {arr.shape[0]} tokens but token_ids has {n}")
+    return arr.shape[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +127,7 @@ def encode_batch(batch: RolloutBatch) -> tuple[dict[str, np.ndarray], dict[str, 
     Routing is per sample: when some samples carry `routed_experts`, the column holds every
     sample's rows (zeros for a sample without routing) and each sample's metadata says
     `routed: true|false`; the trainer replays routing only for the samples that have it.
+    `kv_versions` is per sample the same way (filler -1, metadata `kv_versions: true|false`).
     """
     if not batch.samples:
         raise BatchFormatError(f"batch for step {batch.step} has no samples")
@@ -136,12 +148,18 @@ def encode_batch(batch: RolloutBatch) -> tuple[dict[str, np.ndarray], dict[str, 
             [s.routed_experts if s.routed_experts is not None else np.zeros((s.num_tokens, *row_shape), dtype)
              for s in batch.samples]
         )  # fmt: skip
+    if any(s.kv_versions is not None for s in batch.samples):
+        arrays["kv_versions"] = np.concatenate(
+            [s.kv_versions if s.kv_versions is not None else np.full(s.num_tokens, -1, np.int32)
+             for s in batch.samples]
+        )  # fmt: skip
+    flags = [name for name in _OPTIONAL_FLAGS if name in arrays]
     meta = {
         "step": str(batch.step),
         "samples": json.dumps(
             [
                 {"reward": s.reward, "env": s.env, "episode_id": s.episode_id, "metrics": s.metrics}
-                | ({"routed": s.routed_experts is not None} if routed else {})
+                | {_OPTIONAL_FLAGS[name]: getattr(s, name) is not None for name in flags}
                 for s in batch.samples
             ]
         ),
@@ -171,8 +189,8 @@ def decode_batch(arrays: dict[str, np.ndarray], meta: dict[str, str], where: str
         )
     total = int(lengths.sum())
     cols = {}
-    for name in [*_TOKEN_FIELDS, "routed_experts"]:
-        if name == "routed_experts" and name not in arrays:
+    for name in [*_TOKEN_FIELDS, *_OPTIONAL_FLAGS]:
+        if name in _OPTIONAL_FLAGS and name not in arrays:
             continue
         arr = _require(arrays, name, where)
         if arr.shape[0] != total:
@@ -184,8 +202,9 @@ def decode_batch(arrays: dict[str, np.ndarray], meta: dict[str, str], where: str
     for i, m in enumerate(sample_meta):
         fields = {name: parts[i] for name, parts in cols.items()}
         fields["loss_mask"] = fields["loss_mask"].astype(np.bool_)
-        if "routed_experts" in fields and not m.get("routed", True):
-            fields["routed_experts"] = None
+        for name, flag in _OPTIONAL_FLAGS.items():
+            if name in fields and not m.get(flag, True):
+                fields[name] = None
         try:
             samples.append(
                 RolloutSample(

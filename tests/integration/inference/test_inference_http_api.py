@@ -44,6 +44,7 @@ def test_generate_logprobs_routing_and_versions(server):
         out = _generate(c, prompt_token_ids=prompt, max_tokens=10, seed=3, ignore_eos=True,
                         return_routed_experts=True, temperature=0.8)  # fmt: skip
     assert out.policy_versions == [version] * 10 and out.finish_reason == "length"
+    assert out.context_version == version
     lp = torch.tensor(out.logprobs)
     assert (_teacher(model, prompt, out.token_ids, 0.8) - lp).abs().max() <= 1e-5
     routing = out.routed_experts.to_array()
@@ -177,6 +178,7 @@ def test_update_weights_keep_mid_generation(server, tmp_path):
     out = results["out"]
     n_old = out.policy_versions.count(v0)
     assert 1 < n_old < 400 and out.policy_versions == [v0] * n_old + [v0 + 1] * (400 - n_old)
+    assert out.context_version == v0  # its later tokens attended over KV that v0 computed
     prompt, tokens, lp = list(range(10, 30)), out.token_ids, torch.tensor(out.logprobs)
     assert (_teacher(old, prompt, tokens)[:n_old] - lp[:n_old]).abs().max() <= 1e-5
     # After the update: the new weights on top of the KV the old ones computed, not a recompute.

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from asyncrl.config import EnvConfig
-from asyncrl.envs import NOT_SAMPLED_VERSION, ScriptedClient, TokenPolicy, build_env, run_episode
+from asyncrl.envs import (
+    NOT_SAMPLED_VERSION,
+    ScriptedClient,
+    TokenPolicy,
+    TrajectoryBuilder,
+    build_env,
+    run_episode,
+)
 from asyncrl.envs.scripted import scripted_routing
 from asyncrl.wire import GenerateResponse, RoutedExperts, SamplingParams
 
@@ -266,3 +273,31 @@ def test_turn_aborted_in_prefill_keeps_full_routing(tokenizer):
     ids = sample.token_ids.tolist()
     assert ids == client.calls[0] + [*tokenizer.encode(replies[0]), tokenizer.eos_token_id]
     np.testing.assert_array_equal(sample.routed_experts, scripted_routing(ids, 0, *ROUTING))
+
+
+def test_kv_versions_record_each_turns_context_version():
+    traj = TrajectoryBuilder()
+    traj.extend_prompt([1, 2, 3], temperature=1.0)
+    # A server that does not report the context: each token stands for itself.
+    traj.add_completion(
+        GenerateResponse(
+            token_ids=[4, 5], logprobs=[-0.1, -0.2], policy_versions=[2, 3], finish_reason="stop"
+        ),
+        temperature=1.0,
+    )
+    traj.extend_prompt([1, 2, 3, 4, 5, 6, 7], temperature=1.0)
+    # This turn's prompt was prefilled by v3 (across an update, or a cached prefix); its tokens are v4.
+    traj.add_completion(
+        GenerateResponse(
+            token_ids=[8, 9],
+            logprobs=[-0.3, -0.4],
+            policy_versions=[4, 4],
+            finish_reason="stop",
+            context_version=3,
+        ),
+        temperature=1.0,
+    )
+    (sample,) = traj.build(reward=1.0, env="e", episode_id="ep", metrics={})
+    assert sample.policy_versions.tolist() == [-1, -1, -1, 2, 3, -1, -1, 4, 4]
+    assert sample.kv_versions.tolist() == [-1, -1, -1, 2, 3, -1, -1, 3, 3]
+    assert sample.kv_versions.dtype == np.int32

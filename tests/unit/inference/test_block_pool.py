@@ -1,4 +1,6 @@
 from asyncrl.inference.block_pool import BlockPool, hash_blocks
+from asyncrl.inference.request import Request, SamplingOptions
+from asyncrl.inference.scheduler import Scheduler
 
 
 def test_hash_chain_depends_on_salt_and_whole_prefix():
@@ -35,3 +37,19 @@ def test_other_salt_never_matches():
     pool.register(b, h[0])
     assert pool.match_prefix(hash_blocks(list(range(4)), 4, "b", [])) == []
     assert pool.match_prefix(h) == [b]
+
+
+def test_a_prefix_hit_takes_on_the_oldest_kv_version_of_the_blocks_it_reuses():
+    sched = Scheduler(BlockPool(8), block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    first = Request(request_id="a", prompt_token_ids=list(range(9)), options=SamplingOptions())
+    sched.add(first)
+    (run,) = sched.schedule()
+    first.note_kv_version(3)  # the engine ran this step under version 3
+    sched.commit(first, run.num_new_tokens)  # blocks 0 and 1 are cached, recorded as version 3
+    sched.remove(first)
+    second = Request(request_id="b", prompt_token_ids=[*range(9), 42], options=SamplingOptions())
+    sched.add(second)
+    sched.schedule()
+    assert second.num_computed_tokens == 8 and second.context_version == 3
+    second.note_kv_version(5)  # later steps under newer weights never make it newer
+    assert second.context_version == 3

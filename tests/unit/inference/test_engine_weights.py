@@ -1,11 +1,15 @@
 """Weight updates between steps: versions stamped per token; later tokens use the new weights on top
 of the KV the old weights computed (keep mode: running requests are not recomputed)."""
 
+import copy
+
+import pytest
 import torch
 from inference_helpers import Result, drain, random_prompts, teacher_logprobs
 
 from asyncrl.inference import SamplingOptions
-from asyncrl.model import save_pretrained
+from asyncrl.model import Transformer, save_pretrained
+from asyncrl.model.compute import set_cpu_upcast
 from weight_update_reference import kept_kv_logprobs, perturb_all_weights
 
 
@@ -89,3 +93,49 @@ def test_read_weights_roundtrip(tmp_path, make_engine, tiny_moe):
     assert all(torch.equal(got[k], want[k]) for k in want), "every weight, not only the LM head"
     assert not torch.equal(got["model.embed_tokens.weight"], tiny_moe.model.embed_tokens.weight)
     assert engine.version == 1
+
+
+def _state_refs(model: Transformer) -> dict[str, torch.Tensor]:
+    """Every tensor a weight update fills (a tied LM head once, as the embedding)."""
+    return dict(model.named_parameters()) | dict(model.named_buffers())
+
+
+def _state(model: Transformer) -> dict[str, torch.Tensor]:
+    """A fresh copy of every tensor a weight update fills."""
+    return {name: t.detach().clone() for name, t in _state_refs(model).items()}
+
+
+@pytest.fixture
+def fp32_copy_path():
+    """bf16 weights on the CPU path that keeps an fp32 copy of each weight between steps."""
+    set_cpu_upcast(True)
+    yield
+    set_cpu_upcast(None)
+
+
+def _greedy(engine, prompt: list[int]) -> Result:
+    engine.add_request("r", prompt, SamplingOptions(temperature=0, max_tokens=6, ignore_eos=True))
+    return drain(engine)["r"]
+
+
+def test_two_swaps_without_a_step_serve_the_last_weights(make_engine, tiny_moe, fp32_copy_path):
+    base = copy.deepcopy(tiny_moe).bfloat16()
+    w1, w2 = (perturb_all_weights(base, seed=s, scale=0.2) for s in (30, 31))
+    engine = make_engine(base)
+    prompt = random_prompts([12], seed=22)[0]
+    base_out = _greedy(engine, prompt)  # the engine now keeps fp32 copies of the base weights
+    # Two updates in a row, no step between them (an idle server). The second one's tensors sit at
+    # the addresses of the base weights, as a reader alternating two sets of buffers places them
+    # (and as the allocator often does: 9 of 10 fresh trials); `.data` aliases write them without
+    # touching the weights' version counters, so nothing but the swap itself marks the change.
+    buffers = {name: t.data for name, t in _state_refs(engine.model).items()}
+    engine.load_weights(_state(w1), version=1)
+    with torch.no_grad():
+        for name, t in _state(w2).items():
+            buffers[name].copy_(t)
+    engine.load_weights(buffers, version=2)
+    got = _greedy(engine, prompt)
+    want = _greedy(make_engine(w2), prompt)
+    assert got.versions == [2] * 6
+    assert got.tokens == want.tokens and got.logprobs == want.logprobs
+    assert base_out.logprobs != want.logprobs, "the base weights must answer differently"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from asyncrl.model import Transformer, preset_args
-from asyncrl.model.compute import as_fp32, cpu_upcast, linear, sdpa, set_cpu_upcast
+from asyncrl.model.compute import as_fp32, cpu_upcast, drop_fp32_copies, linear, sdpa, set_cpu_upcast
 
 
 @pytest.fixture
@@ -107,3 +108,29 @@ def test_rms_norm_fused_inference_path_equals_the_autograd_path():
         with torch.no_grad():
             fused = norm(x.to(dtype))
         assert torch.equal(fused, norm(x.to(dtype)).detach())
+
+
+def test_fp32_copy_is_not_served_for_a_new_tensor_at_the_same_address():
+    # Two tensors over one buffer: the second is a new tensor (its own storage) at the address the
+    # first had, as after a swap whose new tensor the allocator put where the old one was.
+    memory = np.zeros((64, 32), np.int16)
+    w = torch.nn.Parameter(torch.from_numpy(memory).view(torch.bfloat16), requires_grad=False)
+    with torch.inference_mode():
+        assert not as_fp32(w).any()
+    memory[:] = torch.ones(64, 32, dtype=torch.bfloat16).view(torch.int16).numpy()
+    new = torch.from_numpy(memory).view(torch.bfloat16)
+    w.data = new  # the swap: same address, the weight's version counter unchanged
+    assert w.data_ptr() == new.data_ptr() and w._version == 0
+    with torch.inference_mode():
+        assert torch.equal(as_fp32(w), torch.ones(64, 32))
+
+
+def test_drop_fp32_copies_forgets_writes_the_version_counter_cannot_see():
+    w = torch.nn.Parameter(torch.randn(4, 3).bfloat16(), requires_grad=False)
+    alias = w.data  # shares the storage, not the version counter
+    with torch.inference_mode():
+        as_fp32(w)
+    alias.fill_(2.0)
+    drop_fp32_copies([w])
+    with torch.inference_mode():
+        assert torch.equal(as_fp32(w), torch.full((4, 3), 2.0))

@@ -68,6 +68,27 @@ def test_context_version_is_the_oldest_version_sampled_so_far_in_the_sequence():
     assert mb.context_versions.tolist() == [2, 2, 2, 2, 2, 2, 0, 4, 4, 0]
 
 
+def test_context_version_takes_the_kv_versions_of_each_turn():
+    # Turn 1 sampled by v3 over a prompt v2 prefilled; turn 2 (v4) over a prompt all of v4.
+    kv = dataclasses.replace(
+        _sample([1, 2, 3, 4, 5, 6, 7], [0, 1, 1, 0, 0, 1, 1]),
+        policy_versions=np.array([-1, 3, 3, -1, -1, 4, 4], np.int32),
+        kv_versions=np.array([-1, 2, 2, -1, -1, 4, 4], np.int32),
+    )
+    unreported = dataclasses.replace(kv, kv_versions=None)  # a batch from before the field: as before
+    mb = build_micro_batch([kv, unreported], replay=False)
+    assert mb.context_versions[:7].tolist() == [2, 2, 2, 2, 2, 2, 0]
+    assert mb.context_versions[7:].tolist() == [3, 3, 3, 3, 3, 3, 0]
+    # A prompt prefilled by v0 under tokens sampled by v1: never "current" for the v1 trainer.
+    spans = dataclasses.replace(
+        _sample([1, 2, 3, 4], [0, 1, 1, 1]),
+        policy_versions=np.array([-1, 1, 1, 1], np.int32),
+        kv_versions=np.array([-1, 0, 0, 0], np.int32),
+    )
+    mb = build_micro_batch([spans], replay=False)
+    assert mb.policy_versions.tolist() == [1, 1, 1, 0] and mb.context_versions.tolist() == [0, 0, 0, 0]
+
+
 def test_shards_are_disjoint_complete_and_balanced():
     samples = [_sample(list(range(n)), [1] * n) for n in (9, 2, 7, 4, 4, 3, 8, 1)]
     shards = [shard_samples(samples, r, 3) for r in range(3)]

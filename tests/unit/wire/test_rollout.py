@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -71,6 +73,50 @@ def test_a_sample_without_routing_round_trips_as_no_routing():
     assert back.samples[1].routed_experts is None
     np.testing.assert_array_equal(back.samples[0].routed_experts, batch.samples[0].routed_experts)
     np.testing.assert_array_equal(back.samples[2].routed_experts, batch.samples[2].routed_experts)
+
+
+def _with_kv(s: RolloutSample, oldest: int) -> RolloutSample:
+    """`s` with kv_versions: `oldest` on its sampled tokens, -1 elsewhere."""
+    kv = np.where(s.loss_mask, np.minimum(s.policy_versions, oldest), -1).astype(np.int32)
+    return RolloutSample(**{**s.__dict__, "kv_versions": kv})
+
+
+def test_kv_versions_round_trip_with_without_and_mixed():
+    with_kv = [_with_kv(_sample(5, 1), 0), _with_kv(_sample(4, 3), 1)]
+    back = decode_batch(*encode_batch(RolloutBatch(step=3, samples=with_kv)))
+    for a, b in zip(with_kv, back.samples, strict=True):
+        assert b.kv_versions.dtype == np.int32 and np.array_equal(a.kv_versions, b.kv_versions)
+    arrays, meta = encode_batch(RolloutBatch(step=3, samples=[_sample(5, 1), _sample(4, 3)]))
+    assert "kv_versions" not in arrays  # a batch without them is written as before
+    assert [s.kv_versions for s in decode_batch(arrays, meta).samples] == [None, None]
+    mixed = [with_kv[0], _sample(3, 2)]
+    arrays, meta = encode_batch(RolloutBatch(step=3, samples=mixed))
+    assert arrays["kv_versions"].shape == (8,) and (arrays["kv_versions"][5:] == -1).all()
+    back = decode_batch(arrays, meta)
+    assert np.array_equal(back.samples[0].kv_versions, mixed[0].kv_versions)
+    assert back.samples[1].kv_versions is None
+
+
+def test_a_batch_file_from_before_kv_versions_decodes_without_them():
+    arrays, meta = encode_batch(RolloutBatch(step=1, samples=[_with_kv(_sample(5, 1), 0)]))
+    del arrays["kv_versions"]
+    samples = json.loads(meta["samples"])
+    meta["samples"] = json.dumps([{k: v for k, v in m.items() if k != "kv_versions"} for m in samples])
+    assert decode_batch(arrays, meta).samples[0].kv_versions is None
+
+
+def test_kv_versions_errors_name_the_field():
+    s = _sample(4, 0)
+    with pytest.raises(BatchFormatError, match="'kv_versions' must be int32, got int64"):
+        RolloutSample(**{**s.__dict__, "kv_versions": np.zeros(4, np.int64)})
+    with pytest.raises(BatchFormatError, match="'kv_versions' has 3 tokens but token_ids has 4"):
+        RolloutSample(**{**s.__dict__, "kv_versions": np.zeros(3, np.int32)})
+    with pytest.raises(BatchFormatError, match=r"'kv_versions' must be 1-D \[T\], got shape \(4, 1\)"):
+        RolloutSample(**{**s.__dict__, "kv_versions": np.zeros((4, 1), np.int32)})
+    arrays, meta = encode_batch(RolloutBatch(step=0, samples=[_with_kv(s, 0)]))
+    arrays["kv_versions"] = arrays["kv_versions"][:3]
+    with pytest.raises(BatchFormatError, match="step_0: field 'kv_versions' has 3 tokens, lengths sum to 4"):
+        decode_batch(arrays, meta, where="step_0")
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
