@@ -20,15 +20,17 @@ The server must run with `VLLM_SERVER_DEV_MODE=1`, `--enable-scale-out` and the 
 token with the label of the weights that sampled it, and asyncrl labels each version with its step.
 Cancelling `generate` closes the connection, and vLLM aborts the request.
 
-vLLM's prefix cache knows nothing of weight versions, and a keep-mode pause neither clears it nor
-stops requests from being queued. So the backend keys the salt it sends by its own weights epoch,
-`{cache_salt}|{epoch}`: a new epoch starts each time a pause of this server takes effect, and
-weights are reloaded only inside such a pause. vLLM computes no KV while paused, so every block
-salted with an epoch was computed after that epoch's pause ended, by the weights loaded in it or
-newer ones. A request sent after a reload's pause began can therefore never match a block of the
-weights it replaced; one sent earlier keeps its epoch, like a request running across the update,
-and its `context_version` says how old its KV may be. A failed reload leaves the server paused
-(its weights may be half-loaded): only a later successful update and a `resume` serve again.
+vLLM's prefix cache knows nothing of weight versions, and a paused vLLM queues the requests it
+receives. So the backend keys the salt it sends by its own weights epoch, `{cache_salt}|{epoch}`:
+a new epoch starts each time a pause of this server takes effect, and weights are reloaded only
+inside such a pause. vLLM computes no KV while paused, so every block salted with an epoch was
+computed after that epoch's pause ended, by the weights loaded in it or newer ones. A request
+sent once a reload's pause took effect can therefore never match a block of the weights it
+replaced; one sent earlier keeps its epoch, like a request running across the update, and its
+`context_version` says how old its KV may be. (vLLM 0.32 also resets its prefix cache at each
+pause, although its API documents that as ignored in keep mode; nothing here relies on it.) A
+failed reload leaves the server paused (its weights may be half-loaded): only a later successful
+update and a `resume` serve again.
 """
 
 from __future__ import annotations

@@ -159,7 +159,9 @@ class CachingVLLM:
     """vLLM's behaviour around an update, as far as the prefix cache goes: its cache is keyed by
     `cache_salt` and prompt only (never by weights), a paused server queues new requests until
     `/resume`, and a reload can be held (`reload_gate`) or fail (`fail_reloads`). `hold_next`
-    holds the next request before it is scheduled (waiting in vLLM's queue).
+    holds the next request before it is scheduled (waiting in vLLM's queue). The cache survives a
+    keep-mode pause, as vLLM documents it (0.32 resets it at each pause; the backend must not
+    depend on that).
     """
 
     def __init__(self) -> None:
