@@ -9,8 +9,9 @@ Reading order:
    group of the tail (spares still in flight at the end are cancelled).
 2. Each request's `cache_salt` is the version the servers hold when it is sent (every turn and
    every retry reads it anew), so siblings share prefix-cache blocks and a later turn never asks
-   for KV of older weights; the engine keys its cache by the weights that computed each block as
-   well, so nothing old is served inside an update either. When a new version arrives, groups in
+   for KV of older weights; each server keeps KV of different weights apart as well (the engine
+   keys cached blocks by the weights that computed them, VLLMBackend adds a weights epoch to the
+   salt), so nothing old is served to a request sent inside an update either. When a new version arrives, groups in
    flight whose dispatch version is already too old for the next batch are cancelled (counted).
 3. Finished groups get group-relative advantages over their valid episodes (failed ones are
    counted, never trained; see `advantages`) and enter the buffer; `cut(step)` drops stale

@@ -8,7 +8,9 @@ reports (`paused_seconds`) and its read time (`load_seconds`) are logged apart.
 
 A server that fails the update is paused (keep) and leaves the rotation: it would otherwise
 sample with stale weights under a new version. It stays paused until it rejoins: the pool's
-health probe calls `sync_server`, which loads the current version and resumes it.
+health probe calls `sync_server`, which loads the newest version being rolled out (`target`, set
+before any server is asked, so a server rejoining during an update is brought to that update's
+version, not the one before) and resumes it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class WeightUpdater:
         on_version: Callable[[int], None] | None = None,
     ) -> None:
         self.pool, self.run_dir, self.poll_s = pool, Path(run_dir), poll_s
-        self.version = 0
+        self.version = 0  # every healthy server answered for it
+        self.target = 0  # the newest version being rolled out; >= version
         self.on_version = on_version
         self.pause_seconds: list[float] = []  # per update: the longest generation stall of a server
         self.load_seconds: list[float] = []  # per update: the longest checkpoint read of a server
@@ -56,6 +59,7 @@ class WeightUpdater:
     async def update(self, version: int) -> None:
         request = self._request(version)
         t0 = time.monotonic()
+        self.target = max(self.target, version)
         results = await self.pool.call_all(lambda b: b.update_weights(request))
         for server in self.pool.servers:
             if isinstance(results.get(server.url), Exception):
@@ -82,23 +86,29 @@ class WeightUpdater:
             self.on_version(version)
 
     async def sync_server(self, server: Server) -> bool:
-        """Rejoin = bring the server to the current version, then resume it; False if it can't.
+        """Rejoin = bring the server to `target`, then resume it; False if it can't.
 
         The resume is unconditional: a server whose update failed was left paused by `update`, and
-        a restarted one may have been paused by an earlier orchestrator.
+        a restarted one may have been paused by an earlier orchestrator. An update that starts
+        while this runs does not ask this server (it is out of rotation), so the sync repeats until
+        it ends on the newest target; the caller re-admits the server with no await in between
+        (as `ServerPool.health_loop` does), so no update can start unseen in that gap.
         """
         try:
-            held = (await server.backend.weights()).version
-            if held < self.version:
-                await server.backend.update_weights(self._request(self.version))
-                log.info(
-                    "server %s brought from v%d to v%d before re-admission", server.url, held, self.version
-                )
-            await server.backend.resume()
+            while True:
+                target = self.target
+                held = (await server.backend.weights()).version
+                if held < target:
+                    await server.backend.update_weights(self._request(target))
+                    log.info(
+                        "server %s brought from v%d to v%d before re-admission", server.url, held, target
+                    )
+                await server.backend.resume()
+                if self.target == target:
+                    return True
         except InferenceError as e:
             log.warning("server %s: weight sync before re-admission failed: %s", server.url, e)
             return False
-        return True
 
     def _request(self, version: int) -> UpdateWeightsRequest:
         return UpdateWeightsRequest(path=str(weights_dir(self.run_dir, version).resolve()), version=version)

@@ -1,5 +1,6 @@
 """Against the fake servers, step by step: per-token versions across an update, the salt of later
-turns and retries, and a server that failed an update serving again after it rejoins."""
+turns and retries, and a server that failed an update serving again after it rejoins, also when
+its rejoin and an update overlap (in-process backends)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ from asyncrl.orchestrator.dispatcher import Dispatcher
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
 from asyncrl.transport.weights import stage_weights
-from asyncrl.wire import SamplingParams
+from asyncrl.wire import (
+    PauseRequest,
+    PauseResponse,
+    ResumeResponse,
+    SamplingParams,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+    WeightsInfo,
+)
 
 from .fake_server import FakeServer
 
@@ -150,3 +159,79 @@ def test_a_server_that_failed_an_update_serves_again_after_it_rejoins(tmp_path, 
     outs = asyncio.run(asyncio.wait_for(go(), timeout=20))
     assert not b.paused and b.version == 1 and a.num_requests == b.num_requests == 1
     assert all(set(out.policy_versions) == {1} for out in outs)
+
+
+class GatedBackend:
+    """An in-process server whose weight loads wait on `gate` when it is set to an Event."""
+
+    def __init__(self, url: str, version: int = 0) -> None:
+        self.url, self.version, self.paused = url, version, False
+        self.gate: asyncio.Event | None = None
+        self.loading = asyncio.Event()  # set while a load waits on the gate
+
+    async def update_weights(self, request: UpdateWeightsRequest) -> UpdateWeightsResponse:
+        if self.gate is not None:
+            self.loading.set()
+            await self.gate.wait()
+        self.version = request.version
+        return UpdateWeightsResponse(version=request.version, load_seconds=0.0, paused_seconds=0.0)
+
+    async def weights(self) -> WeightsInfo:
+        return WeightsInfo(version=self.version)
+
+    async def pause(self, request: PauseRequest) -> PauseResponse:
+        self.paused = True
+        return PauseResponse(paused=True, mode=request.mode, num_aborted=0)
+
+    async def resume(self) -> ResumeResponse:
+        self.paused = False
+        return ResumeResponse(paused=False)
+
+    async def health(self, timeout_s: float) -> bool:
+        return True
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _rejoin_race(tmp_path, slow: str) -> tuple[GatedBackend, bool, WeightUpdater]:
+    """A server at v1 rejoins while the others move from v1 to v2; `slow` names whose load waits."""
+    for v in (1, 2):
+        _publish(tmp_path, v)
+    up, back = GatedBackend("mem://up", version=1), GatedBackend("mem://back", version=1)
+    pool = ServerPool([up, back])
+    pool.servers[1].healthy, back.paused = False, True  # it failed an earlier update
+    updater = WeightUpdater(pool, tmp_path / "run")
+    updater.version = updater.target = 1
+    gated = {"update": up, "rejoin": back}[slow]
+    gated.gate = asyncio.Event()
+
+    async def go() -> bool:
+        if slow == "update":  # the rejoin starts while v2 is being loaded on the healthy server
+            update = asyncio.create_task(updater.sync_once())
+            await gated.loading.wait()
+            rejoined = await updater.sync_server(pool.servers[1])
+            gated.gate.set()
+            await update
+        else:  # v2 is published and rolled out while the rejoining server loads v1
+            rejoin = asyncio.create_task(updater.sync_server(pool.servers[1]))
+            back.version = 0  # restarted: it held the base model
+            await gated.loading.wait()
+            await updater.sync_once()
+            gated.gate.set()
+            rejoined = await rejoin
+        return rejoined
+
+    return back, asyncio.run(asyncio.wait_for(go(), timeout=10)), updater
+
+
+def test_a_server_rejoining_during_an_update_is_brought_to_that_update_s_version(tmp_path):
+    back, rejoined, updater = _rejoin_race(tmp_path, slow="update")
+    assert rejoined and updater.version == 2
+    assert back.version == 2 and not back.paused  # not v1, the version before the update
+
+
+def test_an_update_during_a_rejoin_is_loaded_before_the_server_is_readmitted(tmp_path):
+    back, rejoined, updater = _rejoin_race(tmp_path, slow="rejoin")
+    assert rejoined and updater.version == 2
+    assert back.version == 2 and not back.paused  # the update did not ask it: the rejoin loaded v2
