@@ -27,8 +27,10 @@ inside such a pause. vLLM computes no KV while paused, so every block salted wit
 computed after that epoch's pause ended, by the weights loaded in it or newer ones. A request
 sent once a reload's pause took effect can therefore never match a block of the weights it
 replaced; one sent earlier keeps its epoch, like a request running across the update, and its
-`context_version` says how old its KV may be. (vLLM 0.32 also resets its prefix cache at each
-pause, although its API documents that as ignored in keep mode; nothing here relies on it.) A
+`context_version` says how old its KV may be. A keep pause is sent with `clear_cache=false`:
+vLLM 0.32 would otherwise reset its prefix cache, preempting every running request so that each
+recomputes its whole context after the update (its API documents the flag as ignored in keep
+mode, but its code applies it). Running requests keep their KV, as on the embedded engine. A
 failed reload leaves the server paused (its weights may be half-loaded): only a later successful
 update and a `resume` serve again.
 """
@@ -99,7 +101,11 @@ class VLLMBackend(HttpBackend):
         return out.model_copy(update={"context_version": min([floor, *out.policy_versions[:1]])})
 
     async def pause(self, request: PauseRequest) -> PauseResponse:
-        await self._send_json("POST", "/pause", None, params={"mode": request.mode})
+        # vLLM's pause resets its prefix cache by default, and that preempts every running request:
+        # each would recompute its whole context after the update. A keep pause keeps their KV, as
+        # the embedded engine does; the epoch salt below is what keeps the cache safe.
+        params = {"mode": request.mode} | ({"clear_cache": "false"} if request.mode == "keep" else {})
+        await self._send_json("POST", "/pause", None, params=params)
         self._paused = True
         self._epoch += 1  # vLLM computes nothing until the resume: requests sent from now on start afresh
         # vLLM does not report how many requests an abort-mode pause ended.

@@ -92,7 +92,7 @@ def test_update_inside_a_pause_reloads_and_labels_the_version():
 
     res, info = asyncio.run(go())
     assert [c[1] for c in fake.calls] == [  # the reload's own pause (keep) starts a new epoch
-        "/pause?mode=keep", "/pause?mode=keep", "/collective_rpc", "/update_weight_version", "/resume",
+        "/pause?mode=keep&clear_cache=false", "/pause?mode=keep&clear_cache=false", "/collective_rpc", "/update_weight_version", "/resume",
         "/weight_info",
     ]  # fmt: skip
     assert fake.calls[2][2] == {
@@ -160,8 +160,7 @@ class CachingVLLM:
     `cache_salt` and prompt only (never by weights), a paused server queues new requests until
     `/resume`, and a reload can be held (`reload_gate`) or fail (`fail_reloads`). `hold_next`
     holds the next request before it is scheduled (waiting in vLLM's queue). The cache survives a
-    keep-mode pause, as vLLM documents it (0.32 resets it at each pause; the backend must not
-    depend on that).
+    keep-mode pause, as vLLM's does when the backend asks it to (`clear_cache=false`).
     """
 
     def __init__(self) -> None:
