@@ -72,9 +72,11 @@ def test_synchronous_mode_trains_only_on_policy_tokens(tmp_path, tokenizer_dir, 
 
 
 def test_heavy_tailed_latency_respects_max_off_policy_steps(tmp_path, tokenizer_dir, servers):
-    (server,) = servers(1, delay_median_s=0.02, delay_sigma=2.0)
+    # The first group never finishes: it must go stale and be dropped, while the heavy tail decides
+    # which of the others land late.
+    (server,) = servers(1, delay_median_s=0.02, delay_sigma=2.0, hang_first_prompt=True)
     cfg = _cfg(
-        tmp_path, tokenizer_dir, [server], max_steps=6, max_async_steps=2, max_off_policy_steps=1,
+        tmp_path, tokenizer_dir, [server], max_steps=6, max_async_steps=1, max_off_policy_steps=1,
         max_concurrent_groups=8,
     )  # fmt: skip
     batches, records = asyncio.run(_run(cfg, step_time_s=0.15))
@@ -83,8 +85,7 @@ def test_heavy_tailed_latency_respects_max_off_policy_steps(tmp_path, tokenizer_
         assert _trained_versions(b).min() >= b.step - 1 - cfg.max_off_policy_steps
     assert max(r["staleness/max"] for r in records) <= cfg.max_off_policy_steps
     last = records[-1]
-    dropped = last["dropped/groups_stale_queue"] + last["dropped/groups_stale_in_flight"]
-    assert dropped >= 1, "heavy-tailed latency with async lag 2 should leave some groups too stale"
+    assert last["dropped/groups_stale_in_flight"] >= 1, "the group that never finishes is dropped as stale"
 
 
 def test_the_last_batch_does_not_wait_for_a_straggler_group(tmp_path, tokenizer_dir, servers):
