@@ -80,6 +80,7 @@ advantage = {{ normalize_std = true }}
 [[orchestrator.envs.envs]]
 name = "reverse-text"
 args = {{ min_len = 3, max_len = 5 }}
+max_total_tokens = 512
 latency = {{ median_s = {a.median_s}, sigma = {a.sigma} }}
 
 [trainer]

@@ -113,7 +113,7 @@ def rl_config(model: Path, run_dir: Path) -> dict:
             "max_async_steps": 1,
             "max_off_policy_steps": 1,
             "sampling": {"temperature": 1.0, "max_tokens": 4},
-            "envs": {"envs": [{"name": "reverse-text", "args": ENV_ARGS}]},
+            "envs": {"envs": [{"name": "reverse-text", "args": ENV_ARGS, "max_total_tokens": 256}]},
         },
         "trainer": {"optim": {"lr": 2e-3}, "peak_flops": 1e11},
     }

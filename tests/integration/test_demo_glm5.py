@@ -42,7 +42,7 @@ def test_glm5_rl_loop_runs_end_to_end(tmp_path):
             "max_async_steps": 1,
             "max_off_policy_steps": 1,
             "sampling": {"temperature": 1.0, "max_tokens": 4},
-            "envs": {"envs": [{"name": "reverse-text", "args": ENV_ARGS}]},
+            "envs": {"envs": [{"name": "reverse-text", "args": ENV_ARGS, "max_total_tokens": 256}]},
         },
         "trainer": {"optim": {"lr": 2e-3}, "peak_flops": 1e11},
     }

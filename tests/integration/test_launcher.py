@@ -71,6 +71,7 @@ def test_killing_the_trainer_stops_the_run_and_names_it(tmp_path):
     argv = [
         sys.executable, "-m", "asyncrl", "rl", "--model", str(tmp_path / "model"), "--run-dir", str(run_dir),
         "--max-steps", "1000", "--seq-len", "256", "--deployment.base-port", str(free_port()),
+        "--orchestrator.envs.envs", '[{name = "reverse-text", max_total_tokens = 256}]',
         "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
         "--orchestrator.sampling.max_tokens", "8", "--inference.device", "cpu",
     ]  # fmt: skip

@@ -43,6 +43,7 @@ def test_killing_one_of_two_servers_mid_run(tmp_path):
     cmd = [
         sys.executable, "-m", "asyncrl", "rl", "--model", str(model), "--run-dir", str(run_dir),
         "--max-steps", "5", "--seq-len", "256", "--deployment.num_inference_servers", "2",
+        "--orchestrator.envs.envs", '[{name = "reverse-text", max_total_tokens = 256}]',
         "--deployment.base_port", str(port), "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
         "--orchestrator.sampling.max_tokens", "8", "--orchestrator.max_async_steps", "1",
         "--orchestrator.max_off_policy_steps", "2", "--orchestrator.health_poll_s", "0.5",

@@ -55,7 +55,12 @@ class EnvConfig(BaseConfig):
     weight: float = Field(1.0, gt=0.0, description="relative sampling weight in the mixture")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the env factory")
     max_turns: int | None = Field(None, ge=1, description="model turns per episode; None = the env's default")
-    max_total_tokens: int = Field(4096, ge=2, description="prompt + completion tokens per episode")
+    max_total_tokens: int = Field(
+        2048,
+        ge=2,
+        description="prompt + completion tokens per episode; at most the trainer's seq_len and the "
+        "servers' context limit (checked at start)",
+    )
     max_tokens_per_turn: int | None = Field(None, ge=1, description="None = the sampling params' max_tokens")
     deadline_s: float | None = Field(None, gt=0.0, description="wall-clock limit of one episode")
     tool_timeout_s: float = Field(

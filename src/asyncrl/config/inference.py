@@ -12,6 +12,8 @@ Example::
 from __future__ import annotations
 
 import ipaddress
+import json
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -21,6 +23,9 @@ from asyncrl.config.mismatch import FP8Config
 from asyncrl.config.vllm import VLLMConfig
 
 __all__ = ["InferenceConfig", "is_loopback"]
+
+# What the embedded engine assumes when config.json does not say (asyncrl.model.ModelArgs).
+_DEFAULT_MAX_POSITION_EMBEDDINGS = 32768
 
 
 class InferenceConfig(BaseConfig):
@@ -58,7 +63,11 @@ class InferenceConfig(BaseConfig):
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
     kv_cache_tokens: int = Field(32768, ge=16, description="KV pool capacity in tokens")
-    max_model_len: int | None = Field(None, ge=2, description="context limit; default: the model's")
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="context limit (prompt + completion); default: the model's max_position_embeddings",
+    )
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     seed: int = Field(0, description="seed of the engine's generator for requests without a seed")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="server log level")
@@ -84,6 +93,18 @@ class InferenceConfig(BaseConfig):
                 "(the directories /update_weights may load from)"
             )
         return self
+
+    def context_len(self) -> int | None:
+        """The server's context limit: `max_model_len`, else the model's `max_position_embeddings`
+        (as the embedded engine reads it; vLLM derives its default from the same config.json, so set
+        `max_model_len` to be exact); None while the model directory has no readable config.json."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        try:
+            hf_config = json.loads(Path(self.model, "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return int(hf_config.get("max_position_embeddings", _DEFAULT_MAX_POSITION_EMBEDDINGS))
 
 
 def is_loopback(host: str) -> bool:

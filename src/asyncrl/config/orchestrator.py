@@ -8,8 +8,10 @@ Example (TOML)::
     max_steps = 20
     batch_size = 64                      # samples per trainer step
     group_size = 8                       # rollouts per task (group-relative advantages)
-    max_async_steps = 1                  # 0 = synchronous on-policy RL
+    max_async_steps = 1                  # 0 = synchronous on-policy RL; at most max_off_policy_steps
     max_off_policy_steps = 1
+    seq_len = 2048                       # the trainer's: every env's max_total_tokens must fit it
+    max_model_len = 4096                 # the servers' context limit (optional): requests are capped to it
 
     [sampling]                           # RL rollouts: temperature > 0, no top_p / top_k / min_p
     temperature = 1.0
@@ -66,9 +68,26 @@ class OrchestratorConfig(BaseConfig):
     max_concurrent_groups: int | None = Field(
         None, ge=1, description="groups in flight at once; default: enough for (1 + max_async_steps) batches"
     )
-    max_async_steps: int = Field(1, ge=0, description="batches the orchestrator may run ahead of the trainer")
+    max_async_steps: int = Field(
+        1,
+        ge=0,
+        description="batches the orchestrator may run ahead of the trainer; at most max_off_policy_steps",
+    )
     max_off_policy_steps: int = Field(
         1, ge=0, description="k: at step n, drop samples with a token older than version n-1-k"
+    )
+    seq_len: int = Field(
+        2048,
+        gt=0,
+        description="the trainer's seq_len (tokens of one packed row): no sample may be longer; every "
+        "env's max_total_tokens must fit it",
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="the servers' context limit (prompt + completion tokens): requests are capped to "
+        "fit it, and every env's max_total_tokens must fit it; None: unknown (a request the servers "
+        "refuse for its length then ends the episode as a length stop)",
     )
     return_routed_experts: bool = Field(True, description="ask inference for routing (router replay)")
     max_episode_retries: int = Field(3, ge=0, description="re-runs of an episode whose server failed")
@@ -134,7 +153,32 @@ class OrchestratorConfig(BaseConfig):
                 "group_size = 1 gives every group zero advantage; set advantage.filter_zero_advantage = false "
                 "or use group_size >= 2"
             )
+        if self.max_async_steps > self.max_off_policy_steps:
+            raise ValueError(
+                f"max_async_steps ({self.max_async_steps}) is larger than max_off_policy_steps "
+                f"({self.max_off_policy_steps}): groups dispatched that far ahead are too old for the batch "
+                "they land in, and the batch cut drops them; raise max_off_policy_steps to at least "
+                "max_async_steps, or lower max_async_steps"
+            )
+        self._check_episode_budgets()
         return self
+
+    def _check_episode_budgets(self) -> None:
+        """Every episode must fit one packed trainer row and the servers' context."""
+        for i, env in enumerate(self.envs.envs):
+            budget = f"envs.envs[{i}] ({env.label or env.name}) max_total_tokens ({env.max_total_tokens})"
+            if env.max_total_tokens > self.seq_len:
+                raise ValueError(
+                    f"{budget} is larger than seq_len ({self.seq_len}), the trainer's packed row: a longer "
+                    "episode could not be trained; lower max_total_tokens or raise seq_len"
+                )
+            if self.max_model_len is not None and env.max_total_tokens > self.max_model_len:
+                raise ValueError(
+                    f"{budget} is larger than max_model_len ({self.max_model_len}), the servers' context "
+                    "limit ([inference] max_model_len, else the model's max_position_embeddings): episodes "
+                    "would hit the server's limit before their budget; lower max_total_tokens or raise "
+                    "the servers' max_model_len"
+                )
 
     @property
     def groups_per_batch(self) -> int:

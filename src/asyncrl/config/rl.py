@@ -20,6 +20,10 @@
 
 Shared keys are set once, at the top. `resolve()` derives each process's config from them, in one
 visible place; a section that sets a shared key itself is an error (not silently overwritten).
+It also rejects combinations that the processes would accept one by one and then fail on or train
+badly with: an env's `max_total_tokens` above `seq_len` or above the servers' context limit,
+`max_async_steps` above `max_off_policy_steps` (checked by `OrchestratorConfig`), and
+`[trainer.publish] interval` above `max_async_steps + 1` (checked here).
 """
 
 from __future__ import annotations
@@ -42,7 +46,17 @@ __all__ = ["DeploymentConfig", "RLConfig", "ResolvedRL"]
 # section -> keys that come from the top level
 _SHARED = {
     "inference": ("model", "port", "seed", "api_key"),
-    "orchestrator": ("model", "run_dir", "max_steps", "servers", "seed", "api_key", "inference_backend"),
+    "orchestrator": (
+        "model",
+        "run_dir",
+        "max_steps",
+        "servers",
+        "seed",
+        "api_key",
+        "inference_backend",
+        "seq_len",
+        "max_model_len",
+    ),
     "trainer": ("run_dir", "max_steps", "seq_len", "seed"),  # [trainer.model] may set dtype/device
 }
 
@@ -117,8 +131,8 @@ class RLConfig(BaseConfig):
             clash = sorted(set(getattr(self, section)) & set(keys))
             if clash:
                 raise ConfigError(
-                    f"[{section}] sets {clash}: these come from the top level (or [deployment]); "
-                    "set them there instead"
+                    f"[{section}] sets {clash}: these come from the top level (or [deployment], or "
+                    "[inference] for max_model_len); set them there instead"
                 )
         d = self.deployment
         inference = [
@@ -150,6 +164,8 @@ class RLConfig(BaseConfig):
                 "servers": self.server_urls,
                 "seed": self.seed,
                 "api_key": self.api_key,
+                "seq_len": self.seq_len,
+                "max_model_len": min(_context_lens(inference), default=None),
             },
         )
         trainer_model = dict(self.trainer.get("model", {}))
@@ -169,6 +185,7 @@ class RLConfig(BaseConfig):
                 "seed": self.seed,
             },
         )
+        _check_publish_interval(trainer, orchestrator)
         return ResolvedRL(inference=inference, orchestrator=orchestrator, trainer=trainer)
 
     def _routing_replay(self, inference: InferenceConfig) -> dict[str, Any]:
@@ -183,6 +200,24 @@ class RLConfig(BaseConfig):
                 "enable_return_routed_experts = true (a GPU build of vLLM)"
             )
         return {"return_routed_experts": False}
+
+
+def _context_lens(inference: list[InferenceConfig]) -> list[int]:
+    """The servers' known context limits (none while the model directory does not exist yet)."""
+    return [n for n in (cfg.context_len() for cfg in inference) if n is not None]
+
+
+def _check_publish_interval(trainer: RLTrainerConfig, orchestrator: OrchestratorConfig) -> None:
+    """The orchestrator writes batch n only once the servers hold v_{n-1-max_async_steps}, and the
+    trainer publishes every `interval` steps: beyond max_async_steps + 1 each waits on the other."""
+    interval, lag = trainer.publish.interval, orchestrator.max_async_steps
+    if interval > lag + 1:
+        raise ConfigError(
+            f"[trainer.publish] interval ({interval}) is larger than [orchestrator] max_async_steps + 1 "
+            f"({lag + 1}): the trainer would wait for a batch that the orchestrator writes only after "
+            f"the next publish, until batch_timeout_s; lower the interval to at most {lag + 1} or raise "
+            "max_async_steps"
+        )
 
 
 def _section(cls, name: str, data: dict[str, Any]):

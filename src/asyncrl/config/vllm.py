@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from asyncrl.config.base import BaseConfig
 
@@ -69,3 +69,16 @@ class VLLMConfig(BaseConfig):
     startup_timeout_s: float = Field(900.0, gt=0.0, description="compatibility probe and start-up budget")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of the vLLM process")
     extra_args: list[str] = Field(default_factory=list, description="more vLLM flags, passed verbatim")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_context_len(cls, extra_args: list[str]) -> list[str]:
+        """The context limit has one key, `[inference] max_model_len`, which asyncrl checks against every
+        env's episode budget and caps requests by; a flag here would override it unseen."""
+        for arg in extra_args:
+            if arg.split("=")[0].replace("_", "-") == "--max-model-len":
+                raise ValueError(
+                    f"extra_args sets {arg.split('=')[0]}: set [inference] max_model_len instead (asyncrl "
+                    "checks it against the environments' max_total_tokens and caps requests by it)"
+                )
+        return extra_args

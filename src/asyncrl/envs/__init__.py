@@ -10,7 +10,13 @@ Typical use (the orchestrator wraps the client with routing and retries)::
 See docs/envs.md.
 """
 
-from asyncrl.envs.backend import HttpBackend, InferenceBackend, InferenceError, ServerUnavailable
+from asyncrl.envs.backend import (
+    ContextLimitExceeded,
+    HttpBackend,
+    InferenceBackend,
+    InferenceError,
+    ServerUnavailable,
+)
 from asyncrl.envs.base import (
     Environment,
     EpisodeState,
@@ -34,6 +40,7 @@ __all__ = [
     "NOT_SAMPLED_VERSION",
     "ChatPolicy",
     "ChatTokenizer",
+    "ContextLimitExceeded",
     "EnvConfigError",
     "EnvMixture",
     "Environment",

@@ -16,7 +16,9 @@ them; `HttpInferenceClient` (asyncrl.envs.client) is one backend behind the envi
 
 Errors: `ServerUnavailable` when the server cannot be reached or fails (transport error, timeout,
 5xx): the pool takes it out of rotation. `InferenceError` when it answers outside the contract
-(4xx, malformed body): the request was at fault, and the server stays.
+(4xx, malformed body): the request was at fault, and the server stays. `ContextLimitExceeded`, an
+`InferenceError`, when the server refused a request because it does not fit its context limit:
+the caller has reached the server's limit (a length stop), not made a mistake.
 """
 
 from __future__ import annotations
@@ -37,9 +39,15 @@ from asyncrl.wire import (
     WeightsInfo,
 )
 
-__all__ = ["HttpBackend", "InferenceBackend", "InferenceError", "ServerUnavailable"]
+__all__ = ["ContextLimitExceeded", "HttpBackend", "InferenceBackend", "InferenceError", "ServerUnavailable"]
 
 _Answer = TypeVar("_Answer", bound=BaseModel)
+
+# How the servers word a 400 for a request that does not fit their context: the embedded engine
+# "... exceeds the context limit N" / "the context limit is N"; vLLM "... longer than the maximum
+# model length of N" (token prompts) or "This model's maximum context length is N" (text prompts).
+# Neither gives the refusal a code of its own, so the message is the only signal.
+_CONTEXT_LIMIT_PHRASES = ("context limit", "maximum model length", "maximum context length")
 
 
 class InferenceError(RuntimeError):
@@ -48,6 +56,10 @@ class InferenceError(RuntimeError):
 
 class ServerUnavailable(InferenceError):
     """The server failed at the transport level (or 5xx); the request may be retried elsewhere."""
+
+
+class ContextLimitExceeded(InferenceError):
+    """The server refused the request (400) because prompt + max_tokens do not fit its context limit."""
 
 
 @runtime_checkable
@@ -175,6 +187,8 @@ class HttpBackend:
             raise ServerUnavailable(f"{where} failed: {type(e).__name__}: {e}") from e
         if response.status_code >= 500:
             raise ServerUnavailable(f"{where} -> {response.status_code}: {response.text[:500]}")
+        if response.status_code == 400 and any(p in response.text for p in _CONTEXT_LIMIT_PHRASES):
+            raise ContextLimitExceeded(f"{where} -> 400: {response.text[:500]}")
         if response.status_code != 200:
             raise InferenceError(f"{where} -> {response.status_code}: {response.text[:500]}")
         return response

@@ -15,17 +15,21 @@ from typing import Any, Protocol
 import httpx
 
 from asyncrl.config.envs import EnvConfig
-from asyncrl.envs.backend import InferenceError
+from asyncrl.envs.backend import ContextLimitExceeded, InferenceError
 from asyncrl.envs.chat import ChatTokenizer
 from asyncrl.envs.client import InferenceClient
 from asyncrl.envs.trajectory import TrajectoryBuilder
 from asyncrl.wire import RolloutSample, SamplingParams
 
-__all__ = ["ChatPolicy", "EpisodeBudgetExhausted", "Policy", "TokenPolicy", "Turn"]
+__all__ = ["ChatPolicy", "ContextLimitReached", "EpisodeBudgetExhausted", "Policy", "TokenPolicy", "Turn"]
 
 
 class EpisodeBudgetExhausted(Exception):
     """The episode's token budget leaves no room for another completion (a stop condition, not an error)."""
+
+
+class ContextLimitReached(EpisodeBudgetExhausted):
+    """The conversation fills the server's context: a length stop like the budget, not a failure."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +57,14 @@ class Policy(Protocol):
 
 
 class TokenPolicy:
-    """Token-exact turns over an `InferenceClient`; see `asyncrl.envs.trajectory` for the stitching rules."""
+    """Token-exact turns over an `InferenceClient`; see `asyncrl.envs.trajectory` for the stitching rules.
+
+    Each turn samples at most what the turn cap, the episode's `max_total_tokens` and the server's
+    context limit (`max_model_len`, when known) leave, so a request never outgrows the server. A
+    server that refuses a request for its length anyway (its limit was unknown or lower) ends the
+    episode as a length stop, `ContextLimitReached`: the turns so far are trained as a truncated
+    episode, never dropped as a failure (that would bias training toward short episodes).
+    """
 
     def __init__(
         self,
@@ -64,11 +75,12 @@ class TokenPolicy:
         config: EnvConfig,
         cache_salt: str | None = None,
         return_routed_experts: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         self.stitching = config.stitching
         self.num_bridged_turns = 0
         self.client, self.tokenizer, self.sampling = client, tokenizer, sampling
-        self.max_total_tokens = config.max_total_tokens
+        self.max_total_tokens, self.max_model_len = config.max_total_tokens, max_model_len
         self.max_tokens_per_turn = config.max_tokens_per_turn or sampling.max_tokens
         self.cache_salt, self.return_routed_experts = cache_salt, return_routed_experts
         self.trajectory = TrajectoryBuilder()
@@ -80,22 +92,21 @@ class TokenPolicy:
     async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Turn:
         temperature = self.sampling.temperature
         rendered = self._render(messages, tools)
-        room = self.max_total_tokens - len(rendered)  # checked first: no unused env tokens in the sample
-        if room < 1:
-            raise EpisodeBudgetExhausted(
-                f"prompt has {len(rendered)} tokens, max_total_tokens={self.max_total_tokens}"
-            )
+        max_tokens = self._max_tokens(len(rendered))  # checked first: no unused env tokens in the sample
         before = self.trajectory.num_tokens
         prompt = self.trajectory.extend_prompt(rendered, temperature=temperature)
         num_new_prompt = self.trajectory.num_tokens - before
-        sampling = self.sampling.model_copy(update={"max_tokens": min(self.max_tokens_per_turn, room)})
-        response = await self.client.generate(
-            prompt,
-            sampling,
-            cache_salt=self.cache_salt,
-            return_routed_experts=self.return_routed_experts,
-            routed_experts_start=self.trajectory.routing_start if self.return_routed_experts else 0,
-        )
+        sampling = self.sampling.model_copy(update={"max_tokens": max_tokens})
+        try:
+            response = await self.client.generate(
+                prompt,
+                sampling,
+                cache_salt=self.cache_salt,
+                return_routed_experts=self.return_routed_experts,
+                routed_experts_start=self.trajectory.routing_start if self.return_routed_experts else 0,
+            )
+        except ContextLimitExceeded as e:
+            raise ContextLimitReached(f"the server refused {len(prompt)} prompt tokens: {e}") from e
         self.trajectory.add_completion(response, temperature=temperature)
         return Turn(
             text=self.tokenizer.decode(response.token_ids),
@@ -103,6 +114,21 @@ class TokenPolicy:
             num_prompt_tokens=num_new_prompt,
             num_completion_tokens=len(response.token_ids),
         )
+
+    def _max_tokens(self, num_prompt_tokens: int) -> int:
+        """What this turn may sample: the turn cap, the episode budget's rest and the context's rest."""
+        room = self.max_total_tokens - num_prompt_tokens
+        if room < 1:
+            raise EpisodeBudgetExhausted(
+                f"prompt has {num_prompt_tokens} tokens, max_total_tokens={self.max_total_tokens}"
+            )
+        if self.max_model_len is not None:
+            if num_prompt_tokens >= self.max_model_len:
+                raise ContextLimitReached(
+                    f"prompt has {num_prompt_tokens} tokens, the server's max_model_len={self.max_model_len}"
+                )
+            room = min(room, self.max_model_len - num_prompt_tokens)
+        return min(self.max_tokens_per_turn, room)
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         rendered = self.tokenizer.render(messages, tools)

@@ -5,7 +5,8 @@
 
 Per turn: the policy writes; tool calls in the text run (errors and timeouts go back to the model as
 tool messages); a turn without tool calls asks the env to `respond` (None ends the episode). Stop
-reasons: "done", "max_turns", "max_tokens", "deadline", "aborted" (the server aborted the request),
+reasons: "done", "max_turns", "max_tokens" (the episode's token budget), "context_limit" (the
+conversation fills the server's context), "deadline", "aborted" (the server aborted the request),
 and "error": environment code raised, so the episode is marked failed with reward 0 and the error
 recorded, and the caller keeps going. Inference failures (`InferenceError`) are not environment bugs:
 they propagate to the caller, which owns retries; so does cancellation. Teardown runs in every case.
@@ -24,7 +25,7 @@ from typing import Any
 from asyncrl.config.envs import EnvConfig, LatencyConfig
 from asyncrl.envs.backend import InferenceError
 from asyncrl.envs.base import Environment, EpisodeState, Task
-from asyncrl.envs.policy import EpisodeBudgetExhausted, Policy
+from asyncrl.envs.policy import ContextLimitReached, EpisodeBudgetExhausted, Policy
 from asyncrl.envs.tools import call_tool, parse_tool_calls
 from asyncrl.wire import RolloutSample
 
@@ -88,6 +89,8 @@ async def _loop(
     while stats.num_turns < max_turns:
         try:
             turn = await policy.complete(state.messages, schemas)
+        except ContextLimitReached:
+            return "context_limit"
         except EpisodeBudgetExhausted:
             return "max_tokens"
         stats.num_turns += 1

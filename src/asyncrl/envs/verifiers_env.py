@@ -21,7 +21,7 @@ What comes from verifiers and what from asyncrl:
   under `rewards` with their names). A reward or tool that raises fails the episode, not the run.
   In the trace every tool call, malformed ones included, has its own id and its own result, and
   the stop condition says how the episode ended (`agent_completed`, `max_turns`,
-  `max_total_tokens`, `agent_timeout`), as verifiers' own rollout records them.
+  `max_total_tokens`, `max_input_tokens`, `agent_timeout`), as verifiers' own rollout records them.
 
 Not supported (an error says so when it matters): custom harnesses (bash, codex, ...) and
 runtimes, `@vf.stop` / `@vf.intercept` hooks, judges that call a model, infinite tasksets,
@@ -45,7 +45,13 @@ __all__ = ["VERIFIERS_PREFIX", "VerifiersEnv", "VerifiersRubric"]
 VERIFIERS_PREFIX = "verifiers:"
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # the blocks parse_tool_calls reads
 # asyncrl's stop reasons named as verifiers names the same ends ("deadline" and "aborted": see _stop)
-_STOP_CONDITIONS = {"done": "agent_completed", "max_turns": "max_turns", "max_tokens": "max_total_tokens"}
+# ("context_limit": the prompt filled the server's context, verifiers' input-token limit)
+_STOP_CONDITIONS = {
+    "done": "agent_completed",
+    "max_turns": "max_turns",
+    "max_tokens": "max_total_tokens",
+    "context_limit": "max_input_tokens",
+}
 _MISSING = "verifiers is not installed: pip install -e '.[verifiers]' (verifiers==0.4.0)"
 
 

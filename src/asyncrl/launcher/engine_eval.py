@@ -102,7 +102,9 @@ async def _run(
 
         async def one(i: int) -> Episode:
             task = env.task("eval", i)
-            policy = TokenPolicy(client, tokenizer, sampling, config=env_cfg)
+            policy = TokenPolicy(
+                client, tokenizer, sampling, config=env_cfg, max_model_len=engine.engine.max_model_len
+            )
             episode = await run_episode(env, task, policy, config=env_cfg, episode_id=f"eval/{i}")
             bar.update(1)
             return episode

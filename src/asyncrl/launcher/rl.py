@@ -129,6 +129,8 @@ def keys_help() -> str:
     ):
         shared = _SHARED[name] + (("model.path",) if name == "trainer" else ())
         about = f"{cls.__name__}; {', '.join(shared)} come from the top level"
+        if "max_model_len" in shared:
+            about += " (max_model_len: the [inference] servers' context limit)"
         sections.append(config_help(cls, name, exclude=shared, about=about))
     return "Keys (TOML, or `--dotted.key value` on the command line):\n\n" + "\n\n".join(sections)
 

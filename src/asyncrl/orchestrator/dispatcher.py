@@ -17,7 +17,11 @@ Reading order:
    counted, never trained; see `advantages`) and enter the buffer; `cut(step)` drops stale
    groups, and a full batch is written atomically to `RUN/rollouts/step_n/`, together with the
    orchestrator's checkpoint (`snapshot`; `restore` continues from it, see checkpoint.py). A write
-   the disk refuses is retried, with the groups kept, until it succeeds.
+   the disk refuses is retried, with the groups kept, until it succeeds. No sample longer than the
+   trainer's `seq_len` ever enters a batch: the trainer could not pack it, and a written batch is
+   re-read on every resume. The config check (every env's max_total_tokens <= seq_len) keeps such
+   samples from being sampled; should one appear anyway, its group fails (`SampleTooLongError`,
+   logged and counted as a group error) before it reaches the buffer.
 """
 
 from __future__ import annotations
@@ -47,9 +51,13 @@ from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.transport.rollouts import write_batch
 from asyncrl.wire import RolloutBatch
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "SampleTooLongError"]
 
 log = logging.getLogger(__name__)
+
+
+class SampleTooLongError(RuntimeError):
+    """A finished group holds a sample longer than the trainer's seq_len: it must never be written."""
 
 
 @dataclass
@@ -186,6 +194,7 @@ class Dispatcher:
                 self.cfg.sampling,
                 config=env_cfg,
                 return_routed_experts=self.cfg.return_routed_experts,
+                max_model_len=self.cfg.max_model_len,
             )
             try:
                 return await run_episode(env, task, policy, config=env_cfg, episode_id=episode_id)
@@ -206,6 +215,7 @@ class Dispatcher:
     ) -> Group:
         """Advantages over the valid episodes (see `advantages`); failed ones are counted, never trained."""
         valid = [e for e in episodes if is_valid(e)]
+        self._check_sample_lengths(valid)
         self.counters.episodes_failed += len(episodes) - len(valid)
         scored = valid_group_samples(
             episodes, normalize_std=self.cfg.advantage.normalize_std, eps=self.cfg.advantage.std_eps
@@ -226,6 +236,16 @@ class Dispatcher:
             episode_metrics=[e.metrics | {"reward": e.reward} for e in episodes],
             index=index,
         )
+
+    def _check_sample_lengths(self, episodes: list[Episode]) -> None:
+        for e in episodes:
+            longest = max((s.num_tokens for s in e.samples), default=0)
+            if longest > self.cfg.seq_len:
+                raise SampleTooLongError(
+                    f"episode {e.episode_id} has a sample of {longest} tokens, more than seq_len "
+                    f"({self.cfg.seq_len}), the trainer's packed row, although its env's max_total_tokens "
+                    "fits seq_len; its group is dropped so that no batch the trainer cannot pack is written"
+                )
 
     # -- main loop -----------------------------------------------------------------------------
     async def run(

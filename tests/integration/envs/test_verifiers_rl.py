@@ -127,8 +127,8 @@ def test_rl_trains_on_verifiers_environments(tmp_path):
         "orchestrator": {
             "batch_size": 8, "group_size": 4, "sampling": {"temperature": 1.0, "max_tokens": 8},
             "envs": {"envs": [
-                {"name": "verifiers:my_echo_env", "args": {"num_tasks": 8}},
-                {"name": "verifiers:my_mul_env", "args": {"num_tasks": 8}, "max_turns": 3},
+                {"name": "verifiers:my_echo_env", "args": {"num_tasks": 8}, "max_total_tokens": 512},
+                {"name": "verifiers:my_mul_env", "args": {"num_tasks": 8}, "max_turns": 3, "max_total_tokens": 512},
             ]},
         },
         "trainer": {"optim": {"lr": 1e-3}, "peak_flops": 1e11},

@@ -106,13 +106,14 @@ def test_rl_help_shows_descriptions_and_leaves_out_the_shared_keys(capsys):
     )  # the orchestrator's default
     orchestrator = out.split("\n[orchestrator]  ")[1].split("[orchestrator.envs]")[0]
     assert (
-        "model, run_dir, max_steps, servers, seed, api_key, inference_backend come from the top level"
-        in orchestrator
+        "model, run_dir, max_steps, servers, seed, api_key, inference_backend, seq_len, max_model_len come "
+        "from the top level (max_model_len: the [inference] servers' context limit)" in orchestrator
     )
     assert (
         "run_dir =" not in orchestrator
         and "servers =" not in orchestrator
         and "api_key =" not in orchestrator
+        and "seq_len =" not in orchestrator
     )
     assert "path (required)" not in out.split("[trainer.model]")[1].split("[trainer.optim]")[0]
 

@@ -10,6 +10,7 @@ pytest.importorskip("verifiers.v1", reason="verifiers is an optional extra: pip 
 
 from asyncrl.config import EnvConfig
 from asyncrl.envs import EnvConfigError, ScriptedClient, TokenPolicy, build_env, run_episode
+from asyncrl.envs.verifiers_env import build_trace
 from asyncrl.wire import GenerateResponse, SamplingParams
 
 
@@ -194,3 +195,11 @@ def test_an_aborted_episode_is_a_failed_model_call_to_verifiers(tokenizer):
     assert episode.stop_reason == "aborted" and episode.rewards["finished"] == 0.0
     assert trace.stop_condition == "provider_error" and not trace.ok
     assert trace.errors[-1].type == "ProviderError"
+
+
+def test_a_context_limit_stop_is_an_input_token_limit_to_verifiers(tokenizer):
+    env = build_env("verifiers:vf_envs.vf_probe", {}, seed=0)
+    vf_task = env.task("train", 0).info["vf_task"]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "done"}]
+    trace = build_trace(vf_task, messages, stop_reason="context_limit", calls_ran=True)
+    assert (trace.is_completed, trace.stop_condition, trace.is_truncated) == (True, "max_input_tokens", True)

@@ -16,7 +16,7 @@ from asyncrl.wire import RolloutBatch, RolloutSample
 
 
 def _resolved(run_dir):
-    cfg = {"model": "m", "run_dir": str(run_dir), "max_steps": 6, "seq_len": 64}
+    cfg = {"model": "m", "run_dir": str(run_dir), "max_steps": 6, "seq_len": 2048}
     return load_config(RLConfig, cfg).resolve()
 
 

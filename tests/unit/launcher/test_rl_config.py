@@ -12,7 +12,7 @@ from asyncrl.launcher.cli import main
 
 
 def _cfg(**kw) -> RLConfig:
-    return load_config(RLConfig, {"model": "m", "run_dir": "r", "max_steps": 5, "seq_len": 256} | kw)
+    return load_config(RLConfig, {"model": "m", "run_dir": "r", "max_steps": 5, "seq_len": 4096} | kw)
 
 
 def test_shared_keys_reach_every_process():
@@ -28,7 +28,8 @@ def test_shared_keys_reach_every_process():
     assert r.orchestrator.servers == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
     assert (r.orchestrator.model, r.orchestrator.run_dir, r.orchestrator.max_steps) == ("m", "r", 5)
     assert str(r.trainer.model.path) == "m" and r.trainer.model.dtype == "bfloat16"
-    assert (r.trainer.max_steps, r.trainer.seq_len, r.trainer.optim.lr) == (5, 256, 3e-4)
+    assert (r.trainer.max_steps, r.trainer.seq_len, r.trainer.optim.lr) == (5, 4096, 3e-4)
+    assert r.orchestrator.seq_len == 4096 and r.orchestrator.max_model_len is None  # no model dir "m"
 
 
 def test_section_setting_a_shared_key_is_an_error():

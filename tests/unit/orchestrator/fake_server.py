@@ -6,7 +6,8 @@ update, resume) changes the versions within one response. While paused it sample
 It keeps a prefix cache the way the engine does: keyed by (`cache_salt`, the version that computed
 the tokens), reporting `num_cached_tokens`; every request is logged in `seen` (salt, version on
 arrival, cached tokens, per-token versions). It can add a heavy-tailed delay per request, hold a
-response after its first tokens (`hold_after_tokens`, released by `release()`), and fail updates.
+response after its first tokens (`hold_after_tokens`, released by `release()`), fail updates, and
+refuse requests that do not fit a context limit (`max_model_len`) with the engine's 400.
 `update_weights` only records the version and path.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import uvicorn
 from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
 
 from asyncrl.wire import (
     GenerateRequest,
@@ -37,6 +39,15 @@ from helpers import free_port
 
 EOS = 258
 NUM_LAYERS, TOP_K = 2, 2
+
+
+def _context_limit_error(num_prompt: int, max_tokens: int, limit: int) -> JSONResponse:
+    """The embedded engine's answer to a request that does not fit its context (asyncrl.inference)."""
+    message = f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context limit {limit}"
+    body = {
+        "error": {"message": message, "type": "invalid_request_error", "param": "max_tokens", "code": 400}
+    }
+    return JSONResponse(body, status_code=400)
 
 
 @dataclass
@@ -61,16 +72,20 @@ class FakeServer:
         hang_first_prompt: bool = False,
         hold_after_tokens: int | None = None,
         fail_updates: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         """`hang_after`: requests after the first N never answer (a server that stops responding).
         `hang_first_prompt`: requests with the first request's prompt never answer (one straggler group).
         `hold_after_tokens`: every response waits after that many tokens until `release()`.
         `fail_updates`: the next N `/update_weights` calls answer 500 (the weights stay as they are).
+        `max_model_len`: requests whose prompt + max_tokens exceed it get the engine's 400 (counted in
+        `num_rejected`).
         """
         self.version = 0
         self.seen: list[Seen] = []
         self.hold_after_tokens = hold_after_tokens
         self.fail_updates = fail_updates
+        self.max_model_len, self.num_rejected = max_model_len, 0
         self._cache: set[tuple[str | None, int, tuple[int, ...]]] = set()  # cached block-free prefixes
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -97,10 +112,16 @@ class FakeServer:
         async def health():
             return {"status": "ok", "paused": self.paused}
 
-        @app.post("/v1/generate")
-        async def generate(req: GenerateRequest) -> GenerateResponse:
+        @app.post("/v1/generate", response_model=None)
+        async def generate(req: GenerateRequest) -> GenerateResponse | JSONResponse:
             self._loop = asyncio.get_running_loop()
             self.num_requests += 1
+            if (
+                self.max_model_len is not None
+                and len(req.prompt_token_ids) + req.max_tokens > self.max_model_len
+            ):
+                self.num_rejected += 1
+                return _context_limit_error(len(req.prompt_token_ids), req.max_tokens, self.max_model_len)
             if self.hang_after is not None and self.num_requests > self.hang_after:
                 await asyncio.Event().wait()
             if self._first_prompt is None:

@@ -13,7 +13,7 @@ from asyncrl.envs.rollout import Episode
 from asyncrl.orchestrator.advantages import group_advantages, with_advantage
 from asyncrl.orchestrator.buffer import Group, GroupBuffer
 from asyncrl.orchestrator.checkpoint import GroupRef
-from asyncrl.orchestrator.dispatcher import Dispatcher, _InFlight
+from asyncrl.orchestrator.dispatcher import Dispatcher, SampleTooLongError, _InFlight
 from asyncrl.wire import BatchFormatError, RolloutSample
 
 
@@ -129,6 +129,25 @@ def test_a_group_with_fewer_than_two_valid_episodes_is_dropped_and_counted():
     group, dispatcher = _make_group([_episode(1.0), _episode(0.0, error="InferenceError: down")])
     assert group.samples == [] and dispatcher.counters.groups_too_few_valid == 1
     assert dispatcher.counters.episodes_failed == 1
+
+
+def test_a_sample_longer_than_seq_len_fails_its_group_before_any_batch_holds_it():
+    # The config keeps every env's budget within seq_len; should a sample outgrow it anyway, the
+    # trainer could not pack it, and a written batch is re-read on every resume.
+    cfg = OrchestratorConfig(
+        model="m",
+        batch_size=4,
+        group_size=4,
+        seq_len=2,
+        envs={"envs": [{"name": "e", "max_total_tokens": 2}]},
+    )
+    dispatcher = Dispatcher(cfg, None, None, None)
+    with pytest.raises(
+        SampleTooLongError, match=r"episode e1\.0 has a sample of 3 tokens, more than seq_len \(2\)"
+    ):
+        dispatcher._make_group("e", Task(id="t", prompt=[]), 1, [_episode(1.0), _episode(0.0)])
+    ok = Dispatcher(cfg.model_copy(update={"seq_len": 3}), None, None, None)
+    assert len(ok._make_group("e", Task(id="t", prompt=[]), 1, [_episode(1.0), _episode(0.0)]).samples) == 2
 
 
 def test_a_failing_group_is_counted_and_the_run_goes_on():
