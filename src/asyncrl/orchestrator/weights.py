@@ -9,6 +9,11 @@ reports (`paused_seconds`) and its read time (`load_seconds`) are logged apart.
 A server that fails the update is paused (keep) and leaves the rotation: it would otherwise
 sample with stale weights under a new version. It stays paused until it rejoins: the pool's
 health probe calls `sync_server`, which loads the current version and resumes it.
+
+Servers get the resolved path of `weights/step_n`: one publication's own directory. A version
+published again (a trainer rerun from an older checkpoint outside `asyncrl rl --resume`, which
+retracts such versions before anything starts) is a new directory behind the same link, and is
+loaded on every server like a new version.
 """
 
 from __future__ import annotations
@@ -41,14 +46,18 @@ class WeightUpdater:
     ) -> None:
         self.pool, self.run_dir, self.poll_s = pool, Path(run_dir), poll_s
         self.version = 0
+        self.path: str | None = None  # the publication of `version` the servers were sent
         self.on_version = on_version
         self.pause_seconds: list[float] = []  # per update: the longest generation stall of a server
         self.load_seconds: list[float] = []  # per update: the longest checkpoint read of a server
 
     async def sync_once(self) -> bool:
-        """Load the newest STABLE weights if newer than what the servers hold; True if updated."""
+        """Load the newest STABLE weights if newer than what the servers hold, or the version they
+        hold published again; True if updated."""
         latest = latest_stable_step(self.run_dir)
-        if latest is None or latest <= self.version:
+        if latest is None or latest < self.version:
+            return False
+        if latest == self.version and self._request(latest).path == self.path:
             return False
         await self.update(latest)
         return True
@@ -69,10 +78,11 @@ class WeightUpdater:
         loaded = max((r.load_seconds for r in done), default=0.0)
         self.pause_seconds.append(paused)
         self.load_seconds.append(loaded)
-        self.version = version
+        self.version, self.path = version, request.path
         log.info(
-            "weights v%d loaded on %d server(s) in %.3fs (read %.3fs, generation paused %.3fs)",
+            "weights v%d (%s) loaded on %d server(s) in %.3fs (read %.3fs, generation paused %.3fs)",
             version,
+            request.path,
             len(self.pool.healthy_servers),
             time.monotonic() - t0,
             loaded,
