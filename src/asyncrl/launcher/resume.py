@@ -5,11 +5,15 @@ What each process continues from (docs/orchestrator.md, "Checkpoints and resume"
 - the trainer from its newest complete checkpoint c (`checkpoints/step_c/`), retraining batches
   c+1.. from `rollouts/` (never regenerating them); from scratch if it has none;
 - the orchestrator from the checkpoint written with its newest batch B (`rollouts/step_B/`);
-- the inference servers from the newest published weights (the orchestrator loads them at start).
+- the inference servers from the newest published weights up to c (the orchestrator loads them
+  at start).
 
-Before any child starts, `metrics.jsonl` loses the lines of steps that will be redone (trainer
-steps after c; orchestrator steps after B, which cannot exist but a torn line can), so every step
-appears once in the finished file. This is the only time the file is rewritten: no process runs.
+Before any child starts, the weights published after c are retracted (`weights/step_n`, n > c,
+deleted): the trainer publishes those versions again, and no server may stamp tokens n while it
+holds the pre-crash v_n, which the retrained v_n equals only in deterministic fp32. And
+`metrics.jsonl` loses the lines of steps that will be redone (trainer steps after c; orchestrator
+steps after B, which cannot exist but a torn line can), so every step appears once in the finished
+file. Both happen only here, while no process runs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from asyncrl.config.rl import ResolvedRL
 from asyncrl.trainer.checkpoint import latest_checkpoint_step
 from asyncrl.transport.metrics import drop_metrics_after
 from asyncrl.transport.rollouts import batch_steps
+from asyncrl.transport.weights import retract_weights_after, stable_steps
 
 __all__ = ["ResumePlan", "check_fresh_run_dir", "plan_resume"]
 
@@ -32,14 +37,20 @@ class ResumePlan:
     trainer_step: int  # last step the trainer's checkpoint holds (0: from scratch)
     last_batch: int  # newest batch on disk (0: none)
     num_dropped_lines: int  # metrics.jsonl lines of steps that will be redone
+    retracted: list[int]  # published weights after trainer_step, deleted (to be published again)
 
     def describe(self) -> str:
         t, b = self.trainer_step, self.last_batch
         trainer = f"trainer from checkpoint step {t}" if t else "trainer from the base model (no checkpoint)"
         if b > t:
             trainer += f", retraining batches {t + 1}..{b} from rollouts/"
+        weights = ""
+        if self.retracted:
+            first, last = self.retracted[0], self.retracted[-1]
+            span = f"v{first}" if first == last else f"v{first}..v{last}"
+            weights = f"published weights {span} retracted; "
         return (
-            f"resuming: {trainer}; orchestrator after batch {b}; "
+            f"resuming: {trainer}; orchestrator after batch {b}; {weights}"
             f"{self.num_dropped_lines} metrics line(s) of redone steps removed"
         )
 
@@ -71,10 +82,15 @@ def plan_resume(resolved: ResolvedRL, *, dry_run: bool = False) -> ResumePlan:
     )  # resume_step, not resume: no checkpoint at all is a valid state (killed before the first one)
     orchestrator = resolved.orchestrator.model_copy(update={"resume": True})
     keep = {"trainer": trainer_step, "orchestrator": last_batch}
-    dropped = 0 if dry_run else drop_metrics_after(run_dir, keep)
+    retracted = [s for s in stable_steps(run_dir) if s > trainer_step]  # the complete ones, to report
+    dropped = 0
+    if not dry_run:
+        dropped = drop_metrics_after(run_dir, keep)
+        retract_weights_after(run_dir, trainer_step)
     return ResumePlan(
         resolved=ResolvedRL(inference=resolved.inference, orchestrator=orchestrator, trainer=trainer),
         trainer_step=trainer_step,
         last_batch=last_batch,
         num_dropped_lines=dropped,
+        retracted=retracted,
     )

@@ -15,8 +15,9 @@ the command line: `--orchestrator.batch_size 32 --trainer.optim.lr 1e-4`.
 
 Other flags:
   --resume      continue the run in run_dir after a crash or kill: the trainer from its newest
-                checkpoint, the orchestrator from the checkpoint stored with its newest batch,
-                the servers from the newest published weights (see asyncrl.launcher.resume)
+                checkpoint c, the orchestrator from the checkpoint stored with its newest batch,
+                the servers from the newest published weights up to v_c (those after c are
+                retracted and published again by the trainer; see asyncrl.launcher.resume)
   --dry-run     resolve and write the configs, print the commands, start nothing
   --slurm       render RUN/slurm.sbatch from the `[slurm]` table and submit it with sbatch
                 (with --dry-run: only write it); same as `asyncrl slurm`, see asyncrl.launcher.slurm

@@ -11,6 +11,11 @@ sample with stale weights under a new version. It stays paused until it rejoins:
 health probe calls `sync_server`, which loads the newest version being rolled out (`target`, set
 before any server is asked, so a server rejoining during an update is brought to that update's
 version, not the one before) and resumes it.
+
+Servers get the resolved path of `weights/step_n`: one publication's own directory. A version
+published again (a trainer rerun from an older checkpoint outside `asyncrl rl --resume`, which
+retracts such versions before anything starts) is a new directory behind the same link, and is
+loaded on every server like a new version.
 """
 
 from __future__ import annotations
@@ -44,14 +49,18 @@ class WeightUpdater:
         self.pool, self.run_dir, self.poll_s = pool, Path(run_dir), poll_s
         self.version = 0  # every healthy server answered for it
         self.target = 0  # the newest version being rolled out; >= version
+        self.path: str | None = None  # the publication of `version` the servers were sent
         self.on_version = on_version
         self.pause_seconds: list[float] = []  # per update: the longest generation stall of a server
         self.load_seconds: list[float] = []  # per update: the longest checkpoint read of a server
 
     async def sync_once(self) -> bool:
-        """Load the newest STABLE weights if newer than what the servers hold; True if updated."""
+        """Load the newest STABLE weights if newer than what the servers hold, or the version they
+        hold published again; True if updated."""
         latest = latest_stable_step(self.run_dir)
-        if latest is None or latest <= self.version:
+        if latest is None or latest < self.version:
+            return False
+        if latest == self.version and self._request(latest).path == self.path:
             return False
         await self.update(latest)
         return True
@@ -73,10 +82,11 @@ class WeightUpdater:
         loaded = max((r.load_seconds for r in done), default=0.0)
         self.pause_seconds.append(paused)
         self.load_seconds.append(loaded)
-        self.version = version
+        self.version, self.path = version, request.path
         log.info(
-            "weights v%d loaded on %d server(s) in %.3fs (read %.3fs, generation paused %.3fs)",
+            "weights v%d (%s) loaded on %d server(s) in %.3fs (read %.3fs, generation paused %.3fs)",
             version,
+            request.path,
             len(self.pool.healthy_servers),
             time.monotonic() - t0,
             loaded,
@@ -96,10 +106,12 @@ class WeightUpdater:
         """
         try:
             while True:
-                target = self.target
-                held = (await server.backend.weights()).version
-                if held < target:
-                    await server.backend.update_weights(self._request(target))
+                target, info = self.target, await server.backend.weights()
+                held, request = info.version, self._request(target)
+                # same number, other publication (a version published again): reload it too; a
+                # backend that cannot tell its path (vLLM) is trusted on the number
+                if held < target or (held == target and info.path not in (None, request.path)):
+                    await server.backend.update_weights(request)
                     log.info(
                         "server %s brought from v%d to v%d before re-admission", server.url, held, target
                     )

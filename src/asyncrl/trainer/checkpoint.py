@@ -4,7 +4,9 @@
 go through the one DCP save/load (`asyncrl.distributed.save_dcp` / `load_dcp`, which reshard to
 any world size); this module adds the "trainer" entry (step, scheduler, RNG). The directory is
 written under a temporary name and renamed when complete; `latest_checkpoint_step` only sees
-complete ones. Works without a process group (single process).
+complete ones. A checkpoint that does not fit (too little free space for the model and optimizer
+bytes, checked before writing, or a full disk while writing) raises `DiskFullError` on every rank
+and leaves no temporary directory behind. Works without a process group (single process).
 """
 
 from __future__ import annotations
@@ -15,8 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncrl.distributed import DistInfo, barrier, load_dcp, save_dcp
+from asyncrl.trainer.diskspace import raise_together, state_bytes
+from asyncrl.transport.disk import (
+    DiskFullError,
+    check_free_space,
+    disk_full_as_error,
+    disk_full_error,
+    is_disk_full,
+)
 
 __all__ = [
     "CheckpointNotFoundError",
@@ -71,12 +82,18 @@ def save_checkpoint(
 ) -> Path:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")
-    if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(info)
+    what = f"checkpoint of step {step}"
+    error = _make_tmp(tmp, final, state_bytes(model, optimizer), what) if info.is_main else None
+    raise_together(error, info)  # a barrier too: every rank finds the directory
     trainer = _trainer_entry(step, json.dumps(scheduler.state_dict()))
-    save_dcp(tmp, model, optimizer, extra={"trainer": trainer})
+    try:
+        save_dcp(tmp, model, optimizer, extra={"trainer": trainer})
+    except (CheckpointException, OSError) as e:  # DCP raises on every rank when one fails
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _is_disk_full(e):
+            raise disk_full_error(final, what) from e
+        raise
     barrier(info)
     if info.is_main:
         if final.exists():
@@ -86,6 +103,24 @@ def save_checkpoint(
             shutil.rmtree(checkpoint_dir(run_dir, old), ignore_errors=True)
     barrier(info)
     return final
+
+
+def _make_tmp(tmp: Path, final: Path, need_bytes: int, what: str) -> DiskFullError | None:
+    """Rank 0: an empty temporary directory if `need_bytes` fit, else the error to raise everywhere."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        check_free_space(final, need_bytes, what)
+        with disk_full_as_error(final, what):
+            tmp.mkdir(parents=True)
+    except DiskFullError as e:
+        return e
+    return None
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    if isinstance(e, CheckpointException):
+        return any(is_disk_full(failure) for failure, _ in e.failures.values())
+    return is_disk_full(e)
 
 
 def load_checkpoint(

@@ -8,7 +8,9 @@ Step n reads `RUN/rollouts/step_n/` (waiting up to batch_timeout_s), takes this 
 of the samples, packs them into rows of at most seq_len tokens, runs one optimizer step with the
 configured off-policy loss (router replay on when samples carry routed experts), publishes
 `RUN/weights/step_n/` and appends a line to `RUN/metrics.jsonl`. `--resume` (or `--resume-step N`) continues
-from the latest checkpoint with the same step numbering.
+from the latest checkpoint with the same step numbering. A publish or checkpoint that does not fit
+on the disk (checked before it starts) stops the trainer with one line that names the path, what
+was being written and the free space (exit code 1); nothing partial is left as a complete step.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from typing import Any
 from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.model import ModelArgs
+from asyncrl.trainer.diskspace import report_disk_full
 from asyncrl.trainer.loss import LossInputs, LossResult, rl_loss
 from asyncrl.trainer.mismatch import check_mismatch_gate
 from asyncrl.trainer.packing import pack_samples, shard_samples
 from asyncrl.trainer.session import TrainSession
-from asyncrl.transport import batch_dir, read_batch
+from asyncrl.transport import DiskFullError, batch_dir, read_batch
 from asyncrl.wire import BatchFormatError, RolloutBatch
 
 __all__ = ["check_batch_fits_model", "main", "run_rl"]
@@ -105,7 +108,10 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(RLTrainerConfig, list(sys.argv[1:] if argv is None else argv))
-    run_rl(cfg)
+    try:
+        run_rl(cfg)
+    except DiskFullError as e:
+        return report_disk_full("asyncrl trainer", e)
     return 0
 
 

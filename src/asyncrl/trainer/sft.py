@@ -21,10 +21,12 @@ from transformers import AutoTokenizer
 
 from asyncrl.config import load_config
 from asyncrl.config.trainer import SFTConfig, SFTStopConfig
+from asyncrl.trainer.diskspace import report_disk_full
 from asyncrl.trainer.loss import LossInputs, LossResult, sft_loss
 from asyncrl.trainer.packing import pack_samples, shard_samples
 from asyncrl.trainer.session import TrainSession
 from asyncrl.trainer.sft_sources import JsonlSFTSource, SFTSource
+from asyncrl.transport import DiskFullError
 
 __all__ = ["main", "run_sft"]
 
@@ -95,7 +97,10 @@ def run_sft(cfg: SFTConfig, source: SFTSource | None = None) -> list[dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config(SFTConfig, list(sys.argv[1:] if argv is None else argv))
-    run_sft(cfg)
+    try:
+        run_sft(cfg)
+    except DiskFullError as e:
+        return report_disk_full("asyncrl sft", e)
     return 0
 
 

@@ -2,11 +2,13 @@
 
 write_batch(run_dir, batch)                     # orchestrator: rollouts/step_n/ appears atomically
 batch = read_batch(run_dir, step, timeout_s=60)  # trainer: waits, then decodes
-with stage_weights(run_dir, step) as tmp: ...    # publisher writes into tmp; rename + STABLE on exit
+with stage_weights(run_dir, step) as tmp: ...    # publisher writes into tmp; STABLE + step_n link on exit
 latest_stable_step(run_dir)                      # orchestrator: newest published version
 MetricsWriter(run_dir, "trainer").write(step, m)  # both: one line of RUN/metrics.jsonl
+check_free_space(path, num_bytes, "checkpoint")  # DiskFullError (names path, what, free space)
 """
 
+from asyncrl.transport.disk import DiskFullError, check_free_space, disk_full_as_error
 from asyncrl.transport.metrics import METRICS_FILE, MetricsWriter
 from asyncrl.transport.rollouts import (
     BATCH_FILE,
@@ -21,6 +23,7 @@ from asyncrl.transport.weights import (
     WeightsTimeoutError,
     latest_stable_step,
     prune_weights,
+    retract_weights_after,
     stable_steps,
     stage_weights,
     wait_for_weights,
@@ -31,14 +34,18 @@ __all__ = [
     "BATCH_FILE",
     "METRICS_FILE",
     "STABLE_MARKER",
+    "DiskFullError",
     "MetricsWriter",
     "RolloutTimeoutError",
     "WeightsTimeoutError",
     "batch_dir",
     "batch_steps",
+    "check_free_space",
+    "disk_full_as_error",
     "latest_stable_step",
     "prune_weights",
     "read_batch",
+    "retract_weights_after",
     "stable_steps",
     "stage_weights",
     "wait_for_weights",

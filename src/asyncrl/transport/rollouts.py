@@ -21,6 +21,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from asyncrl.transport.disk import disk_full_as_error
 from asyncrl.wire import BatchFormatError, RolloutBatch, decode_batch, encode_batch
 
 __all__ = [
@@ -63,22 +64,24 @@ def write_batch(
 ) -> Path:
     """Write `batch` (and `attachments`) to rollouts/step_{batch.step}/ atomically; returns the directory.
 
-    Raises OSError (e.g. ENOSPC) with nothing left behind if the disk refuses the write.
+    Raises OSError with nothing left behind if the disk refuses the write: `DiskFullError` (naming
+    the batch, the path and the free space) when it is full.
     """
     final = batch_dir(run_dir, batch.step)
     if final.exists():
         raise FileExistsError(f"{final} already exists: batch {batch.step} was written twice")
     arrays, meta = encode_batch(batch)
     files = {BATCH_FILE: (arrays, meta)} | dict(attachments or {})
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{batch.step}.", dir=final.parent))
-    try:
-        for name, (file_arrays, file_meta) in files.items():
-            save_file(file_arrays, str(tmp / name), metadata=file_meta)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with disk_full_as_error(final, f"batch of step {batch.step}"):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".step_{batch.step}.", dir=final.parent))
+        try:
+            for name, (file_arrays, file_meta) in files.items():
+                save_file(file_arrays, str(tmp / name), metadata=file_meta)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return final
 
 

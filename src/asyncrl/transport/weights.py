@@ -1,9 +1,16 @@
-"""Filesystem weight transport: policy version n lives in `RUN/weights/step_n/` with a STABLE marker.
+"""Filesystem weight transport: policy version n is `RUN/weights/step_n/`, complete once it holds STABLE.
 
-The publisher (the trainer, which owns the torch side) writes files into a staging directory from
-`stage_weights`; on a clean exit the directory is renamed to `step_n/` and then `STABLE` is
-created inside it, so a watcher that sees `STABLE` sees a complete checkpoint. Only the newest
-`keep_last` stable versions are kept. Watchers (the orchestrator) need only this module: no torch.
+Each publication is a directory of its own, `weights/.step_n.<id>/`, written in full (the
+publisher's files, then `STABLE`) and never changed afterwards. `weights/step_n` is a symbolic
+link to it, made or replaced by one `rename`, so there is never a moment without a complete
+step_n once one was published: a step published again (a retrained step) switches from the old
+publication to the new one at once. A reader that opens several files resolves the link once and
+reads that directory (the orchestrator sends servers the resolved path, which also tells
+publications of one step apart); a replaced publication stays on disk until its step is pruned.
+
+Only the newest `keep_last` stable versions are kept. `retract_weights_after` removes every
+publication newer than a trainer checkpoint, for a resume. Watchers (the orchestrator) need only
+this module: no torch.
 """
 
 from __future__ import annotations
@@ -13,15 +20,19 @@ import re
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from asyncrl.transport.disk import disk_full_as_error
 
 __all__ = [
     "STABLE_MARKER",
     "WeightsTimeoutError",
     "latest_stable_step",
     "prune_weights",
+    "retract_weights_after",
     "stable_steps",
     "stage_weights",
     "wait_for_weights",
@@ -30,6 +41,7 @@ __all__ = [
 
 STABLE_MARKER = "STABLE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_ANY_STEP = re.compile(r"^\.?step_(\d+)(?:$|\.)")  # step_n, and publications / staging of step n
 _POLL_S = 0.05
 
 
@@ -43,26 +55,36 @@ def weights_dir(run_dir: str | os.PathLike, step: int) -> Path:
 
 @contextmanager
 def stage_weights(run_dir: str | os.PathLike, step: int, keep_last: int | None = None) -> Iterator[Path]:
-    """Yield an empty staging directory; on success publish it as weights/step_{step}/ + STABLE.
+    """Yield an empty directory to write into; on success publish it as weights/step_{step}/ + STABLE.
 
-    If the body raises, the staging directory is removed and nothing is published. An existing
-    step_{step}/ (a re-run after resume) is replaced.
+    If the body raises, the directory is removed and nothing is published; a full disk raises
+    `DiskFullError` naming weights/step_{step}. An existing step_{step} (a step retrained after a
+    resume) is replaced in one rename.
     """
     final = weights_dir(run_dir, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}.", dir=final.parent))
-    try:
-        yield tmp
-        if final.exists():
-            (final / STABLE_MARKER).unlink(missing_ok=True)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (final / STABLE_MARKER).touch()
+    with disk_full_as_error(final, f"published weights of step {step}"):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        content = Path(tempfile.mkdtemp(prefix=f".step_{step}.", dir=final.parent))
+        link = content.with_name(f"{content.name}.link")
+        try:
+            yield content
+            (content / STABLE_MARKER).touch()
+            os.symlink(content.name, link)
+            _replace_with_link(final, link)
+        except BaseException:
+            link.unlink(missing_ok=True)
+            shutil.rmtree(content, ignore_errors=True)
+            raise
     if keep_last is not None:
         prune_weights(run_dir, keep_last)
+
+
+def _replace_with_link(final: Path, link: Path) -> None:
+    if final.is_dir() and not final.is_symlink():
+        # A plain directory (a run directory copied with its links resolved) cannot be replaced by
+        # a rename: move it aside first. It is deleted with its step.
+        os.rename(final, final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}"))
+    os.replace(link, final)
 
 
 def stable_steps(run_dir: str | os.PathLike) -> list[int]:
@@ -89,15 +111,43 @@ def prune_weights(run_dir: str | os.PathLike, keep_last: int) -> list[int]:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     doomed = stable_steps(run_dir)[:-keep_last]
     for step in doomed:
-        final = weights_dir(run_dir, step)
-        # Remove the marker first so no watcher picks up a half-deleted directory.
-        (final / STABLE_MARKER).unlink(missing_ok=True)
-        shutil.rmtree(final, ignore_errors=True)
+        _delete_step(run_dir, step)
     return doomed
 
 
+def retract_weights_after(run_dir: str | os.PathLike, step: int) -> list[int]:
+    """Delete every publication (complete or not) of a step after `step`; returns the deleted steps.
+
+    For a resume from the trainer checkpoint of `step`: the trainer publishes those steps again,
+    and no server may load the old ones meanwhile. Run it while no process uses the run directory.
+    """
+    root = Path(run_dir) / "weights"
+    if not root.is_dir():
+        return []
+    doomed = sorted({int(m[1]) for child in root.iterdir() if (m := _ANY_STEP.match(child.name))})
+    doomed = [s for s in doomed if s > step]
+    for s in doomed:
+        _delete_step(run_dir, s)
+    return doomed
+
+
+def _delete_step(run_dir: str | os.PathLike, step: int) -> None:
+    final = weights_dir(run_dir, step)
+    # The name first, so no watcher picks up a half-deleted publication.
+    if final.is_symlink():
+        final.unlink()
+    elif final.is_dir():
+        (final / STABLE_MARKER).unlink(missing_ok=True)
+        shutil.rmtree(final, ignore_errors=True)
+    for leftover in final.parent.glob(f".step_{step}.*"):  # its publications, replaced or half-written
+        if leftover.is_symlink():
+            leftover.unlink()
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
 def wait_for_weights(run_dir: str | os.PathLike, step: int, timeout_s: float) -> Path:
-    """Block until weights/step_{step}/STABLE exists; returns the directory."""
+    """Block until weights/step_{step}/STABLE exists; returns weights/step_{step}."""
     final = weights_dir(run_dir, step)
     deadline = time.monotonic() + timeout_s
     while not (final / STABLE_MARKER).is_file():

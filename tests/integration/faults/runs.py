@@ -63,7 +63,7 @@ class Run:
                 continue
         return [r for r in records if r.get("role") == role]
 
-    def wait_for(self, predicate, what: str, timeout_s: float = 240) -> None:
+    def wait_for(self, predicate, what: str, timeout_s: float = 240, poll_s: float = 0.1) -> None:
         deadline = time.monotonic() + timeout_s
         while not predicate():
             assert self.proc is not None
@@ -71,18 +71,28 @@ class Run:
                 _, err = self.proc.communicate()
                 raise AssertionError(f"the run ended before {what}:\n{err[-3000:]}")
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.1)
+            time.sleep(poll_s)
 
-    def pid_of(self, child: str) -> int:
-        """PID of this run's `asyncrl <role>` child (its config file is unique to the run dir)."""
+    def _pids(self, child: str) -> tuple[str, list[str]]:
+        """PIDs of this run's `asyncrl <role>` child (its config file is unique to the run dir)."""
         role = "inference" if child.startswith("inference") else child
         pattern = f"asyncrl {role} @ {self.run_dir}/configs/{child}.toml"
-        out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-        assert out, f"no process matches {pattern!r}"
-        return int(out[0])
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+        return pattern, found.stdout.split()
+
+    def pid_of(self, child: str) -> int:
+        pattern, pids = self._pids(child)
+        assert pids, f"no process matches {pattern!r}"
+        return int(pids[0])
+
+    def is_running(self, child: str) -> bool:
+        return bool(self._pids(child)[1])
+
+    def signal(self, child: str, sig: signal.Signals) -> None:
+        os.kill(self.pid_of(child) if child != "launcher" else self.proc.pid, sig)
 
     def kill(self, child: str) -> None:
-        os.kill(self.pid_of(child) if child != "launcher" else self.proc.pid, signal.SIGKILL)
+        self.signal(child, signal.SIGKILL)
 
     def wait_all_gone(self, timeout_s: float = 30) -> None:
         """No process of this run is left (children of a killed launcher die with it)."""

@@ -219,3 +219,36 @@ def test_mismatch_gate_counts_only_current_version_tokens(model_dir, tmp_path, d
         gated, stale_kl = str(err.value).split("; stale tokens (off-policy drift, not gated): ")
         assert gated.endswith("on tokens sampled by the weights being trained")
         assert float(stale_kl.split(";")[0]) < 1e-6
+
+
+def test_a_full_disk_stops_the_trainer_with_one_line_and_resume_trains_every_step_once(
+    model_dir, tmp_path, monkeypatch, capsys
+):
+    from asyncrl.launcher.cli import main
+
+    for b in _batches(model_dir, 3):
+        write_batch(tmp_path, b)
+    real = shutil.disk_usage
+
+    def usage(path):  # once v2 is published, too little space is left for checkpoint 2
+        return real(path)._replace(free=3_000_000) if weights_dir(tmp_path, 2).exists() else real(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    toml = tmp_path / "rl.toml"
+    toml.write_text(f'run_dir = "{tmp_path}"\nmax_steps = 3\n[model]\npath = "{model_dir}"\n')
+    flags = ["--seq-len", "64", "--peak-flops", "1e11", "--checkpoint.interval", "1"]
+    assert main(["trainer", "@", str(toml), *flags]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("asyncrl trainer:")]
+    assert line.startswith(
+        f"asyncrl trainer: no space left for the checkpoint of step 2 at {tmp_path / 'checkpoints' / 'step_2'}: "
+        "3.0 MB free on its filesystem, about "
+    )
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+    monkeypatch.undo()  # space freed
+    assert main(["trainer", "@", str(toml), *flags, "--resume", "true"]) == 0
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3]
+    assert stable_steps(tmp_path) == [1, 2, 3]
+    assert (tmp_path / "checkpoints" / "step_3" / ".metadata").is_file()

@@ -12,6 +12,7 @@ from asyncrl.config.rl import RLConfig
 from asyncrl.launcher.resume import check_fresh_run_dir, plan_resume
 from asyncrl.transport.metrics import MetricsWriter, read_metrics
 from asyncrl.transport.rollouts import write_batch
+from asyncrl.transport.weights import stable_steps, stage_weights
 from asyncrl.wire import RolloutBatch, RolloutSample
 
 
@@ -62,6 +63,22 @@ def test_resume_without_a_trainer_checkpoint_retrains_from_the_base_model(tmp_pa
     assert plan.trainer_step == 0 and plan.resolved.trainer.resume_step is None
     assert not plan.resolved.trainer.resume
     assert len(read_metrics(tmp_path, "trainer")) == 1  # dry run: nothing on disk changes
+
+
+def test_weights_published_after_the_trainer_checkpoint_are_retracted_before_anything_starts(tmp_path):
+    for step in (1, 2, 3, 4):
+        write_batch(tmp_path, _batch(step))
+        with stage_weights(tmp_path, step) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"pre-crash")
+    _checkpoint(tmp_path, 2)  # killed after publishing v4, before checkpointing step 3 or 4
+
+    plan = plan_resume(_resolved(tmp_path), dry_run=True)
+    assert plan.retracted == [3, 4] and stable_steps(tmp_path) == [1, 2, 3, 4]  # dry run: only says so
+    plan = plan_resume(_resolved(tmp_path))
+    assert "published weights v3..v4 retracted" in plan.describe()
+    assert stable_steps(tmp_path) == [1, 2]  # servers start from v2; v3, v4 come from the retrained trainer
+    left = [p.name for p in (tmp_path / "weights").iterdir()]
+    assert not [n for n in left if "step_3" in n or "step_4" in n]  # nor their directories
 
 
 def test_a_checkpoint_past_the_last_batch_is_an_error(tmp_path):

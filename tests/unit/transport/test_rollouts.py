@@ -7,9 +7,18 @@ import time
 
 import numpy as np
 import pytest
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
-from asyncrl.transport import BATCH_FILE, RolloutTimeoutError, batch_dir, read_batch, write_batch
+import asyncrl.transport.rollouts as rollouts
+from asyncrl.transport import (
+    BATCH_FILE,
+    DiskFullError,
+    RolloutTimeoutError,
+    batch_dir,
+    read_batch,
+    write_batch,
+)
 from asyncrl.wire import BatchFormatError, RolloutBatch, RolloutSample, encode_batch
 
 
@@ -116,3 +125,17 @@ def test_step_directory_without_batch_file(tmp_path):
     batch_dir(tmp_path, 3).mkdir(parents=True)
     with pytest.raises(BatchFormatError, match="missing batch file"):
         read_batch(tmp_path, 3, timeout_s=1)
+
+
+def test_a_full_disk_is_an_os_error_naming_the_batch_and_nothing_is_left(tmp_path, monkeypatch):
+    def full(*args, **kwargs):  # what safetensors raises on ENOSPC: its own type, errno only in the text
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(rollouts, "save_file", full)
+    with pytest.raises(OSError) as caught:  # an OSError: the orchestrator's batch writer retries it
+        write_batch(tmp_path, _batch(3))
+    assert isinstance(caught.value, DiskFullError)
+    assert str(caught.value).startswith(
+        f"no space left for the batch of step 3 at {batch_dir(tmp_path, 3)}: "
+    )
+    assert list((tmp_path / "rollouts").iterdir()) == []
