@@ -1,9 +1,10 @@
-"""Helpers for model tests: random transformers checkpoints written to a temp directory."""
+"""Helpers for model tests: random transformers checkpoints in a temp directory; a count of host reads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def randomize_(module: torch.nn.Module, seed: int, std: float = 0.05) -> None:
@@ -13,6 +14,24 @@ def randomize_(module: torch.nn.Module, seed: int, std: float = 0.05) -> None:
         for name, p in module.named_parameters():
             noise = torch.randn(p.shape, generator=gen) * std
             p.copy_(1.0 + noise if "norm" in name else noise * (10 if "gate.weight" in name else 1))
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the tensor -> Python scalar reads (`int(t)`, `t.item()`) inside it: each syncs a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def host_reads():
+    """Factory: `with host_reads() as reads: ...`, then `reads.count`."""
+    return HostReads
 
 
 @pytest.fixture
