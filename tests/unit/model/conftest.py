@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -16,7 +18,7 @@ def randomize_(module: torch.nn.Module, seed: int, std: float = 0.05) -> None:
             p.copy_(1.0 + noise if "norm" in name else noise * (10 if "gate.weight" in name else 1))
 
 
-class HostReads(TorchDispatchMode):
+class _HostReads(TorchDispatchMode):
     """Counts the tensor -> Python scalar reads (`int(t)`, `t.item()`) inside it: each syncs a GPU."""
 
     def __init__(self) -> None:
@@ -28,10 +30,17 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def count_host_reads(fn: Callable[[], object]) -> int:
+    """How many tensor values `fn()` reads back to Python (each one a device sync on a GPU)."""
+    with torch.no_grad(), _HostReads() as reads:
+        fn()
+    return reads.count
+
+
 @pytest.fixture
 def host_reads():
-    """Factory: `with host_reads() as reads: ...`, then `reads.count`."""
-    return HostReads
+    """`host_reads(fn)`: how many tensor values `fn()` reads back to Python."""
+    return count_host_reads
 
 
 @pytest.fixture
