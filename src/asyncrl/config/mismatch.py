@@ -21,11 +21,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
+from asyncrl.fp8_options import DEFAULT_FP8_IGNORE, FP8Backend
 
-__all__ = ["DEFAULT_FP8_IGNORE", "FP8Config", "MismatchConfig"]
-
-# Mirrors asyncrl.model.fp8.DEFAULT_FP8_IGNORE (config stays torch-free; a unit test keeps them equal).
-DEFAULT_FP8_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate")
+__all__ = ["FP8Config", "MismatchConfig"]
 
 
 class FP8Config(BaseConfig):
@@ -36,7 +34,7 @@ class FP8Config(BaseConfig):
         default_factory=lambda: list(DEFAULT_FP8_IGNORE),
         description="module names or fnmatch patterns kept in high precision (dims not multiple of 128 always are)",
     )
-    backend: Literal["auto", "emulated", "scaled_mm"] = Field(
+    backend: FP8Backend = Field(
         "auto",
         description="scaled_mm: blockwise F.scaled_mm (CUDA); emulated: dequantize, fp32 matmul; auto: scaled_mm where a probe shows it works",
     )

@@ -24,14 +24,17 @@ import numpy as np
 import torch
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.block_pool import BlockPool
-from asyncrl.inference.kv_cache import KVCache, PagedAttention, SeqSlice
-from asyncrl.inference.request import (
+from asyncrl.config.sampling import (
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
     MIN_TEMPERATURE,
+)
+from asyncrl.inference.block_pool import BlockPool
+from asyncrl.inference.kv_cache import KVCache, PagedAttention, SeqSlice
+from asyncrl.inference.request import (
     FinishReason,
     InvalidRequestError,
     Request,
@@ -352,9 +355,10 @@ class Engine:
 
 def _validate_options(o: SamplingOptions) -> None:
     """What the sampler cannot compute, rejected before the request joins a batch."""
-    if not (o.temperature == 0 or MIN_TEMPERATURE <= o.temperature <= 100):
+    if not (o.temperature == 0 or MIN_TEMPERATURE <= o.temperature <= MAX_TEMPERATURE):
         raise InvalidRequestError(
-            "temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], got {o.temperature}"
+            "temperature",
+            f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], got {o.temperature}",
         )
     if not 0 < o.top_p <= 1:
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {o.top_p}")

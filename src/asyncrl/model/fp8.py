@@ -34,18 +34,18 @@ import functools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncrl.fp8_options import DEFAULT_FP8_IGNORE, FP8Backend
 from asyncrl.model.moe import GroupedExperts
 
 __all__ = [
     "AMAX_FLOOR",
     "BLOCK",
-    "DEFAULT_FP8_IGNORE",
     "FP8_DTYPE",
     "FP8_MAX",
     "FP8Linear",
@@ -63,12 +63,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 BLOCK = 128
 AMAX_FLOOR = 1e-12  # an all-zero (or tiny) group gets scale AMAX_FLOOR / 448, not 0, so no 0/0
-# The router is an asyncrl Router (never an nn.Linear), so it stays high precision regardless; it is
-# listed so that the default reads as the policy. The LM head must stay: the trainer's chunked
-# logprobs read lm_head.weight directly, so an FP8 LM head would only apply on the engine side.
-DEFAULT_FP8_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate")
-
-Backend = Literal["auto", "emulated", "scaled_mm"]
 
 
 class NonFiniteInputError(ValueError):
@@ -170,7 +164,7 @@ def _scaled_mm_works(device_index: int) -> bool:
     return True
 
 
-def _matmul(xq, xs, wq, ws, backend: Backend) -> torch.Tensor:
+def _matmul(xq, xs, wq, ws, backend: FP8Backend) -> torch.Tensor:
     """fp32 [N, O] from quantized operands."""
     if backend == "scaled_mm":
         if not xq.is_cuda:
@@ -183,7 +177,7 @@ def _matmul(xq, xs, wq, ws, backend: Backend) -> torch.Tensor:
 
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_NK: torch.Tensor, w_OK: torch.Tensor, backend: Backend) -> torch.Tensor:
+    def forward(ctx, x_NK: torch.Tensor, w_OK: torch.Tensor, backend: FP8Backend) -> torch.Tensor:
         xq, xs = quantize_activation(x_NK)
         wq, ws = quantize_weight(w_OK)
         ctx.save_for_backward(xq, xs, wq, ws)
@@ -205,7 +199,7 @@ class _FP8Matmul(torch.autograd.Function):
 
 
 def fp8_linear(
-    x: torch.Tensor, weight_OK: torch.Tensor, bias: torch.Tensor | None = None, backend: Backend = "auto"
+    x: torch.Tensor, weight_OK: torch.Tensor, bias: torch.Tensor | None = None, backend: FP8Backend = "auto"
 ) -> torch.Tensor:
     """y = x @ weight.T (+ bias) with both operands block-quantized to e4m3; y in x's dtype."""
     K = x.shape[-1]
@@ -217,10 +211,10 @@ def fp8_linear(
 class FP8Linear(nn.Linear):
     """nn.Linear whose forward runs `fp8_linear`; same parameters and state-dict keys."""
 
-    backend: Backend = "auto"
+    backend: FP8Backend = "auto"
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, backend: Backend = "auto") -> FP8Linear:
+    def from_linear(cls, linear: nn.Linear, backend: FP8Backend = "auto") -> FP8Linear:
         """Wrap the same Parameter objects (optimizer state and weight tying stay valid)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         new.weight = linear.weight
@@ -255,7 +249,7 @@ def _why_not(name: str, dims: Sequence[int], ignore: Sequence[str]) -> str | Non
 
 
 def apply_fp8(
-    model: nn.Module, ignore: Sequence[str] = DEFAULT_FP8_IGNORE, backend: Backend = "auto"
+    model: nn.Module, ignore: Sequence[str] = DEFAULT_FP8_IGNORE, backend: FP8Backend = "auto"
 ) -> FP8Report:
     """Swap eligible nn.Linear modules for FP8Linear and turn on FP8 in GroupedExperts, in place.
 
@@ -263,8 +257,8 @@ def apply_fp8(
     "model.layers.0.*"). A linear or expert stack whose dims are not multiples of 128 stays in
     high precision. Norms, embeddings and routers are never nn.Linear and are never touched.
     """
-    if backend not in ("auto", "emulated", "scaled_mm"):
-        raise ValueError(f"fp8 backend must be 'auto', 'emulated' or 'scaled_mm', got {backend!r}")
+    if backend not in get_args(FP8Backend):
+        raise ValueError(f"fp8 backend must be one of {list(get_args(FP8Backend))}, got {backend!r}")
     converted, kept = [], {}
     for name, module in list(model.named_modules()):
         if isinstance(module, FP8Linear):

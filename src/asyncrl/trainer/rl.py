@@ -37,10 +37,11 @@ __all__ = ["check_batch_fits_model", "main", "run_rl"]
 def check_batch_fits_model(batch: RolloutBatch, args: ModelArgs, where: str) -> None:
     """Catch token ids and routing shapes that do not belong to this model, naming the field."""
     for i, s in enumerate(batch.samples):
-        top = int(s.token_ids.max())
-        if top >= args.vocab_size or int(s.token_ids.min()) < 0:
+        outside = s.token_ids[(s.token_ids < 0) | (s.token_ids >= args.vocab_size)]
+        if outside.size:
             raise BatchFormatError(
-                f"{where}: sample {i}: field 'token_ids' holds id {top}, outside the model's vocab of {args.vocab_size}"
+                f"{where}: sample {i}: field 'token_ids' holds id {int(outside[0])}, "
+                f"outside the model's vocab of {args.vocab_size}"
             )
         if s.routed_experts is not None and args.is_moe:
             want = (args.num_hidden_layers, args.num_experts_per_tok)

@@ -24,11 +24,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["METRICS_FILE", "MetricsWriter", "Role", "append_jsonl", "drop_metrics_after", "read_metrics"]
+__all__ = [
+    "HEADER_KEYS",
+    "METRICS_FILE",
+    "MetricsWriter",
+    "Role",
+    "append_jsonl",
+    "drop_metrics_after",
+    "read_metrics",
+]
 
 METRICS_FILE = "metrics.jsonl"
 Role = Literal["trainer", "orchestrator"]
-_HEADER = ("role", "step", "time")
+HEADER_KEYS = ("role", "step", "time")  # the writer's own keys, first in every line
 
 
 class MetricsWriter:
@@ -47,7 +55,7 @@ class MetricsWriter:
                 f"metrics of step {step} set {clash or ['step']}: the writer owns role, step, time"
             )
         record = {"role": self.role, "step": step, "time": time.time()}
-        record |= {k: v for k, v in metrics.items() if k not in _HEADER}
+        record |= {k: v for k, v in metrics.items() if k not in HEADER_KEYS}
         append_jsonl(self.path, record)
         return record
 

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from asyncrl.config.sinks import SinksConfig, TensorBoardSinkConfig, WandbSinkConfig
+from asyncrl.transport.metrics import HEADER_KEYS
 
 __all__ = ["MetricSink", "Sinks", "TensorBoardSink", "WandbSink", "build_sinks", "scalars"]
-
-_HEADER = ("role", "step", "time")
 
 
 class MetricSink(Protocol):
@@ -38,7 +37,7 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     role = record["role"]
     out = {}
     for key, value in record.items():
-        if key in _HEADER or not isinstance(value, int | float) or not math.isfinite(value):
+        if key in HEADER_KEYS or not isinstance(value, int | float) or not math.isfinite(value):
             continue
         out[f"{role}/{key}"] = float(value)
     return out
