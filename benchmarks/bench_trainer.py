@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from asyncrl.config.trainer import LossConfig, OptimConfig, ScheduleConfig
+from asyncrl.config.trainer import OptimConfig, ScheduleConfig, TrustRegionLossConfig
 from asyncrl.distributed import DistInfo
 from asyncrl.model import Transformer, preset_args
 from asyncrl.trainer.engine import StepEngine
@@ -50,7 +50,7 @@ def _sync(device: torch.device) -> None:
 
 
 def time_rl_step(engine: StepEngine, mbs: list[MicroBatch], steps: int) -> float:
-    cfg = LossConfig()
+    cfg = TrustRegionLossConfig()
 
     def loss_fn(inputs, n):
         return rl_loss(inputs, cfg, n)

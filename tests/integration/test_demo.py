@@ -115,7 +115,7 @@ def rl_config(model: Path, run_dir: Path) -> dict:
             "sampling": {"temperature": 1.0, "max_tokens": 4},
             "envs": {"envs": [{"name": "reverse-text", "args": ENV_ARGS, "max_total_tokens": 256}]},
         },
-        "trainer": {"optim": {"lr": 2e-3}, "peak_flops": 1e11},
+        "trainer": {"model": {"device": "cpu"}, "optim": {"lr": 2e-3}, "peak_flops": 1e11},  # the engine's
     }
 
 

@@ -27,6 +27,7 @@ from pydantic import Field, field_validator, model_validator
 from asyncrl.config.base import BaseConfig
 from asyncrl.config.envs import EnvsConfig
 from asyncrl.config.sampling import SamplingParams
+from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, SeqLen
 
 __all__ = ["AdvantageConfig", "OrchestratorConfig"]
 
@@ -40,7 +41,7 @@ class AdvantageConfig(BaseConfig):
 
 
 class OrchestratorConfig(BaseConfig):
-    run_dir: str = Field("outputs/run", description="run directory shared with the trainer")
+    run_dir: str = Field(DEFAULT_RUN_DIR, description="run directory shared with the trainer")
     model: str = Field(description="model directory whose tokenizer and chat template render prompts")
     servers: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1:8000"],
@@ -76,12 +77,7 @@ class OrchestratorConfig(BaseConfig):
     max_off_policy_steps: int = Field(
         1, ge=0, description="k: at step n, drop samples with a token older than version n-1-k"
     )
-    seq_len: int = Field(
-        2048,
-        gt=0,
-        description="the trainer's seq_len (tokens of one packed row): no sample may be longer; every "
-        "env's max_total_tokens must fit it",
-    )
+    seq_len: SeqLen = DEFAULT_SEQ_LEN  # the trainer's
     max_model_len: int | None = Field(
         None,
         ge=2,

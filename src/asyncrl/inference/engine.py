@@ -45,20 +45,13 @@ from asyncrl.inference.sampler import sample
 from asyncrl.inference.scheduler import ScheduledSeq, Scheduler
 from asyncrl.inference.stopping import check_stop
 from asyncrl.model import Transformer, from_pretrained, torch_dtype
+from asyncrl.model.devices import resolve_device
 from asyncrl.model.fp8 import apply_fp8
 from asyncrl.model.hf import check_state_dict, load_into, load_state_dict
 
-__all__ = ["Engine", "resolve_device"]
+__all__ = ["Engine"]
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device = 'cuda' but no CUDA device is available; use device = 'cpu' or 'auto'")
-    return torch.device(name)
 
 
 class Engine:

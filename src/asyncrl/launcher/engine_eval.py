@@ -17,6 +17,7 @@ import asyncio
 import json
 import sys
 import time
+import typing
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import numpy as np
 from asyncrl.config.envs import EnvConfig
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.sampling import SamplingParams
+from asyncrl.config.shared import Device
 from asyncrl.envs.chat import ChatTokenizer
 from asyncrl.envs.client import RequestClient
 from asyncrl.envs.policy import TokenPolicy
@@ -88,13 +90,11 @@ class EvalResult:
 
 
 async def _run(
-    model: str, env_cfg: EnvConfig, num: int, sampling: SamplingParams, seed: int, max_num_seqs: int
+    env_cfg: EnvConfig, num: int, sampling: SamplingParams, engine_cfg: InferenceConfig
 ) -> list[Episode]:
-    env = build_env(env_cfg.name, env_cfg.args, seed=seed)
-    tokenizer = ChatTokenizer.from_pretrained(model)
-    engine = AsyncEngine(
-        Engine.from_config(InferenceConfig(model=model, device="cpu", max_num_seqs=max_num_seqs, seed=seed))
-    )
+    env = build_env(env_cfg.name, env_cfg.args, seed=engine_cfg.seed)
+    tokenizer = ChatTokenizer.from_pretrained(engine_cfg.model)
+    engine = AsyncEngine(Engine.from_config(engine_cfg))
     engine.start()
     bar = progress_bar(num, f"eval {env_cfg.label or env_cfg.name} (t={sampling.temperature:g})", "task")
     try:
@@ -123,11 +123,13 @@ def evaluate(
     sampling: SamplingParams | None = None,
     seed: int = 0,
     max_num_seqs: int = 64,
+    device: Device = "auto",
 ) -> EvalResult:
     """Run `num` eval-split tasks of `env_cfg` against `model` and average the rewards."""
     sampling = sampling or SamplingParams(temperature=0.0, max_tokens=16)
+    engine_cfg = InferenceConfig(model=model, device=device, max_num_seqs=max_num_seqs, seed=seed)
     t0 = time.monotonic()
-    episodes = asyncio.run(_run(model, env_cfg, num, sampling, seed, max_num_seqs))
+    episodes = asyncio.run(_run(env_cfg, num, sampling, engine_cfg))
     keys = sorted({k for e in episodes for k in e.rewards})
     return EvalResult(
         model=model,
@@ -172,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-tokens", type=int, default=16, help="most tokens sampled per model turn")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
+    p.add_argument(
+        "--device",
+        choices=typing.get_args(Device),
+        default="auto",
+        help="auto = cuda when available, else cpu",
+    )
     p.add_argument("--seed", type=int, default=0, help="env seed (must match training) and sampling seed")
     p.add_argument("--label", default=None, help="name printed with the result (default: the model path)")
     p.add_argument("--json-out", type=Path, default=None, help="append the result as one JSON line here")
@@ -201,6 +209,7 @@ def main(argv: list[str]) -> int:
             sampling=sampling,
             seed=args.seed,
             max_num_seqs=args.max_num_seqs,
+            device=args.device,
         )
         _report(label, temperature, res, args.json_out)
     sys.stdout.flush()

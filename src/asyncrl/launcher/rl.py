@@ -128,11 +128,13 @@ def keys_help() -> str:
         ("orchestrator", OrchestratorConfig),
         ("trainer", RLTrainerConfig),
     ):
-        shared = _SHARED[name] + (("model.path",) if name == "trainer" else ())
+        shared = _SHARED[name]
         about = f"{cls.__name__}; {', '.join(shared)} come from the top level"
         if "max_model_len" in shared:
             about += " (max_model_len: the [inference] servers' context limit)"
-        sections.append(config_help(cls, name, exclude=shared, about=about))
+        if "port" in shared:
+            about += " (host, port: [deployment])"
+        sections.append(config_help(RLConfig.model_fields[name].annotation, name, about=about))
     return "Keys (TOML, or `--dotted.key value` on the command line):\n\n" + "\n\n".join(sections)
 
 

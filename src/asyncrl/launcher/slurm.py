@@ -115,7 +115,7 @@ def _inference(cfg: SlurmRLConfig, py: str, configs: Path, logs: Path) -> list[s
     lines.append(f"    devices=$(seq -s, $((j * {gpus})) $((j * {gpus} + {gpus - 1})))")
     lines.append('    SERVERS+=("\\"http://${INFERENCE_NODES[$n]}:${port}\\"")')
     exports, command = "", f'{py} inference @ "{configs}/inference-${{i}}.toml" --host 0.0.0.0 --port "$port"'
-    if cfg.inference.get("backend") == "vllm":
+    if cfg.inference.backend == "vllm":
         exports, command = _vllm_server(cfg)
         if cfg.api_key:
             key = f"tomllib.load(open('{configs}/inference-0.toml', 'rb'))['api_key']"

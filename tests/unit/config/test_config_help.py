@@ -116,6 +116,12 @@ def test_rl_help_shows_descriptions_and_leaves_out_the_shared_keys(capsys):
         and "seq_len =" not in orchestrator
     )
     assert "path (required)" not in out.split("[trainer.model]")[1].split("[trainer.optim]")[0]
+    # the loss variants: the key that picks one, then each variant's own keys under its title
+    assert row('variant = "trust_region"').endswith('one of "trust_region" | "tis" | "mis" | "sequence"')
+    mis = out.split('[trainer.loss]  variant = "mis": ')[1].split("\n\n")[0]
+    assert "mis_low = 0.5" in mis and "ratio_cap = 2.0" in mis and "delta_low" not in mis
+    tis = out.split('[trainer.loss]  variant = "tis": ')[1].split("\n\n")[0]
+    assert "tis_cap = 2.0" in tis and "ratio_cap" not in tis
 
 
 @pytest.mark.parametrize(

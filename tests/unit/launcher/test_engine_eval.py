@@ -8,6 +8,7 @@ import pytest
 
 from asyncrl.config.envs import EnvConfig
 from asyncrl.config.sampling import SamplingParams
+from asyncrl.launcher import engine_eval
 from asyncrl.launcher.engine_eval import evaluate, main
 from asyncrl.launcher.init_model import init_model
 
@@ -37,3 +38,25 @@ def test_main_writes_one_json_line_per_temperature(tmp_path, capsys):
     assert "eval base (temperature 0): reward" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no config.json"):
         main(["--model", str(tmp_path), "--env", "reverse-text"])
+
+
+class _Built(Exception):
+    """Raised by a stand-in engine build: the test needs only the config it was given."""
+
+
+def test_the_engine_runs_on_the_device_asked_for(tmp_path, monkeypatch):
+    init_model("tiny-moe", tmp_path / "model", seed=0)
+    seen = []
+
+    def build(cfg):
+        seen.append(cfg.device)
+        raise _Built
+
+    monkeypatch.setattr(engine_eval.Engine, "from_config", build)
+    argv = ["--model", str(tmp_path / "model"), "--env", "reverse-text", "--num", "1"]
+    for extra, device in (([], "auto"), (["--device", "cpu"], "cpu")):
+        with pytest.raises(_Built):
+            main([*argv, *extra])
+        assert seen.pop() == device
+    with pytest.raises(SystemExit):
+        main([*argv, "--device", "gpu"])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.config.trainer import LossConfig
+from asyncrl.config.trainer import LossConfig, TrustRegionLossConfig
 from asyncrl.distributed import DistInfo
 from asyncrl.trainer.engine import StepEngine
 from asyncrl.trainer.loss import rl_loss
@@ -21,7 +21,7 @@ PRESETS = ["tiny-moe", "tiny-glm5"]
 
 
 def _rl(cfg: LossConfig | None = None):
-    cfg = cfg or LossConfig()
+    cfg = cfg or TrustRegionLossConfig()
     return lambda inputs, n: rl_loss(inputs, cfg, n)
 
 
@@ -93,7 +93,7 @@ def test_fixed_batch_is_learnable(tiny_model, make_engine, preset, ratio_cap):
         return torch.cat(vals).mean().item()
 
     before = positive_logprob()
-    loss_fn = _rl(LossConfig(ratio_cap=ratio_cap))
+    loss_fn = _rl(TrustRegionLossConfig(ratio_cap=ratio_cap))
     losses = [engine.step(mbs, loss_fn, trained_version=0).loss for _ in range(12)]
     after = positive_logprob()
     if ratio_cap == float("inf"):

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from asyncrl.config.trainer import LossConfig
+from asyncrl.config.trainer import TrustRegionLossConfig
 from asyncrl.trainer.loss import rl_loss
 from asyncrl.trainer.mismatch import MismatchGateError, check_mismatch_gate
 from asyncrl.trainer.packing import pack_samples
@@ -15,7 +15,7 @@ from asyncrl.trainer.synthetic import synthetic_batch
 
 
 def _rl():
-    cfg = LossConfig()
+    cfg = TrustRegionLossConfig()
     return lambda inputs, n: rl_loss(inputs, cfg, n)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.config.trainer import LossConfig
+from asyncrl.config.trainer import TrustRegionLossConfig
 from asyncrl.trainer.loss import LossInputs, rl_loss
 from asyncrl.trainer.packing import build_micro_batch, pack_samples, plan_bins, shard_samples
 from asyncrl.trainer.synthetic import synthetic_batch
@@ -112,7 +112,7 @@ def _loss_and_grads(make_engine, model, micro_batches, chunk_size=1024):
             loss_mask=mb.loss_mask,
             seq_ids=mb.seq_ids,
         )
-        res = rl_loss(inp, LossConfig(), total)
+        res = rl_loss(inp, TrustRegionLossConfig(), total)
         res.loss.backward()
         loss += res.loss.item()
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
