@@ -143,14 +143,14 @@ class PooledSandbox:
         env: dict[str, str],
         timeout_s: float | None = None,
         stdin: str = "",
-        read_only_files: tuple[tuple[str, str], ...] = (),
+        read_only: tuple[tuple[str, str], ...] = (),
     ) -> SandboxResult:
         """Run `argv` in `mount_point` under the pool's limits; never raises for what the command does.
 
-        `read_only_files`: (host path, path inside) pairs bound read-only for this call.
+        `read_only`: (host path, path inside) pairs, files or directories, bound read-only for this call.
         Raises SandboxLimitError when the sandbox is over its disk limit (check mode).
         """
-        return await self._pool._run(self._slot, argv, env, timeout_s, stdin, read_only_files)
+        return await self._pool._run(self._slot, argv, env, timeout_s, stdin, read_only)
 
     def kill(self) -> None:
         """Kill every process of this sandbox now."""
@@ -397,7 +397,7 @@ class SandboxPool:
         env: dict[str, str],
         timeout_s: float | None,
         stdin: str,
-        read_only_files: tuple[tuple[str, str], ...],
+        read_only: tuple[tuple[str, str], ...],
     ) -> SandboxResult:
         if slot.over_disk_limit:
             raise SandboxLimitError(
@@ -407,7 +407,7 @@ class SandboxPool:
         inner = ["/bin/bash", "-c", _ulimits(lim) + ' && exec "$@"', "asyncrl-sandbox", *argv]
         cmd = bwrap_argv(
             self.isolation_mode.bwrap or "bwrap", slot.work, inner, workdir_dest=self.mount_point,
-            read_only_dirs=self.read_only_dirs, read_only_files=read_only_files,
+            read_only_dirs=self.read_only_dirs, read_only_files=read_only,
             tmpfs=(("/tmp", lim.tmp_bytes),),
         )  # fmt: skip
         if slot.cgroup is not None:
