@@ -102,3 +102,20 @@ def test_unknown_commits_and_missing_repositories_are_named(example, tmp_path):
         source.resolve([""])
     with pytest.raises(CheckoutError, match="does not exist"):
         GitSource.open(tmp_path / "nope", import_dir=tmp_path)
+
+
+def test_a_linked_worktree_is_a_source(example, tmp_path):
+    repo, rows = example
+    linked = tmp_path / "linked"
+    git("worktree", "add", "-q", "--detach", str(linked), rows[0]["base_commit"], cwd=repo)
+    try:
+        source = GitSource.open(linked, import_dir=tmp_path / "imports")
+        assert source.git_dir == repo / ".git"
+        commit = rows[1]["base_commit"]
+        checkout = GitCheckout(source=source, commit=source.resolve([commit])[commit])
+        (tmp_path / "work").mkdir()
+        (tmp_path / "private").mkdir()
+        checkout.create(tmp_path / "work", tmp_path / "private")
+        assert _tree(tmp_path / "work") == _at(repo, commit)
+    finally:
+        git("worktree", "remove", "--force", str(linked), cwd=repo)

@@ -72,7 +72,8 @@ class GitSource:
         if not path.is_dir():
             raise CheckoutError(f"repository {path} does not exist or is not a directory")
         if (path / ".git").exists() or _is_bare(path):
-            git_dir = Path(git("rev-parse", "--absolute-git-dir", cwd=path).strip())
+            # the common directory: a linked worktree's own git directory holds no objects
+            git_dir = Path(git("rev-parse", "--path-format=absolute", "--git-common-dir", cwd=path).strip())
             return cls(path=path, git_dir=git_dir)
         return _import(path, import_dir)
 
