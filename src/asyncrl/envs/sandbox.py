@@ -278,16 +278,18 @@ async def run_process(
     isolation: dict[str, str] | None = None,
     on_spawn: Callable[[int], None] | None = None,
     on_exit: Callable[[int], None] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> SandboxResult:
     """Run `cmd` in a session of its own under one deadline and a shared stdout + stderr cap.
 
     Its process group is killed in every case: normal exit, deadline, output cap, cancellation.
     `on_spawn(pid)` runs once the process exists; `on_exit(pid)` right after the group is killed (to
-    kill what else belongs to the call, e.g. a cgroup). The returncode is the process's own.
+    kill what else belongs to the call, e.g. a cgroup). `pass_fds` stay open in the child. The
+    returncode is the process's own.
     """
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *cmd, cwd=cwd, env=env, start_new_session=True,
+        *cmd, cwd=cwd, env=env, start_new_session=True, pass_fds=pass_fds,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     if on_spawn is not None:

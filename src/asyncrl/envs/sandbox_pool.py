@@ -41,6 +41,7 @@ import atexit
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 import subprocess
 import tempfile
@@ -404,7 +405,8 @@ class SandboxPool:
                 f"the sandbox is over its disk limit ({self.limits.disk_bytes} bytes) and runs no more commands"
             )
         lim = self.limits
-        inner = ["/bin/bash", "-c", _ulimits(lim) + ' && exec "$@"', "asyncrl-sandbox", *argv]
+        lifeline, keep_alive = os.pipe()  # EOF once this call ends or this process dies, however
+        inner = ["/bin/bash", "-c", _prologue(lim, lifeline), "asyncrl-sandbox", *argv]
         cmd = bwrap_argv(
             self.isolation_mode.bwrap or "bwrap", slot.work, inner, workdir_dest=self.mount_point,
             read_only_dirs=self.read_only_dirs, read_only_files=read_only,
@@ -412,11 +414,15 @@ class SandboxPool:
         )  # fmt: skip
         if slot.cgroup is not None:
             cmd = slot.cgroup.join_argv(cmd)
-        result = await run_process(
-            cmd, cwd=slot.work, env=env, stdin=stdin, wall_s=timeout_s or lim.command_wall_s,
-            max_output_bytes=lim.max_output_bytes, isolation=self.isolation(),
-            on_spawn=self.run_dir.add_pid, on_exit=self._on_exit(slot),
-        )  # fmt: skip
+        try:
+            result = await run_process(
+                cmd, cwd=slot.work, env=env, stdin=stdin, wall_s=timeout_s or lim.command_wall_s,
+                max_output_bytes=lim.max_output_bytes, isolation=self.isolation(),
+                on_spawn=self.run_dir.add_pid, on_exit=self._on_exit(slot), pass_fds=(lifeline,),
+            )  # fmt: skip
+        finally:
+            os.close(lifeline)
+            os.close(keep_alive)
         if not self.tmpfs and _disk_usage(slot.dir) > lim.disk_bytes:
             slot.over_disk_limit = True
         return dataclasses.replace(result, returncode=from_bwrap_returncode(result.returncode))
@@ -429,12 +435,20 @@ class SandboxPool:
         return on_exit
 
 
-def _ulimits(lim: PoolLimits) -> str:
-    """bash's `ulimit` (soft and hard: the command cannot raise them): KiB for -v and -f."""
-    return (
+def _prologue(lim: PoolLimits, lifeline: int) -> str:
+    """The shell that starts each command inside the sandbox, then `exec`s it.
+
+    It sets the rlimits (soft and hard, so the command cannot raise them; KiB for -v and -f), and
+    starts a watchdog that kills everything in the PID namespace once `lifeline` (a pipe whose only
+    writer is the pool) reaches EOF. bwrap's --die-with-parent misses a command whose bwrap was still
+    setting up when this process was SIGKILLed; the lifeline catches those too.
+    """
+    ulimits = (
         f"ulimit -t {lim.cpu_s} -v {lim.memory_bytes // 1024} -f {lim.max_file_bytes // 1024} "
         f"-n {lim.max_open_files} -u {lim.max_processes} -c 0"
     )
+    watchdog = f"(read -r -u {lifeline} _; kill -KILL -1) &"
+    return f'{ulimits} || exit 126; {watchdog} exec "$@" {lifeline}<&-'
 
 
 def _choose(

@@ -33,12 +33,14 @@ _RUN_RE = re.compile(r"^run-(\d+)-(\d+)-[0-9a-f]+$")
 
 
 def process_start(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot (/proc/PID/stat field 22), or None if it is gone."""
+    """Start time of `pid` in clock ticks since boot (/proc/PID/stat field 22); None if it is gone or
+    a zombie (dead, waiting for its parent to collect it)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 def _alive(pid: int, start: int) -> bool:
