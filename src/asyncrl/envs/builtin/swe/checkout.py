@@ -155,7 +155,8 @@ class GitCheckout:
         return git(*args, cwd=work, stdin=stdin, env=env)
 
     def create(self, work: Path, private: Path) -> None:
-        git("init", "-q", "--bare", str(private / "git"))
+        git("init", "-q", "--bare", "--template=", str(private / "git"))  # no sample hooks to copy
+        (private / "git" / "objects" / "info").mkdir(exist_ok=True)
         (private / "git" / "objects" / "info" / "alternates").write_text(f"{self.source.objects}\n")
         self._git(private, work, "read-tree", "-u", "--reset", self.commit)
 
