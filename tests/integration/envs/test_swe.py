@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import EnvConfig
-from asyncrl.envs import ScriptedClient, TokenPolicy, build_env, run_episode
+from asyncrl.envs import ScriptedClient, TokenPolicy, build_env, iter_reference_examples, run_episode
 from asyncrl.envs.builtin.swe.checkout import git
 from asyncrl.envs.builtin.swe.example import write_example
 from asyncrl.envs.sandbox_bwrap import probe_isolation
@@ -221,3 +221,19 @@ def test_a_plain_directory_task_with_a_venv(tasks_file, tmp_path, tokenizer):
     assert ep.reward == 1.0 and ep.error is None
     assert git("status", "--porcelain", cwd=tasks_file.parent / "calclib") == ""  # the source is untouched
     shutil.rmtree(plain)
+
+
+def test_reference_examples_for_sft(env):
+    (example, _) = list(iter_reference_examples(env, "eval", 2))
+    assert [t["function"]["name"] for t in example.tools] == [
+        "bash",
+        "view",
+        "str_replace",
+        "create",
+        "search",
+        "submit",
+    ]
+    assert (
+        example.completion == env.reference(env.task("eval", 0))
+        and example.completion[-2]["content"] == SUBMIT
+    )

@@ -32,7 +32,7 @@ from asyncrl.envs.builtin.swe.tools import make_tools
 from asyncrl.envs.sandbox import SandboxResult
 from asyncrl.envs.sandbox_pool import PooledSandbox, PoolLimits, SandboxPool
 from asyncrl.envs.task_data import TaskDataConfig, TaskTable
-from asyncrl.envs.tools import Tool
+from asyncrl.envs.tools import Tool, ToolError
 
 __all__ = ["SandboxSettings", "SweEnv"]
 
@@ -218,10 +218,13 @@ class SweEnv(Environment):
         }  # fmt: skip
 
     def tools(self, state: EpisodeState) -> list[Tool]:
-        box: PooledSandbox = state.data["sandbox"]
-        binds = _python_binds(state.data["swe"].venv)
+        """The episode's tools; without a sandbox (SFT export reads only their schemas) they refuse to run."""
+        box: PooledSandbox | None = state.data.get("sandbox")
+        binds = _python_binds(self.swe_task(state.task).venv)
 
         async def run(command: str) -> SandboxResult:
+            if box is None:
+                raise ToolError("this episode has no sandbox")
             argv = ["bash", "-c", f"exec 2>&1; {command}"]
             return await box.run(
                 argv, env=self.sandbox_env(state), timeout_s=self.command_timeout_s, read_only=binds
@@ -231,8 +234,8 @@ class SweEnv(Environment):
             state.data["submitted"], state.done = True, True
 
         return make_tools(
-            work=box.work, mount_point=MOUNT_POINT, run=run, submit=submit, max_chars=self.max_output_chars,
-            max_file_bytes=self.pool.limits.max_file_bytes,
+            work=box.work if box else Path(MOUNT_POINT), mount_point=MOUNT_POINT, run=run, submit=submit,
+            max_chars=self.max_output_chars, max_file_bytes=self.pool.limits.max_file_bytes,
         )  # fmt: skip
 
     # -- rewards ---------------------------------------------------------------------------------
