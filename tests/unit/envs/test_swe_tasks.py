@@ -69,3 +69,29 @@ def test_repository_commit_and_venv_are_checked(rows, tmp_path):
         resolve_commits({"k": _task(base, row | {"repo": "nowhere"})}, import_dir=tmp_path)
     with pytest.raises(TaskDataError, match="field 'venv': .*/bin/python does not exist"):
         resolve_commits({"k": _task(base, row | {"venv": str(tmp_path)})}, import_dir=tmp_path)
+
+
+def test_parquet_rows_read_like_jsonl(rows, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from asyncrl.envs.task_data import TaskTable
+
+    base, data = rows
+    path = base / "tasks.parquet"
+    pq.write_table(pa.Table.from_pylist(data), path)
+    config = {
+        "path": str(path),
+        "prompt_field": "problem_statement",
+        "answer_field": "",
+        "eval_fraction": 0.0,
+    }
+    table = TaskTable.load(config)
+    parsed = sorted(
+        (SweTask.from_row(table.row("train", i), base_dir=base) for i in range(table.size("train"))),
+        key=lambda t: t.instance_id,
+    )
+    assert [t.instance_id for t in parsed] == ["calclib-clamp", "calclib-mean"]
+    assert parsed[1].fail_to_pass == ("tests/test_ops.py::test_mean_empty",) and parsed[
+        1
+    ].test_patch.startswith("diff")

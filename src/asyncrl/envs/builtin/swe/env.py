@@ -39,6 +39,9 @@ __all__ = ["SandboxSettings", "SweEnv"]
 log = logging.getLogger(__name__)
 
 MOUNT_POINT = "/repo"
+METRICS = (
+    "fail_to_pass", "pass_to_pass", "submitted", "grading_error", "test_run_s", "sandbox_start_s", "sandbox_warm",
+)  # fmt: skip
 _MB = 1 << 20
 PROMPT = """You are working in a Python repository at /repo. Resolve the issue below, so that the \
 repository's tests pass.
@@ -95,6 +98,23 @@ def _python_binds(venv: Path | None) -> tuple[tuple[str, str], ...]:
     return tuple((r, r) for r in sorted(roots))
 
 
+def _load_tasks(
+    tasks: str, eval_tasks: str | None, *, seed: int, shuffle: bool
+) -> tuple[TaskTable, dict[tuple[Split, str], SweTask]]:
+    """The split table of the rows, and every row checked, keyed by (split, where)."""
+    data = TaskDataConfig(
+        path=tasks, eval_path=eval_tasks, prompt_field="problem_statement", answer_field="", shuffle=shuffle
+    )
+    table = TaskTable.load(data, seed=seed)
+    base_dirs: dict[Split, Path] = {"train": Path(tasks).parent, "eval": Path(eval_tasks or tasks).parent}
+    rows = {
+        (split, row.where): SweTask.from_row(row, base_dir=base_dirs[split])
+        for split in base_dirs
+        for row in (table.row(split, i) for i in range(table.size(split)))
+    }
+    return table, rows
+
+
 class SweEnv(Environment):
     name = "swe"
     max_turns = 30
@@ -116,47 +136,26 @@ class SweEnv(Environment):
         `eval_tasks`, 1 row in 8 goes to eval by a hash of its content."""
         super().__init__(seed=seed)
         self.settings = _settings(sandbox or {})
-        self.partial_credit, self.shuffle = partial_credit, shuffle
+        self.partial_credit = partial_credit
         self.command_timeout_s, self.test_timeout_s = command_timeout_s, test_timeout_s
         self.max_output_chars = max_output_chars
-        data = TaskDataConfig(
-            path=tasks,
-            eval_path=eval_tasks,
-            prompt_field="problem_statement",
-            answer_field="",
-            shuffle=shuffle,
-        )
-        self.table = TaskTable.load(data, seed=seed)
-        base_dirs: dict[Split, Path] = {"train": Path(tasks).parent, "eval": Path(eval_tasks or tasks).parent}
-        self._tasks = {
-            (split, row.where): SweTask.from_row(row, base_dir=base_dirs[split])
-            for split in base_dirs
-            for row in (self.table.row(split, i) for i in range(self.table.size(split)))
-        }
+        self.table, self._tasks = _load_tasks(tasks, eval_tasks, seed=seed, shuffle=shuffle)
         self.pool = SandboxPool(
             root=self.settings.root, max_sandboxes=self.settings.max_sandboxes, mount_point=MOUNT_POINT,
             limits=self.settings.limits(command_timeout_s),
         )  # fmt: skip
-        self._sources = resolve_commits(self._tasks, import_dir=self.pool.run_dir.path / "imports")
-        log.info(
-            "swe: %d tasks; sandboxes: %s",
-            len(self._tasks),
-            "; ".join(f"{k}: {v}" for k, v in self.pool.isolation().items()),
-        )
+        try:
+            self._sources = resolve_commits(self._tasks, import_dir=self.pool.run_dir.path / "imports")
+        except BaseException:
+            self.pool.close()
+            raise
+        isolation = "; ".join(f"{k}: {v}" for k, v in self.pool.isolation().items())
+        log.info("swe: %d tasks; sandboxes: %s", len(self._tasks), isolation)
         reward = "partial" if partial_credit else "resolved"
-        metrics = (
-            "fail_to_pass",
-            "pass_to_pass",
-            "submitted",
-            "grading_error",
-            "test_run_s",
-            "sandbox_start_s",
-            "sandbox_warm",
-        )
         self.rubric = Rubric(
             rewards=(
                 Reward(name=reward, fn=self._reward(reward)),
-                *(Reward(name=m, fn=self._reward(m), weight=0.0) for m in metrics),
+                *(Reward(name=m, fn=self._reward(m), weight=0.0) for m in METRICS),
             )
         )
 
