@@ -15,7 +15,7 @@ first).
 Part 3: how a checkout of this repository itself (a few hundred files) is made: the env's way
 (`GitCheckout`: a git directory sharing the source's objects, then `read-tree -u`), its reset after
 an edit, and two alternatives, `git clone --shared` + checkout and a full copy (`cp -a`) of a
-checked-out tree; median of `--repeats`. `--write` replaces the "SWE env" section of BENCHMARKS.md.
+checked-out tree; median of `--repeats`, the variants interleaved. `--write` replaces the "SWE env" section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -156,15 +156,6 @@ def kill_and_restart(tasks: Path, tok_dir: Path, root: Path) -> list[tuple[str, 
     ]
 
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
 def checkout_latency(work: Path, repeats: int) -> list[tuple[str, float]]:
     """ms to get a pristine tree of this repository at HEAD, four ways."""
     repo = Path(__file__).resolve().parents[1]
@@ -195,12 +186,19 @@ def checkout_latency(work: Path, repeats: int) -> list[tuple[str, float]]:
     def copy() -> None:
         subprocess.run(["cp", "-a", str(tree), str(work / f"copy{next(counter)}")], check=True)
 
-    return [
-        (f"GitCheckout.create ({num_files} files)", _median_ms(lambda: checkout.create(*fresh()), repeats)),
-        ("GitCheckout.reset after an edit", _median_ms(reset, repeats)),
-        ("git clone --shared + checkout", _median_ms(clone, repeats)),
-        ("cp -a of a checked-out tree", _median_ms(copy, repeats)),
-    ]
+    variants = {
+        f"GitCheckout.create ({num_files} files)": lambda: checkout.create(*fresh()),
+        "GitCheckout.reset after an edit": reset,
+        "git clone --shared + checkout": clone,
+        "cp -a of a checked-out tree": copy,
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):  # interleaved, so that load on a shared machine hits every variant alike
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(1000 * (time.perf_counter() - t0))
+    return [(name, statistics.median(ms)) for name, ms in times.items()]
 
 
 def _tables(
@@ -236,6 +234,7 @@ def main() -> None:
     if args.child:
         _child(*map(Path, args.child))
         return
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="bench-swe-") as tmp:
         work = Path(tmp)
         tasks = write_example(work / "example")
@@ -244,6 +243,7 @@ def main() -> None:
         levels = [measure(tasks, tokenizer, n, args.rounds, work / f"sandboxes-{n}") for n in args.levels]
         census = kill_and_restart(tasks, work / "tok", work / "sandboxes-kill")
         checkouts = checkout_latency(work / "checkouts", args.repeats)
+    load.append(os.getloadavg()[0])
     table = _tables(levels, census, checkouts)
     print(table)
     if args.write:
@@ -254,7 +254,8 @@ def main() -> None:
             f"{' '.join(map(str, args.levels))} --rounds {args.rounds} --repeats {args.repeats} --write`.\n"
             "A scripted agent applies the reference fix of the example task `calclib-clamp` (two tool calls), "
             "then the grader runs the task's tests (pytest) in the episode's bwrap sandbox; `max_sandboxes` = "
-            "episodes in flight. Start latency: the time `setup` waits for a pristine sandbox.\n\n"
+            "episodes in flight. Start latency: the time `setup` waits for a pristine sandbox. Load average "
+            f"(other jobs on the machine) {load[0]:.1f} at the start, {load[1]:.1f} at the end.\n\n"
             f"{table}\n"
         )
         write_section("## SWE env", body)
