@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.client import RequestClient
 from asyncrl.config.envs import EnvConfig
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.sampling import SamplingParams
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.client import RequestClient
 from asyncrl.envs.policy import TokenPolicy
 from asyncrl.envs.registry import build_env
 from asyncrl.envs.rollout import Episode, run_episode

@@ -35,9 +35,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from asyncrl.client import InferenceError, ServerUnavailable
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
-from asyncrl.envs.backend import InferenceError, ServerUnavailable
 from asyncrl.envs.base import Environment, Task
 from asyncrl.envs.chat import ChatTokenizer
 from asyncrl.envs.policy import TokenPolicy

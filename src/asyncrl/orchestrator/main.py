@@ -12,6 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
+from asyncrl.client import build_backends
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
@@ -32,9 +33,10 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     state = _resume_state(cfg)
-    pool = ServerPool.from_urls(
-        cfg.servers, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, kind=cfg.inference_backend
+    backends = build_backends(
+        cfg.servers, kind=cfg.inference_backend, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s
     )
+    pool = ServerPool(backends)
     try:
         await pool.wait_ready(cfg.server_ready_timeout_s)
         dispatcher = Dispatcher(

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl.envs.backend import InferenceError
+from asyncrl.client import InferenceError
 from asyncrl.orchestrator.pool import Server, ServerPool
 from asyncrl.transport.weights import latest_stable_step, weights_dir
 from asyncrl.wire import PauseRequest, UpdateWeightsRequest
