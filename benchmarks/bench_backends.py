@@ -39,8 +39,8 @@ import httpx
 
 from asyncrl.client import HttpBackend, VLLMBackend
 from asyncrl.config import InferenceConfig
-from asyncrl.launcher.init_model import init_model
 from asyncrl.launcher.vllm import build_vllm_command
+from asyncrl.tools.init_model import init_model
 from asyncrl.wire import GenerateRequest, UpdateWeightsRequest
 
 SECTION = "## Backends: embedded vs vLLM"

@@ -33,9 +33,9 @@ from asyncrl.config.trainer import LossConfig, OptimConfig, ScheduleConfig
 from asyncrl.distributed import DistInfo
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.request import SamplingOptions
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model import Transformer, from_pretrained, save_pretrained
 from asyncrl.model.fp8 import apply_fp8
+from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.engine import StepEngine
 from asyncrl.trainer.logprobs import chunked_logprobs
 from asyncrl.trainer.loss import rl_loss

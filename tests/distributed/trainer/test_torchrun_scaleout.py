@@ -24,8 +24,8 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model import from_pretrained
+from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
 from asyncrl.transport import weights_dir, write_batch

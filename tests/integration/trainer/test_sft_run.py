@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.config.trainer import SFTConfig
-from asyncrl.launcher.init_model import init_model
+from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.sft import run_sft
 from asyncrl.transport import stable_steps, weights_dir
 

@@ -14,7 +14,7 @@ from asyncrl.config import EnvConfig
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.envs import Environment, Reward, Rubric, ScriptedClient, Task, TokenPolicy, run_episode
 from asyncrl.inference.main import build_server_app
-from asyncrl.launcher.init_model import init_model
+from asyncrl.tools.init_model import init_model
 from asyncrl.wire import GenerateRequest, SamplingParams
 
 REPLY = "abcdefghij"  # 10 byte tokens, then eos

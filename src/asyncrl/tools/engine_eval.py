@@ -35,7 +35,7 @@ from asyncrl.envs.rollout import Episode, run_episode
 from asyncrl.inference.async_engine import AsyncEngine
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.request import SamplingOptions
-from asyncrl.launcher.progress import progress_bar
+from asyncrl.tools.progress import progress_bar
 from asyncrl.wire import GenerateRequest, GenerateResponse
 
 __all__ = ["EvalResult", "LocalEngineClient", "evaluate", "main"]

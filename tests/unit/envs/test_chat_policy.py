@@ -1,4 +1,4 @@
-"""The OpenAI-compatible evaluation adapter (ChatPolicy) and the `asyncrl eval-env` command, on mock servers."""
+"""ChatPolicy: the rollout loop over an OpenAI-compatible chat endpoint (mock server)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import httpx
-import pytest
 
 from asyncrl.config import EnvConfig
 from asyncrl.envs import ChatPolicy, build_env, run_episode
@@ -50,32 +49,3 @@ def test_chat_policy_evaluates_a_served_model_without_samples():
     assert ep.metrics["num_tool_calls"] == 1 and ep.metrics["num_completion_tokens"] == 10
     assert requests[0]["model"] == "served-model" and requests[0]["tools"][0]["function"]["name"] == "calc"
     assert requests[1]["messages"][-1] == {"role": "tool", "name": "calc", "content": str(answer)}
-
-
-def test_eval_env_command_on_a_mock_server(capsys, monkeypatch):
-    from asyncrl.envs import endpoint_eval
-    from asyncrl.launcher.cli import main as cli_main
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        prompt = json.loads(request.content)["messages"][-1]["content"]
-        word = prompt.removeprefix("reverse: ")
-        answer = word[::-1] if len(word) % 2 else word  # right on odd lengths only
-        return httpx.Response(
-            200, json={"choices": [{"message": {"content": answer}, "finish_reason": "stop"}]}
-        )
-
-    real_client = httpx.AsyncClient
-    monkeypatch.setattr(
-        endpoint_eval.httpx,
-        "AsyncClient",
-        lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw),
-    )
-    assert cli_main(["eval-env", "--base-url", "http://srv", "--env", "reverse-text", "--num", "20"]) == 0
-    out = capsys.readouterr().out
-    env = build_env("reverse-text")
-    words = [env.task("eval", i).answer for i in range(20)]
-    expected_exact = sum(len(w) % 2 == 1 for w in words) / 20
-    rows = dict(line.split() for line in out.splitlines()[1:])
-    assert float(rows["rewards/exact"]) == pytest.approx(expected_exact, abs=1e-4)
-    assert float(rows["num_episodes"]) == 20
-    assert "metrics/num_turns" in out and "reverse-text (eval, 20 episodes)" in out

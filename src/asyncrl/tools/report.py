@@ -21,7 +21,7 @@ import numpy as np
 from matplotlib.figure import Figure  # the object API renders with Agg and keeps no global state
 from matplotlib.ticker import MaxNLocator
 
-from asyncrl.launcher.report_figures import FIGURES, FigureSpec, Records, is_number
+from asyncrl.tools.report_figures import FIGURES, FigureSpec, Records, is_number
 from asyncrl.transport.rollouts import BATCH_FILE, load_batch_file
 
 __all__ = ["ReportError", "load_eval", "load_metrics", "main", "write_report"]
