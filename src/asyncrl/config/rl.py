@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -40,6 +39,7 @@ from asyncrl.config.inference import InferenceConfig, is_loopback
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.sinks import SinksConfig
 from asyncrl.config.trainer import RLTrainerConfig
+from asyncrl.run_dir import weights_root
 
 __all__ = ["DeploymentConfig", "RLConfig", "ResolvedRL"]
 
@@ -139,7 +139,7 @@ class RLConfig(BaseConfig):
             _section(
                 InferenceConfig,
                 "inference",
-                {"update_weights_roots": [str(Path(self.run_dir, "weights").resolve())]}
+                {"update_weights_roots": [str(weights_root(self.run_dir).resolve())]}
                 | self.inference
                 | {
                     "model": self.model,

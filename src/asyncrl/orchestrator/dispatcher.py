@@ -48,6 +48,7 @@ from asyncrl.orchestrator.checkpoint import GroupRef, OrchestratorState, encode_
 from asyncrl.orchestrator.fill import FillTracker
 from asyncrl.orchestrator.metrics import Counters, StepMetrics, batch_metrics
 from asyncrl.orchestrator.pool import ServerPool
+from asyncrl.run_dir import rollouts_root
 from asyncrl.transport.rollouts import write_batch
 from asyncrl.wire import RolloutBatch
 
@@ -314,8 +315,8 @@ class Dispatcher:
             except OSError as e:
                 delay = min(0.5 * 2**attempt, 30.0)
                 log.error(
-                    "cannot write batch %d under %s/rollouts (%s); its groups are kept, retrying in %.1fs",
-                    batch.step, self.cfg.run_dir, e, delay,
+                    "cannot write batch %d under %s (%s); its groups are kept, retrying in %.1fs",
+                    batch.step, rollouts_root(self.cfg.run_dir), e, delay,
                 )  # fmt: skip
                 await asyncio.sleep(delay)
                 attempt += 1

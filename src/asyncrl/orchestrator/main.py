@@ -23,8 +23,8 @@ from asyncrl.orchestrator.fill import FillStalledError
 from asyncrl.orchestrator.metrics import format_line
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
+from asyncrl.run_dir import batch_dir, rollouts_root
 from asyncrl.transport.metrics import MetricsWriter, read_metrics
-from asyncrl.transport.rollouts import batch_dir
 
 log = logging.getLogger("asyncrl.orchestrator")
 
@@ -82,7 +82,7 @@ def _resume_state(cfg: OrchestratorConfig) -> OrchestratorState | None:
         return None
     state = load_latest_state(cfg.run_dir)
     if state is None:
-        log.info("resume: no batch in %s/rollouts yet, starting from batch 1", cfg.run_dir)
+        log.info("resume: no batch in %s yet, starting from batch 1", rollouts_root(cfg.run_dir))
     else:
         log.info(
             "resume after batch %d: %d group(s) buffered, %d in flight re-dispatched, next task index %d",

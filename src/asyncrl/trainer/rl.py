@@ -23,12 +23,13 @@ from typing import Any
 from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.model import ModelArgs
+from asyncrl.run_dir import batch_dir
 from asyncrl.trainer.diskspace import report_disk_full
 from asyncrl.trainer.loss import LossInputs, LossResult, rl_loss
 from asyncrl.trainer.mismatch import check_mismatch_gate
 from asyncrl.trainer.packing import pack_samples, shard_samples
 from asyncrl.trainer.session import TrainSession
-from asyncrl.transport import DiskFullError, batch_dir, read_batch
+from asyncrl.transport import DiskFullError, read_batch
 from asyncrl.wire import BatchFormatError, RolloutBatch
 
 __all__ = ["check_batch_fits_model", "main", "run_rl"]

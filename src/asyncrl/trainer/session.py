@@ -19,6 +19,7 @@ from asyncrl.config.trainer import CommonTrainConfig
 from asyncrl.distributed import DistInfo, init_distributed
 from asyncrl.model import Transformer, from_pretrained, torch_dtype
 from asyncrl.model.fp8 import apply_fp8
+from asyncrl.run_dir import checkpoints_root
 from asyncrl.trainer.checkpoint import (
     CheckpointNotFoundError,
     latest_checkpoint_step,
@@ -44,7 +45,7 @@ def resolve_resume_step(cfg: CommonTrainConfig) -> int | None:
     step = latest_checkpoint_step(cfg.run_dir)
     if step is None:
         raise CheckpointNotFoundError(
-            f"--resume is set but {cfg.run_dir / 'checkpoints'} holds no complete checkpoint"
+            f"--resume is set but {checkpoints_root(cfg.run_dir)} holds no complete checkpoint"
         )
     return step
 

@@ -13,10 +13,11 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.model import from_pretrained
+from asyncrl.run_dir import weights_dir
 from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
-from asyncrl.transport import weights_dir, write_batch
+from asyncrl.transport import write_batch
 from helpers import child_env, free_port
 
 

@@ -14,10 +14,11 @@ from safetensors import SafetensorError
 import asyncrl.model.hf as hf
 from asyncrl.distributed import DistInfo
 from asyncrl.model.tokenizer import save_byte_tokenizer
-from asyncrl.trainer.checkpoint import checkpoint_dir, checkpoint_steps, save_checkpoint
+from asyncrl.run_dir import checkpoint_dir, weights_dir
+from asyncrl.trainer.checkpoint import checkpoint_steps, save_checkpoint
 from asyncrl.trainer.diskspace import state_bytes
 from asyncrl.trainer.publish import FilesystemWeightPublisher
-from asyncrl.transport import DiskFullError, stable_steps, weights_dir
+from asyncrl.transport import DiskFullError, stable_steps
 from asyncrl.transport.disk import format_bytes
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
