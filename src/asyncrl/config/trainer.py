@@ -15,7 +15,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
-from asyncrl.config.mismatch import FP8Config, MismatchConfig
+from asyncrl.config.fp8 import FP8Config
+from asyncrl.config.mismatch import MismatchConfig
 from asyncrl.config.parallel import ParallelConfig
 from asyncrl.config.sinks import SinksConfig
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.config.mismatch import DEFAULT_FP8_IGNORE as CONFIG_DEFAULT_IGNORE
-from asyncrl.config.mismatch import FP8Config
+from asyncrl.config.fp8 import DEFAULT_FP8_IGNORE as CONFIG_DEFAULT_IGNORE
+from asyncrl.config.fp8 import FP8Config
 from asyncrl.model import Transformer, preset_args
 from asyncrl.model.fp8 import (
     AMAX_FLOOR,
