@@ -20,7 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "asyncrl.tools.init_model:main",
         "write a randomly initialised HF-format model + tokenizer",
     ),
-    "trainer": ("asyncrl.trainer.rl:main", "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)"),
+    "trainer": (
+        "asyncrl.trainer.main:main",
+        "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)",
+    ),
     "orchestrator": ("asyncrl.orchestrator.main:main", "rollouts over HTTP -> RUN/rollouts/step_n (asyncio)"),
     "sft-data": (
         "asyncrl.tools.sft_export:main",

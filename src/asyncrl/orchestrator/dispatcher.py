@@ -46,7 +46,7 @@ from asyncrl.orchestrator.advantages import is_valid, valid_group_samples
 from asyncrl.orchestrator.buffer import Group, GroupBuffer, oldest_allowed_version
 from asyncrl.orchestrator.checkpoint import GroupRef, OrchestratorState, encode_state
 from asyncrl.orchestrator.fill import FillTracker
-from asyncrl.orchestrator.metrics import Counters, StepMetrics, batch_metrics
+from asyncrl.orchestrator.metrics import Counters, StepMetrics, step_record
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.run_dir import rollouts_root
 from asyncrl.transport.rollouts import write_batch
@@ -276,7 +276,7 @@ class Dispatcher:
                 cut := self.buffer.cut(self.step)
             ):
                 batch, groups = cut
-                metrics = self._batch_metrics(batch, pending_metrics)
+                metrics = self._step_record(batch, pending_metrics)
                 path = await self._write(batch, groups, metrics)
                 pending_metrics = StepMetrics()
                 log.info("wrote %s", path)
@@ -324,8 +324,8 @@ class Dispatcher:
             self._dropped.clear()
             return path
 
-    def _batch_metrics(self, batch: RolloutBatch, since: StepMetrics) -> dict[str, float | int]:
-        metrics = batch_metrics(
+    def _step_record(self, batch: RolloutBatch, since: StepMetrics) -> dict[str, float | int]:
+        metrics = step_record(
             batch,
             since,
             self.counters,

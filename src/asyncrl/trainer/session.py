@@ -2,7 +2,7 @@
 
 session = TrainSession.build(cfg)                 # dist, model, optimizer, schedule, resume
 for step in range(session.start_step + 1, cfg.max_steps + 1):
-    result = session.engine.step(micro_batches, loss_fn, step)
+    result = session.step_runner.step(micro_batches, loss_fn, step)
     session.end_step(step, result, extra_metrics)  # publish, checkpoint, metrics
 session.close()
 """
@@ -26,11 +26,11 @@ from asyncrl.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from asyncrl.trainer.engine import StepEngine, StepResult
 from asyncrl.trainer.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.publish import FilesystemWeightPublisher, WeightPublisher
 from asyncrl.trainer.scaleout import ParallelState, build_parallel_model, resolve_dims
+from asyncrl.trainer.step import StepResult, StepRunner
 from asyncrl.transport.sinks import build_sinks
 
 __all__ = ["TrainSession", "resolve_resume_step"]
@@ -55,7 +55,7 @@ class TrainSession:
     cfg: CommonTrainConfig
     info: DistInfo
     model: Transformer
-    engine: StepEngine
+    step_runner: StepRunner
     publisher: WeightPublisher
     logger: MetricsLogger
     peak_flops: float  # per device
@@ -96,7 +96,7 @@ class TrainSession:
         resume = resolve_resume_step(cfg)
         if resume is not None:
             start_step = load_checkpoint(cfg.run_dir, resume, model, optimizer, scheduler)
-        engine = StepEngine(
+        step_runner = StepRunner(
             model,
             optimizer,
             scheduler,
@@ -111,7 +111,7 @@ class TrainSession:
             cfg=cfg,
             info=info,
             model=model,
-            engine=engine,
+            step_runner=step_runner,
             publisher=publisher
             or FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish.keep_last, info),
             logger=MetricsLogger(
@@ -157,8 +157,8 @@ class TrainSession:
                 cfg.run_dir,
                 step,
                 self.model,
-                self.engine.optimizer,
-                self.engine.scheduler,
+                self.step_runner.optimizer,
+                self.step_runner.scheduler,
                 self.info,
                 cfg.checkpoint.keep_last,
             )

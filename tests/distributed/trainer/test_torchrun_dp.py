@@ -32,10 +32,10 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int) -> Path:
 def _run(cfg: Path, nproc: int, extra: tuple[str, ...] = ()) -> None:
     env = child_env()
     if nproc == 1:
-        cmd = [sys.executable, "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]
+        cmd = [sys.executable, "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]  # fmt: skip
+               "--master-port", str(free_port()), "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
