@@ -13,7 +13,8 @@
       slurm.sbatch          sbatch_file      `asyncrl slurm`'s job script
 
 `rollouts_root`, `weights_root` and `checkpoints_root` are the parents of the step directories;
-`step_name` and `step_of` turn a step into its directory's name and back. The files inside a step
+`step_name` and `step_of` turn a step into its directory's name and back, and `steps_in` lists the
+steps under a parent. The files inside a step
 directory belong to their writers (asyncrl.transport: the batch file and the STABLE marker;
 asyncrl.orchestrator.checkpoint: its state file). This module imports nothing of asyncrl and not
 torch, so every package may use it.
@@ -40,6 +41,7 @@ __all__ = [
     "sbatch_file",
     "step_name",
     "step_of",
+    "steps_in",
     "tensorboard_dir",
     "weights_dir",
     "weights_root",
@@ -59,6 +61,14 @@ def step_of(name: str) -> int | None:
     """The step a directory name stands for (`step_12` -> 12), or None for any other name."""
     m = _STEP_NAME.match(name)
     return int(m[1]) if m else None
+
+
+def steps_in(root: Path, *, marker: str | None = None) -> list[int]:
+    """Steps of the `step_N` directories under `root`, ascending; with `marker`, of those that hold it."""
+    if not root.is_dir():
+        return []
+    found = ((step_of(child.name), child) for child in root.iterdir())
+    return sorted(s for s, child in found if s is not None and (marker is None or (child / marker).is_file()))
 
 
 def configs_dir(run_dir: RunDir) -> Path:

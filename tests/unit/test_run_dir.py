@@ -49,3 +49,13 @@ def test_step_of_reads_only_step_directory_names(name, step):
 
 def test_step_name_and_step_of_round_trip():
     assert [layout.step_of(layout.step_name(n)) for n in (0, 1, 250)] == [0, 1, 250]
+
+
+def test_steps_in_lists_step_directories_in_order_and_only_complete_ones_with_a_marker(tmp_path):
+    root = layout.weights_root(tmp_path)
+    assert layout.steps_in(root) == []  # no directory yet
+    for name in ("step_10", "step_2", ".step_3.ab12", "step_x", "notes"):
+        (root / name).mkdir(parents=True)
+    (root / "step_2" / "STABLE").touch()
+    assert layout.steps_in(root) == [2, 10]
+    assert layout.steps_in(root, marker="STABLE") == [2]

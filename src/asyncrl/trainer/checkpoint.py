@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncrl.distributed import DistInfo, barrier, load_dcp, save_dcp
-from asyncrl.run_dir import checkpoint_dir, checkpoints_root, step_of
+from asyncrl.run_dir import checkpoint_dir, checkpoints_root, steps_in
 from asyncrl.trainer.diskspace import raise_together, state_bytes
 from asyncrl.transport.disk import (
     DiskFullError,
@@ -44,15 +44,7 @@ class CheckpointNotFoundError(ValueError):
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
-    root = checkpoints_root(run_dir)
-    if not root.is_dir():
-        return []
-    steps = []
-    for child in root.iterdir():
-        step = step_of(child.name)
-        if step is not None and (child / ".metadata").is_file():
-            steps.append(step)
-    return sorted(steps)
+    return steps_in(checkpoints_root(run_dir), marker=".metadata")
 
 
 def latest_checkpoint_step(run_dir: Path) -> int | None:

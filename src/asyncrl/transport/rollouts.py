@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from asyncrl.run_dir import batch_dir, rollouts_root, step_name, step_of
+from asyncrl.run_dir import batch_dir, rollouts_root, step_name, steps_in
 from asyncrl.transport.disk import disk_full_as_error
 from asyncrl.wire import BatchFormatError, RolloutBatch, decode_batch, encode_batch
 
@@ -47,10 +47,7 @@ class RolloutTimeoutError(TimeoutError):
 
 def batch_steps(run_dir: str | os.PathLike) -> list[int]:
     """Steps whose batch directory exists (complete, since it appears by rename), ascending."""
-    root = rollouts_root(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(step for child in root.iterdir() if (step := step_of(child.name)) is not None)
+    return steps_in(rollouts_root(run_dir))
 
 
 def write_batch(

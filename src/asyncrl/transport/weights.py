@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from asyncrl.run_dir import step_name, step_of, weights_dir, weights_root
+from asyncrl.run_dir import step_name, step_of, steps_in, weights_dir, weights_root
 from asyncrl.transport.disk import disk_full_as_error
 
 __all__ = [
@@ -82,15 +82,7 @@ def _replace_with_link(final: Path, link: Path) -> None:
 
 def stable_steps(run_dir: str | os.PathLike) -> list[int]:
     """Published steps (those with STABLE), ascending."""
-    root = weights_root(run_dir)
-    if not root.is_dir():
-        return []
-    steps = []
-    for child in root.iterdir():
-        step = step_of(child.name)
-        if step is not None and (child / STABLE_MARKER).is_file():
-            steps.append(step)
-    return sorted(steps)
+    return steps_in(weights_root(run_dir), marker=STABLE_MARKER)
 
 
 def latest_stable_step(run_dir: str | os.PathLike) -> int | None:
