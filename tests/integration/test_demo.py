@@ -24,12 +24,12 @@ from asyncrl.config import load_config
 from asyncrl.config.envs import EnvConfig
 from asyncrl.config.sampling import SamplingParams
 from asyncrl.config.trainer import SFTConfig
-from asyncrl.launcher.engine_eval import evaluate
-from asyncrl.launcher.init_model import init_model
-from asyncrl.launcher.report import write_report
-from asyncrl.launcher.sft_export import write_sft_data
+from asyncrl.run_dir import weights_dir
+from asyncrl.tools.engine_eval import evaluate
+from asyncrl.tools.init_model import init_model
+from asyncrl.tools.report import write_report
+from asyncrl.tools.sft_export import write_sft_data
 from asyncrl.trainer.sft import run_sft
-from asyncrl.transport import weights_dir
 from asyncrl.transport.rollouts import read_batch
 from helpers import child_env, free_port
 

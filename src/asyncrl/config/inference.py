@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
-from asyncrl.config.mismatch import FP8Config
+from asyncrl.config.fp8 import FP8Config
 from asyncrl.config.shared import Device
 from asyncrl.config.vllm import VLLMConfig
 

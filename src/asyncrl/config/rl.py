@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -43,6 +42,7 @@ from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, SeqLen
 from asyncrl.config.sinks import SinksConfig
 from asyncrl.config.trainer import RLTrainerConfig
+from asyncrl.run_dir import weights_root
 
 __all__ = [
     "DeploymentConfig",
@@ -177,7 +177,7 @@ class RLConfig(BaseConfig):
             _section(
                 InferenceConfig,
                 "inference",
-                {"update_weights_roots": [str(Path(self.run_dir, "weights").resolve())]}
+                {"update_weights_roots": [str(weights_root(self.run_dir).resolve())]}
                 | _set_keys(self.inference)
                 | {
                     "model": self.model,

@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, model_validator
 
 from asyncrl.config.base import BaseConfig
-from asyncrl.config.mismatch import FP8Config, MismatchConfig
+from asyncrl.config.fp8 import FP8Config
+from asyncrl.config.mismatch import MismatchConfig
 from asyncrl.config.parallel import ParallelConfig
 from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, Device, SeqLen
 from asyncrl.config.sinks import SinksConfig

@@ -14,10 +14,9 @@ from typing import Any, Protocol
 
 import httpx
 
+from asyncrl.client import ContextLimitExceeded, InferenceClient, InferenceError
 from asyncrl.config.envs import EnvConfig
-from asyncrl.envs.backend import ContextLimitExceeded, InferenceError
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.client import InferenceClient
 from asyncrl.envs.trajectory import TrajectoryBuilder
 from asyncrl.wire import RolloutSample, SamplingParams
 

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.client import InferenceError
 from asyncrl.config.envs import EnvConfig, LatencyConfig
-from asyncrl.envs.backend import InferenceError
 from asyncrl.envs.base import Environment, EpisodeState, Task
 from asyncrl.envs.policy import ContextLimitReached, EpisodeBudgetExhausted, Policy
 from asyncrl.envs.tools import call_tool, parse_tool_calls

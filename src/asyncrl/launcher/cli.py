@@ -17,32 +17,35 @@ from pathlib import Path
 # `asyncrl --help` and torch-free commands start fast.
 COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": (
-        "asyncrl.launcher.init_model:main",
+        "asyncrl.tools.init_model:main",
         "write a randomly initialised HF-format model + tokenizer",
     ),
-    "trainer": ("asyncrl.trainer.rl:main", "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)"),
+    "trainer": (
+        "asyncrl.trainer.main:main",
+        "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)",
+    ),
     "orchestrator": ("asyncrl.orchestrator.main:main", "rollouts over HTTP -> RUN/rollouts/step_n (asyncio)"),
     "sft-data": (
-        "asyncrl.launcher.sft_export:main",
+        "asyncrl.tools.sft_export:main",
         "write an env's reference answers as SFT JSONL (optionally corrupted)",
     ),
     "eval": (
-        "asyncrl.launcher.engine_eval:main",
+        "asyncrl.tools.engine_eval:main",
         "mean reward of a model on an env's eval tasks (in-process engine, no server)",
     ),
     "sft": ("asyncrl.trainer.sft:main", "supervised fine-tuning on chat / prompt-completion JSONL"),
     "rl": ("asyncrl.launcher.rl:main", "asynchronous RL: inference + orchestrator + trainer, supervised"),
-    "plan": ("asyncrl.launcher.plan:main", "per-GPU memory and step time of a trainer layout (FSDP/EP/CP)"),
+    "plan": ("asyncrl.tools.plan:main", "per-GPU memory and step time of a trainer layout (FSDP/EP/CP)"),
     "slurm": ("asyncrl.launcher.slurm:main", "render (and submit) an sbatch job for a multi-node RL run"),
     "inference": (
         "asyncrl.inference.main:main",
         "serve a model: embedded engine, OpenAI-compatible HTTP API",
     ),
     "eval-env": (
-        "asyncrl.envs.endpoint_eval:main",
+        "asyncrl.tools.endpoint_eval:main",
         "evaluate an OpenAI-compatible endpoint on an environment",
     ),
-    "report": ("asyncrl.launcher.report:main", "PNG plots and one HTML page of a run's metrics (matplotlib)"),
+    "report": ("asyncrl.tools.report:main", "PNG plots and one HTML page of a run's metrics (matplotlib)"),
 }
 
 

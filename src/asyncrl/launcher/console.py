@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from asyncrl.run_dir import metrics_file
 from asyncrl.transport.sinks import Sinks
 
 __all__ = ["Console", "LiveConsole", "MetricsTail", "PlainConsole", "RunStatus", "is_important"]
@@ -117,7 +118,7 @@ class Console:
         self, run_dir: str | Path | None = None, sinks: Sinks | None = None, stream: TextIO | None = None
     ) -> None:
         """`run_dir` None: no metrics to tail (a supervisor of processes that write none)."""
-        self.tail = MetricsTail(Path(run_dir) / "metrics.jsonl") if run_dir is not None else None
+        self.tail = MetricsTail(metrics_file(run_dir)) if run_dir is not None else None
         self.sinks = sinks or Sinks()
         self._stream = stream
         self._lock = threading.Lock()  # child lines arrive on the supervisor's reader threads

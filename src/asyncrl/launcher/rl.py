@@ -47,13 +47,13 @@ from asyncrl.launcher.slurm import SlurmRLConfig
 from asyncrl.launcher.slurm import main as slurm_main
 from asyncrl.launcher.supervisor import ChildSpec, Supervisor
 from asyncrl.launcher.vllm import VLLMCommand, build_vllm_command, check_vllm, probe_vllm, resolve_vllm_python
+from asyncrl.run_dir import log_file, logs_dir
 from asyncrl.transport.sinks import build_sinks
 
 __all__ = ["build_children", "main"]
 
 
 def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) -> list[ChildSpec]:
-    logs = Path(cfg.run_dir) / "logs"
     py = [sys.executable, "-m", "asyncrl"]
     children = []
     for i in range(len(resolved.inference)):
@@ -70,7 +70,7 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
             ChildSpec(
                 name=f"inference-{i}",
                 argv=argv,
-                log=logs / f"inference-{i}.log",
+                log=log_file(cfg.run_dir, f"inference-{i}"),
                 env=env,
                 max_restarts=cfg.deployment.max_inference_restarts,
             )
@@ -79,7 +79,7 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
         ChildSpec(
             name="orchestrator",
             argv=[*py, "orchestrator", "@", str(files["orchestrator"])],
-            log=logs / "orchestrator.log",
+            log=log_file(cfg.run_dir, "orchestrator"),
             echo_prefixes=("[orchestrator]",),
             may_exit_ok=True,
         )
@@ -103,7 +103,7 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
         ChildSpec(
             name="trainer",
             argv=[*trainer_cmd, "@", str(files["trainer"])],
-            log=logs / "trainer.log",
+            log=log_file(cfg.run_dir, "trainer"),
             env=env,
             echo_prefixes=("step ",),
             done_ok=True,
@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
     files = write_configs(cfg, resolved)
     children = build_children(cfg, resolved, files)
     print(
-        f"asyncrl rl: run dir {cfg.run_dir}; configs in {files['rl'].parent}; logs in {Path(cfg.run_dir) / 'logs'}"
+        f"asyncrl rl: run dir {cfg.run_dir}; configs in {files['rl'].parent}; logs in {logs_dir(cfg.run_dir)}"
     )
     for child in children:
         print(f"  {child.name}: {_shell(child)}")

@@ -27,7 +27,8 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from asyncrl.orchestrator.buffer import Group
-from asyncrl.transport.rollouts import Attachment, batch_dir, batch_steps
+from asyncrl.run_dir import batch_dir
+from asyncrl.transport.rollouts import Attachment, batch_steps
 from asyncrl.wire import RolloutBatch, decode_batch, encode_batch
 
 __all__ = [

@@ -35,9 +35,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from asyncrl.client import InferenceError, ServerUnavailable
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
-from asyncrl.envs.backend import InferenceError, ServerUnavailable
 from asyncrl.envs.base import Environment, Task
 from asyncrl.envs.chat import ChatTokenizer
 from asyncrl.envs.policy import TokenPolicy
@@ -46,8 +46,9 @@ from asyncrl.orchestrator.advantages import is_valid, valid_group_samples
 from asyncrl.orchestrator.buffer import Group, GroupBuffer, oldest_allowed_version
 from asyncrl.orchestrator.checkpoint import GroupRef, OrchestratorState, encode_state
 from asyncrl.orchestrator.fill import FillTracker
-from asyncrl.orchestrator.metrics import Counters, StepMetrics, batch_metrics
+from asyncrl.orchestrator.metrics import Counters, StepMetrics, step_record
 from asyncrl.orchestrator.pool import ServerPool
+from asyncrl.run_dir import rollouts_root
 from asyncrl.transport.rollouts import write_batch
 from asyncrl.wire import RolloutBatch
 
@@ -275,7 +276,7 @@ class Dispatcher:
                 cut := self.buffer.cut(self.step)
             ):
                 batch, groups = cut
-                metrics = self._batch_metrics(batch, pending_metrics)
+                metrics = self._step_record(batch, pending_metrics)
                 path = await self._write(batch, groups, metrics)
                 pending_metrics = StepMetrics()
                 log.info("wrote %s", path)
@@ -314,8 +315,8 @@ class Dispatcher:
             except OSError as e:
                 delay = min(0.5 * 2**attempt, 30.0)
                 log.error(
-                    "cannot write batch %d under %s/rollouts (%s); its groups are kept, retrying in %.1fs",
-                    batch.step, self.cfg.run_dir, e, delay,
+                    "cannot write batch %d under %s (%s); its groups are kept, retrying in %.1fs",
+                    batch.step, rollouts_root(self.cfg.run_dir), e, delay,
                 )  # fmt: skip
                 await asyncio.sleep(delay)
                 attempt += 1
@@ -323,8 +324,8 @@ class Dispatcher:
             self._dropped.clear()
             return path
 
-    def _batch_metrics(self, batch: RolloutBatch, since: StepMetrics) -> dict[str, float | int]:
-        metrics = batch_metrics(
+    def _step_record(self, batch: RolloutBatch, since: StepMetrics) -> dict[str, float | int]:
+        metrics = step_record(
             batch,
             since,
             self.counters,

@@ -12,6 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
+from asyncrl.client import build_backends
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
@@ -22,8 +23,8 @@ from asyncrl.orchestrator.fill import FillStalledError
 from asyncrl.orchestrator.metrics import format_line
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
+from asyncrl.run_dir import batch_dir, rollouts_root
 from asyncrl.transport.metrics import MetricsWriter, read_metrics
-from asyncrl.transport.rollouts import batch_dir
 
 log = logging.getLogger("asyncrl.orchestrator")
 
@@ -32,9 +33,10 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     state = _resume_state(cfg)
-    pool = ServerPool.from_urls(
-        cfg.servers, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, kind=cfg.inference_backend
+    backends = build_backends(
+        cfg.servers, kind=cfg.inference_backend, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s
     )
+    pool = ServerPool(backends)
     try:
         await pool.wait_ready(cfg.server_ready_timeout_s)
         dispatcher = Dispatcher(
@@ -80,7 +82,7 @@ def _resume_state(cfg: OrchestratorConfig) -> OrchestratorState | None:
         return None
     state = load_latest_state(cfg.run_dir)
     if state is None:
-        log.info("resume: no batch in %s/rollouts yet, starting from batch 1", cfg.run_dir)
+        log.info("resume: no batch in %s yet, starting from batch 1", rollouts_root(cfg.run_dir))
     else:
         log.info(
             "resume after batch %d: %d group(s) buffered, %d in flight re-dispatched, next task index %d",

@@ -1,6 +1,6 @@
 """Per-step orchestrator metrics: rewards, episode shape, staleness, drops, inference load.
 
-`batch_metrics` is a pure function of the batch, the episodes finished since the last batch, and
+`step_record` is a pure function of the batch, the episodes finished since the last batch, and
 the dispatcher's counters; the dispatcher passes them in and resets what is per step. One line per
 written batch goes to `RUN/metrics.jsonl` (through `asyncrl.transport.MetricsWriter`, role
 "orchestrator"), and one line to the console.
@@ -17,7 +17,7 @@ import numpy as np
 from asyncrl.orchestrator.buffer import Group
 from asyncrl.wire import RolloutBatch
 
-__all__ = ["Counters", "StepMetrics", "batch_metrics", "format_line"]
+__all__ = ["Counters", "StepMetrics", "format_line", "step_record"]
 
 
 @dataclass
@@ -56,7 +56,7 @@ def _num_without_routing(batch: RolloutBatch) -> int:
     return missing if missing < len(batch.samples) else 0
 
 
-def batch_metrics(
+def step_record(
     batch: RolloutBatch,
     since: StepMetrics,
     counters: Counters,
@@ -66,7 +66,7 @@ def batch_metrics(
     step_seconds: float,
     inference: Mapping[str, float],
 ) -> dict[str, float | int]:
-    """The metrics of one written batch (everything but role, step and time, which the writer adds).
+    """The orchestrator's record of step n, logged with batch n (all but role, step and time: the writer's).
 
     `since` holds the episodes finished since the previous batch (trained or not); `inference`
     is the pool's token counters of the same period (`PoolStats.take()`).

@@ -1,8 +1,8 @@
 """Inference servers as one pool: session-sticky routing, least-loaded placement, health and failover.
 
-The pool holds one `InferenceBackend` (asyncrl.envs.backend) per server and never speaks HTTP
-itself; `ServerPool.from_urls` builds `HttpBackend`s, and any other backend plugs in through
-`ServerPool(backends)`.
+The pool holds one `InferenceBackend` (asyncrl.client) per server and never speaks HTTP itself:
+it routes over whatever backends it is given (`asyncrl.client.build_backends` builds them from
+URLs, for asyncrl's servers or vLLM's).
 
 Every turn of an episode goes to the server that served its first turn, so the episode reuses its
 prefix cache. New sessions go to the healthy server with the fewest requests in flight. A server
@@ -10,8 +10,8 @@ that fails at the transport level (connection refused, timeout, 5xx) leaves the 
 failing call raises `ServerUnavailable`, and the dispatcher re-runs that episode elsewhere. A
 background task probes `/health` and re-admits the server when it answers again.
 
-    pool = ServerPool(["http://127.0.0.1:8000", "http://127.0.0.1:8001"])
-    client = pool.session("episode-17")        # an asyncrl.envs InferenceClient (a RequestClient)
+    pool = ServerPool(build_backends(["http://127.0.0.1:8000", "http://127.0.0.1:8001"]))
+    client = pool.session("episode-17")        # an asyncrl.client InferenceClient (a RequestClient)
     response = await client.generate(prompt_ids, sampling, cache_salt="3")
 """
 
@@ -23,14 +23,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TypeVar
 
-from asyncrl.envs.backend import HttpBackend, InferenceBackend, InferenceError, ServerUnavailable
-from asyncrl.envs.client import RequestClient
-from asyncrl.envs.vllm_backend import VLLMBackend
+from asyncrl.client import InferenceBackend, InferenceError, RequestClient, ServerUnavailable
 from asyncrl.wire import GenerateRequest, GenerateResponse
 
-__all__ = ["NoHealthyServer", "Server", "ServerPool", "ServerUnavailable"]
+__all__ = ["NoHealthyServer", "Server", "ServerPool"]
 
 _T = TypeVar("_T")
 
@@ -81,19 +79,6 @@ class ServerPool:
         self.servers = [Server(backend=b) for b in backends]
         self._sessions: dict[str, Server] = {}
         self.stats = PoolStats()
-
-    @classmethod
-    def from_urls(
-        cls,
-        urls: list[str],
-        *,
-        api_key: str | None = None,
-        timeout_s: float = 600.0,
-        kind: Literal["embedded", "vllm"] = "embedded",
-    ) -> ServerPool:
-        """A pool of asyncrl HTTP servers (`HttpBackend`) or of vLLM servers (`VLLMBackend`)."""
-        backend = {"embedded": HttpBackend, "vllm": VLLMBackend}[kind]
-        return cls([backend(u, api_key=api_key, timeout_s=timeout_s) for u in urls])
 
     # -- routing -------------------------------------------------------------------------------
     def session(self, session_id: str, *, cache_salt: Callable[[], str] | None = None) -> RequestClient:

@@ -25,8 +25,9 @@ from typing import Protocol
 
 from asyncrl.distributed import DistInfo, iter_hf_tensors
 from asyncrl.model import HFCheckpointWriter, Transformer
+from asyncrl.run_dir import weights_dir
 from asyncrl.trainer.diskspace import ensure_free_space, raise_together, state_bytes
-from asyncrl.transport import STABLE_MARKER, DiskFullError, stage_weights, weights_dir
+from asyncrl.transport import STABLE_MARKER, DiskFullError, stage_weights
 
 __all__ = ["FilesystemWeightPublisher", "WeightPublisher", "copy_tokenizer_files"]
 

@@ -1,37 +1,29 @@
-"""`asyncrl trainer @ rl.toml [--dotted.key value]`: the RL trainer process.
+"""The RL loop: one optimizer step per rollout batch, from the session's start step to max_steps.
 
-    asyncrl trainer @ rl.toml --run-dir outputs/demo --max-steps 100
-    torchrun --nproc-per-node 2 -m asyncrl.trainer.rl @ rl.toml      # FSDP2 over 2 ranks
-    torchrun --nproc-per-node 4 -m asyncrl.trainer.rl @ rl.toml --parallel.ep 2 --parallel.cp 2
+    records = run_rl(cfg)   # cfg: RLTrainerConfig; the process entry point is asyncrl.trainer.main
 
-Step n reads `RUN/rollouts/step_n/` (waiting up to batch_timeout_s), takes this data rank's share
-of the samples, packs them into rows of at most seq_len tokens, runs one optimizer step with the
-configured off-policy loss (router replay on when samples carry routed experts), publishes
-`RUN/weights/step_n/` and appends a line to `RUN/metrics.jsonl`. `--resume` (or `--resume-step N`) continues
-from the latest checkpoint with the same step numbering. A publish or checkpoint that does not fit
-on the disk (checked before it starts) stops the trainer with one line that names the path, what
-was being written and the free space (exit code 1); nothing partial is left as a complete step.
+Step n waits for batch n, checks that it fits the model, trains this data rank's share of it
+(packed rows, the configured off-policy loss, router replay when the samples carry routing),
+publishes v_n, logs the step and applies the mismatch gate.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from typing import Any
 
-from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.model import ModelArgs
-from asyncrl.trainer.diskspace import report_disk_full
+from asyncrl.run_dir import batch_dir
 from asyncrl.trainer.loss import LossInputs, LossResult, rl_loss
 from asyncrl.trainer.mismatch import check_mismatch_gate
 from asyncrl.trainer.packing import pack_samples, shard_samples
 from asyncrl.trainer.session import TrainSession
-from asyncrl.transport import DiskFullError, batch_dir, read_batch
+from asyncrl.transport import read_batch
 from asyncrl.wire import BatchFormatError, RolloutBatch
 
-__all__ = ["check_batch_fits_model", "main", "run_rl"]
+__all__ = ["check_batch_fits_model", "run_rl"]
 
 
 def check_batch_fits_model(batch: RolloutBatch, args: ModelArgs, where: str) -> None:
@@ -57,7 +49,8 @@ def check_batch_fits_model(batch: RolloutBatch, args: ModelArgs, where: str) -> 
                 )
 
 
-def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
+def batch_reward_stats(batch: RolloutBatch) -> dict[str, Any]:
+    """How many samples the trained batch holds and their mean reward, for the trainer's metrics line."""
     rewards = [s.reward for s in batch.samples]
     return {
         "num_samples": len(batch.samples),
@@ -93,8 +86,8 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
                 _warn_if_replay_is_idle(cfg, session.model.args, batch)
             mine = shard_samples(batch.samples, session.data_rank, session.data_size)
             micro_batches = pack_samples(mine, cfg.seq_len, replay=replay)
-            result = session.engine.step(micro_batches, loss_fn, trained_version=step - 1)
-            records.append(session.end_step(step, result, batch_metrics(batch) | {"wait_s": wait_s}))
+            result = session.step_runner.step(micro_batches, loss_fn, trained_version=step - 1)
+            records.append(session.end_step(step, result, batch_reward_stats(batch) | {"wait_s": wait_s}))
             check_mismatch_gate(
                 result.mismatch["mismatch_kl_current"],
                 max_kl=cfg.mismatch.max_mismatch_kl,
@@ -105,16 +98,3 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
     finally:
         session.close()
     return records
-
-
-def main(argv: list[str] | None = None) -> int:
-    cfg = load_config(RLTrainerConfig, list(sys.argv[1:] if argv is None else argv))
-    try:
-        run_rl(cfg)
-    except DiskFullError as e:
-        return report_disk_full("asyncrl trainer", e)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,14 +2,14 @@
 
 Process groups, meshes, sharding and collectives live in `asyncrl.distributed`; this module is
 what the trainer adds: building its model from the config, and preparing each step's micro-batches.
-World size 1 never comes here: the session loads a plain model and the engine runs as before.
+World size 1 never comes here: the session loads a plain model and the step runner runs as before.
 Under torchrun (WORLD_SIZE > 1) the session does, in this order (docs/scaling.md):
 
     dims = resolve_dims(cfg.parallel, cfg.model.path)   # before init_process_group: bad dims fail early
     info = init_distributed(cfg.model.device)           # asyncrl.distributed
     model, state = build_parallel_model(cfg, dims, info)  # meta -> apply_parallelism -> rank 0 loads
 
-and per step the engine calls `equalize_micro_batches` (every rank runs the same number of
+and per step the step runner calls `equalize_micro_batches` (every rank runs the same number of
 forwards, or FSDP / EP / CP collectives hang) and `split_for_rank` (this rank's CP chunk of every
 per-token stream, with the attention backend that sees the whole row).
 

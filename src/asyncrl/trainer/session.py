@@ -2,7 +2,7 @@
 
 session = TrainSession.build(cfg)                 # dist, model, optimizer, schedule, resume
 for step in range(session.start_step + 1, cfg.max_steps + 1):
-    result = session.engine.step(micro_batches, loss_fn, step)
+    result = session.step_runner.step(micro_batches, loss_fn, step)
     session.end_step(step, result, extra_metrics)  # publish, checkpoint, metrics
 session.close()
 """
@@ -19,17 +19,18 @@ from asyncrl.config.trainer import CommonTrainConfig
 from asyncrl.distributed import DistInfo, init_distributed
 from asyncrl.model import Transformer, from_pretrained, torch_dtype
 from asyncrl.model.fp8 import apply_fp8
+from asyncrl.run_dir import checkpoints_root
 from asyncrl.trainer.checkpoint import (
     CheckpointNotFoundError,
     latest_checkpoint_step,
     load_checkpoint,
     save_checkpoint,
 )
-from asyncrl.trainer.engine import StepEngine, StepResult
 from asyncrl.trainer.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.publish import FilesystemWeightPublisher, WeightPublisher
 from asyncrl.trainer.scaleout import ParallelState, build_parallel_model, resolve_dims
+from asyncrl.trainer.step import StepResult, StepRunner
 from asyncrl.transport.sinks import build_sinks
 
 __all__ = ["TrainSession", "resolve_resume_step"]
@@ -44,7 +45,7 @@ def resolve_resume_step(cfg: CommonTrainConfig) -> int | None:
     step = latest_checkpoint_step(cfg.run_dir)
     if step is None:
         raise CheckpointNotFoundError(
-            f"--resume is set but {cfg.run_dir / 'checkpoints'} holds no complete checkpoint"
+            f"--resume is set but {checkpoints_root(cfg.run_dir)} holds no complete checkpoint"
         )
     return step
 
@@ -54,7 +55,7 @@ class TrainSession:
     cfg: CommonTrainConfig
     info: DistInfo
     model: Transformer
-    engine: StepEngine
+    step_runner: StepRunner
     publisher: WeightPublisher
     logger: MetricsLogger
     peak_flops: float  # per device
@@ -95,7 +96,7 @@ class TrainSession:
         resume = resolve_resume_step(cfg)
         if resume is not None:
             start_step = load_checkpoint(cfg.run_dir, resume, model, optimizer, scheduler)
-        engine = StepEngine(
+        step_runner = StepRunner(
             model,
             optimizer,
             scheduler,
@@ -110,7 +111,7 @@ class TrainSession:
             cfg=cfg,
             info=info,
             model=model,
-            engine=engine,
+            step_runner=step_runner,
             publisher=publisher
             or FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish.keep_last, info),
             logger=MetricsLogger(
@@ -156,8 +157,8 @@ class TrainSession:
                 cfg.run_dir,
                 step,
                 self.model,
-                self.engine.optimizer,
-                self.engine.scheduler,
+                self.step_runner.optimizer,
+                self.step_runner.scheduler,
                 self.info,
                 cfg.checkpoint.keep_last,
             )

@@ -9,11 +9,10 @@ check_free_space(path, num_bytes, "checkpoint")  # DiskFullError (names path, wh
 """
 
 from asyncrl.transport.disk import DiskFullError, check_free_space, disk_full_as_error
-from asyncrl.transport.metrics import METRICS_FILE, MetricsWriter
+from asyncrl.transport.metrics import MetricsWriter
 from asyncrl.transport.rollouts import (
     BATCH_FILE,
     RolloutTimeoutError,
-    batch_dir,
     batch_steps,
     read_batch,
     write_batch,
@@ -27,18 +26,15 @@ from asyncrl.transport.weights import (
     stable_steps,
     stage_weights,
     wait_for_weights,
-    weights_dir,
 )
 
 __all__ = [
     "BATCH_FILE",
-    "METRICS_FILE",
     "STABLE_MARKER",
     "DiskFullError",
     "MetricsWriter",
     "RolloutTimeoutError",
     "WeightsTimeoutError",
-    "batch_dir",
     "batch_steps",
     "check_free_space",
     "disk_full_as_error",
@@ -49,6 +45,5 @@ __all__ = [
     "stable_steps",
     "stage_weights",
     "wait_for_weights",
-    "weights_dir",
     "write_batch",
 ]

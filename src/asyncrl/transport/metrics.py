@@ -24,17 +24,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = [
-    "HEADER_KEYS",
-    "METRICS_FILE",
-    "MetricsWriter",
-    "Role",
-    "append_jsonl",
-    "drop_metrics_after",
-    "read_metrics",
-]
+from asyncrl.run_dir import metrics_file
 
-METRICS_FILE = "metrics.jsonl"
+__all__ = ["HEADER_KEYS", "MetricsWriter", "Role", "append_jsonl", "drop_metrics_after", "read_metrics"]
+
 Role = Literal["trainer", "orchestrator"]
 HEADER_KEYS = ("role", "step", "time")  # the writer's own keys, first in every line
 
@@ -43,7 +36,7 @@ class MetricsWriter:
     """Appends one `{"role", "step", "time", **metrics}` line per call to `RUN/metrics.jsonl`."""
 
     def __init__(self, run_dir: str | Path, role: Role) -> None:
-        self.path = Path(run_dir) / METRICS_FILE
+        self.path = metrics_file(run_dir)
         self.role = role
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -75,7 +68,7 @@ def read_metrics(run_dir: str | Path, role: Role | None = None) -> list[dict[str
 
     A torn last line (a writer killed mid-write on a filesystem without atomic appends) is skipped.
     """
-    path = Path(run_dir) / METRICS_FILE
+    path = metrics_file(run_dir)
     if not path.is_file():
         return []
     records = []
@@ -95,7 +88,7 @@ def drop_metrics_after(run_dir: str | Path, last_step: Mapping[Role, int]) -> in
     Roles not in `last_step` keep every line. Atomic (temp + rename); not safe while another
     process appends to the file.
     """
-    path = Path(run_dir) / METRICS_FILE
+    path = metrics_file(run_dir)
     if not path.is_file():
         return 0
     kept, removed = [], 0

@@ -10,7 +10,6 @@ checkpoint): they appear with the batch, in the same rename, or not at all.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -21,6 +20,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from asyncrl.run_dir import batch_dir, rollouts_root, step_name, steps_in
 from asyncrl.transport.disk import disk_full_as_error
 from asyncrl.wire import BatchFormatError, RolloutBatch, decode_batch, encode_batch
 
@@ -28,7 +28,6 @@ __all__ = [
     "BATCH_FILE",
     "Attachment",
     "RolloutTimeoutError",
-    "batch_dir",
     "batch_steps",
     "load_batch_file",
     "read_batch",
@@ -37,7 +36,6 @@ __all__ = [
 
 BATCH_FILE = "batch.safetensors"
 _POLL_S = 0.05
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 # file name -> (arrays, string metadata) of one more safetensors file in the batch directory
 Attachment = Mapping[str, tuple[dict[str, np.ndarray], dict[str, str]]]
@@ -47,16 +45,9 @@ class RolloutTimeoutError(TimeoutError):
     """The batch for a step did not appear in time (is the orchestrator running and writing here?)."""
 
 
-def batch_dir(run_dir: str | os.PathLike, step: int) -> Path:
-    return Path(run_dir) / "rollouts" / f"step_{step}"
-
-
 def batch_steps(run_dir: str | os.PathLike) -> list[int]:
     """Steps whose batch directory exists (complete, since it appears by rename), ascending."""
-    root = Path(run_dir) / "rollouts"
-    if not root.is_dir():
-        return []
-    return sorted(int(m[1]) for child in root.iterdir() if (m := _STEP_DIR.match(child.name)))
+    return steps_in(rollouts_root(run_dir))
 
 
 def write_batch(
@@ -74,7 +65,7 @@ def write_batch(
     files = {BATCH_FILE: (arrays, meta)} | dict(attachments or {})
     with disk_full_as_error(final, f"batch of step {batch.step}"):
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".step_{batch.step}.", dir=final.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{step_name(batch.step)}.", dir=final.parent))
         try:
             for name, (file_arrays, file_meta) in files.items():
                 save_file(file_arrays, str(tmp / name), metadata=file_meta)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from asyncrl.config.sinks import SinksConfig, TensorBoardSinkConfig, WandbSinkConfig
+from asyncrl.run_dir import tensorboard_dir
 from asyncrl.transport.metrics import HEADER_KEYS
 
 __all__ = ["MetricSink", "Sinks", "TensorBoardSink", "WandbSink", "build_sinks", "scalars"]
@@ -80,7 +81,7 @@ class TensorBoardSink:
     def __init__(self, cfg: TensorBoardSinkConfig, run_dir: Path) -> None:
         from tensorboard.summary import Writer  # the [tensorboard] extra; torch-free
 
-        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else run_dir / "tensorboard"
+        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else tensorboard_dir(run_dir)
         self._writer = Writer(str(self.log_dir))
 
     def log(self, record: Mapping[str, Any]) -> None:

@@ -16,7 +16,6 @@ this module: no torch.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -25,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from asyncrl.run_dir import step_name, step_of, steps_in, weights_dir, weights_root
 from asyncrl.transport.disk import disk_full_as_error
 
 __all__ = [
@@ -36,21 +36,14 @@ __all__ = [
     "stable_steps",
     "stage_weights",
     "wait_for_weights",
-    "weights_dir",
 ]
 
 STABLE_MARKER = "STABLE"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_ANY_STEP = re.compile(r"^\.?step_(\d+)(?:$|\.)")  # step_n, and publications / staging of step n
 _POLL_S = 0.05
 
 
 class WeightsTimeoutError(TimeoutError):
     """A policy version was not published in time."""
-
-
-def weights_dir(run_dir: str | os.PathLike, step: int) -> Path:
-    return Path(run_dir) / "weights" / f"step_{step}"
 
 
 @contextmanager
@@ -64,7 +57,7 @@ def stage_weights(run_dir: str | os.PathLike, step: int, keep_last: int | None =
     final = weights_dir(run_dir, step)
     with disk_full_as_error(final, f"published weights of step {step}"):
         final.parent.mkdir(parents=True, exist_ok=True)
-        content = Path(tempfile.mkdtemp(prefix=f".step_{step}.", dir=final.parent))
+        content = Path(tempfile.mkdtemp(prefix=f".{step_name(step)}.", dir=final.parent))
         link = content.with_name(f"{content.name}.link")
         try:
             yield content
@@ -89,15 +82,7 @@ def _replace_with_link(final: Path, link: Path) -> None:
 
 def stable_steps(run_dir: str | os.PathLike) -> list[int]:
     """Published steps (those with STABLE), ascending."""
-    root = Path(run_dir) / "weights"
-    if not root.is_dir():
-        return []
-    steps = []
-    for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and (child / STABLE_MARKER).is_file():
-            steps.append(int(m[1]))
-    return sorted(steps)
+    return steps_in(weights_root(run_dir), marker=STABLE_MARKER)
 
 
 def latest_stable_step(run_dir: str | os.PathLike) -> int | None:
@@ -121,14 +106,19 @@ def retract_weights_after(run_dir: str | os.PathLike, step: int) -> list[int]:
     For a resume from the trainer checkpoint of `step`: the trainer publishes those steps again,
     and no server may load the old ones meanwhile. Run it while no process uses the run directory.
     """
-    root = Path(run_dir) / "weights"
+    root = weights_root(run_dir)
     if not root.is_dir():
         return []
-    doomed = sorted({int(m[1]) for child in root.iterdir() if (m := _ANY_STEP.match(child.name))})
-    doomed = [s for s in doomed if s > step]
+    found = {_step_of_entry(child.name) for child in root.iterdir()}
+    doomed = sorted(s for s in found if s is not None and s > step)
     for s in doomed:
         _delete_step(run_dir, s)
     return doomed
+
+
+def _step_of_entry(name: str) -> int | None:
+    """The step of `step_n`, of its publications `.step_n.<id>` and of their links `.step_n.<id>.link`."""
+    return step_of(name.removeprefix(".").split(".", 1)[0])
 
 
 def _delete_step(run_dir: str | os.PathLike, step: int) -> None:
@@ -139,7 +129,7 @@ def _delete_step(run_dir: str | os.PathLike, step: int) -> None:
     elif final.is_dir():
         (final / STABLE_MARKER).unlink(missing_ok=True)
         shutil.rmtree(final, ignore_errors=True)
-    for leftover in final.parent.glob(f".step_{step}.*"):  # its publications, replaced or half-written
+    for leftover in final.parent.glob(f".{step_name(step)}.*"):  # its publications, replaced or half-written
         if leftover.is_symlink():
             leftover.unlink()
         else:

@@ -12,11 +12,12 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model import from_pretrained
+from asyncrl.run_dir import weights_dir
+from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
-from asyncrl.transport import weights_dir, write_batch
+from asyncrl.transport import write_batch
 from helpers import child_env, free_port
 
 
@@ -31,10 +32,10 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int) -> Path:
 def _run(cfg: Path, nproc: int, extra: tuple[str, ...] = ()) -> None:
     env = child_env()
     if nproc == 1:
-        cmd = [sys.executable, "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]
+        cmd = [sys.executable, "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]  # fmt: skip
+               "--master-port", str(free_port()), "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -13,8 +13,8 @@ import torch
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.request import SamplingOptions
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model import from_pretrained
+from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.logprobs import chunked_logprobs
 from asyncrl.trainer.mismatch import MismatchSums, mismatch_sums, routing_agreement
 from asyncrl.trainer.packing import pack_samples

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from asyncrl.client import InferenceError
 from asyncrl.config import EnvConfig, LatencyConfig
 from asyncrl.envs import (
     Environment,
-    InferenceError,
     Reward,
     Rubric,
     ScriptedClient,

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.model.tokenizer import save_byte_tokenizer
-from asyncrl.transport.rollouts import batch_dir, read_batch
+from asyncrl.run_dir import batch_dir
+from asyncrl.transport.rollouts import read_batch
 from asyncrl.transport.weights import stage_weights
 
 from .fake_server import FakeServer

@@ -12,8 +12,8 @@ from asyncrl.envs.builtin.reverse_text import ReverseTextEnv
 from asyncrl.envs.registry import available_envs, register_env
 from asyncrl.orchestrator import dispatcher as dispatcher_module
 from asyncrl.orchestrator.main import run_orchestrator
+from asyncrl.run_dir import weights_dir
 from asyncrl.transport.metrics import read_metrics
-from asyncrl.transport.weights import weights_dir
 from integration.faults.audit import audit_run
 
 from .conftest import fake_trainer

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from asyncrl.envs import InferenceBackend, InferenceError, ServerUnavailable
+from asyncrl.client import InferenceBackend, InferenceError, ServerUnavailable
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
 from asyncrl.transport.weights import stage_weights

@@ -14,10 +14,11 @@ from safetensors import SafetensorError
 import asyncrl.model.hf as hf
 from asyncrl.distributed import DistInfo
 from asyncrl.model.tokenizer import save_byte_tokenizer
-from asyncrl.trainer.checkpoint import checkpoint_dir, checkpoint_steps, save_checkpoint
+from asyncrl.run_dir import checkpoint_dir, weights_dir
+from asyncrl.trainer.checkpoint import checkpoint_steps, save_checkpoint
 from asyncrl.trainer.diskspace import state_bytes
 from asyncrl.trainer.publish import FilesystemWeightPublisher
-from asyncrl.transport import DiskFullError, stable_steps, weights_dir
+from asyncrl.transport import DiskFullError, stable_steps
 from asyncrl.transport.disk import format_bytes
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -28,35 +29,35 @@ def _little_space(monkeypatch, free: int = 1_000_000) -> None:
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=free))
 
 
-def _trained(tiny_model, make_engine):
+def _trained(tiny_model, make_step_runner):
     """A model whose optimizer holds its AdamW moments, as after a step."""
     model = tiny_model()
-    engine = make_engine(model)
+    runner = make_step_runner(model)
     sum(p.float().square().sum() for p in model.parameters()).backward()
-    engine.optimizer.step()
-    return model, engine
+    runner.optimizer.step()
+    return model, runner
 
 
-def _save(run_dir, step, model, engine):
-    return save_checkpoint(run_dir, step, model, engine.optimizer, engine.scheduler, SINGLE, keep_last=2)
+def _save(run_dir, step, model, runner):
+    return save_checkpoint(run_dir, step, model, runner.optimizer, runner.scheduler, SINGLE, keep_last=2)
 
 
-def test_the_estimates_count_parameters_and_optimizer_moments(tiny_model, make_engine):
-    model, engine = _trained(tiny_model, make_engine)
+def test_the_estimates_count_parameters_and_optimizer_moments(tiny_model, make_step_runner):
+    model, runner = _trained(tiny_model, make_step_runner)
     params = sum(p.numel() for p in model.parameters()) * 4
     assert state_bytes(model) == params
-    assert params * 3 <= state_bytes(model, engine.optimizer) <= params * 3 + 8 * len(engine.optimizer.state)
+    assert params * 3 <= state_bytes(model, runner.optimizer) <= params * 3 + 8 * len(runner.optimizer.state)
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_before_writing(
-    tiny_model, make_engine, tmp_path, monkeypatch
+    tiny_model, make_step_runner, tmp_path, monkeypatch
 ):
-    model, engine = _trained(tiny_model, make_engine)
-    _save(tmp_path, 1, model, engine)
+    model, runner = _trained(tiny_model, make_step_runner)
+    _save(tmp_path, 1, model, runner)
     _little_space(monkeypatch)
     with pytest.raises(DiskFullError) as caught:
-        _save(tmp_path, 2, model, engine)
-    need = format_bytes(state_bytes(model, engine.optimizer))
+        _save(tmp_path, 2, model, runner)
+    need = format_bytes(state_bytes(model, runner.optimizer))
     assert str(caught.value).startswith(
         f"no space left for the checkpoint of step 2 at {checkpoint_dir(tmp_path, 2)}: 1.0 MB free on its "
         f"filesystem, about {need} needed."
@@ -65,10 +66,10 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_writing(
 
 
 def test_a_full_disk_while_checkpointing_leaves_no_partial_checkpoint(
-    tiny_model, make_engine, tmp_path, monkeypatch
+    tiny_model, make_step_runner, tmp_path, monkeypatch
 ):
-    model, engine = _trained(tiny_model, make_engine)
-    _save(tmp_path, 1, model, engine)
+    model, runner = _trained(tiny_model, make_step_runner)
+    _save(tmp_path, 1, model, runner)
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -78,10 +79,10 @@ def test_a_full_disk_while_checkpointing_leaves_no_partial_checkpoint(
         DiskFullError,
         match=rf"^no space left for the checkpoint of step 2 at {checkpoint_dir(tmp_path, 2)}: ",
     ):
-        _save(tmp_path, 2, model, engine)
+        _save(tmp_path, 2, model, runner)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
     monkeypatch.undo()
-    _save(tmp_path, 2, model, engine)  # space again: the same step is written whole
+    _save(tmp_path, 2, model, runner)  # space again: the same step is written whole
     assert checkpoint_steps(tmp_path) == [1, 2]
 
 

@@ -11,14 +11,8 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 import asyncrl.transport.rollouts as rollouts
-from asyncrl.transport import (
-    BATCH_FILE,
-    DiskFullError,
-    RolloutTimeoutError,
-    batch_dir,
-    read_batch,
-    write_batch,
-)
+from asyncrl.run_dir import batch_dir
+from asyncrl.transport import BATCH_FILE, DiskFullError, RolloutTimeoutError, read_batch, write_batch
 from asyncrl.wire import BatchFormatError, RolloutBatch, RolloutSample, encode_batch
 
 

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from asyncrl.run_dir import weights_dir
 from asyncrl.transport import (
     STABLE_MARKER,
     DiskFullError,
@@ -18,7 +19,6 @@ from asyncrl.transport import (
     stable_steps,
     stage_weights,
     wait_for_weights,
-    weights_dir,
 )
 
 

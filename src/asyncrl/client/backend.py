@@ -11,8 +11,9 @@ is returned, so a caller never sees a malformed answer.
     await backend.resume()
 
 The orchestrator's `ServerPool` routes over a list of backends and drives weight updates through
-them; `HttpInferenceClient` (asyncrl.envs.client) is one backend behind the environments'
-`InferenceClient` protocol. A second server kind (vLLM) is a second class with these methods.
+them; `HttpInferenceClient` (asyncrl.client.inference_client) is one backend behind the
+environments' `InferenceClient` protocol. A second server kind (vLLM, asyncrl.client.vllm_backend)
+is a second class with these methods; `build_backends` picks the class.
 
 Errors: `ServerUnavailable` when the server cannot be reached or fails (transport error, timeout,
 5xx): the pool takes it out of rotation. `InferenceError` when it answers outside the contract

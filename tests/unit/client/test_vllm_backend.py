@@ -8,8 +8,7 @@ import json
 import httpx
 import pytest
 
-from asyncrl.envs import InferenceBackend, InferenceError, ServerUnavailable
-from asyncrl.envs.vllm_backend import VLLMBackend
+from asyncrl.client import InferenceBackend, InferenceError, ServerUnavailable, VLLMBackend
 from asyncrl.wire import GenerateRequest, PauseRequest, UpdateWeightsRequest
 
 

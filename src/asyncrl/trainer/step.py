@@ -1,7 +1,7 @@
 """One optimizer step over packed micro-batches, shared by RL and SFT.
 
-    engine = StepEngine(model, optimizer, scheduler, dist_info, max_grad_norm=1.0, chunk_size=1024)
-    result = engine.step(micro_batches, loss_fn, trained_version=n - 1)  # step n trains v_{n-1}
+    runner = StepRunner(model, optimizer, scheduler, dist_info, max_grad_norm=1.0, chunk_size=1024)
+    result = runner.step(micro_batches, loss_fn, trained_version=n - 1)  # step n trains v_{n-1}
 
 The step: count loss tokens on every rank and all-reduce the count; for each micro-batch run the
 model (replaying routed experts when present), recompute sampled-token logprobs through the
@@ -33,7 +33,7 @@ from asyncrl.trainer.mismatch import MismatchAccumulator
 from asyncrl.trainer.packing import MicroBatch
 from asyncrl.trainer.scaleout import LocalMicroBatch, ParallelState, equalize_micro_batches, split_for_rank
 
-__all__ = ["LossFn", "StepEngine", "StepResult"]
+__all__ = ["LossFn", "StepResult", "StepRunner"]
 
 LossFn = Callable[[LossInputs, float], LossResult]
 
@@ -63,7 +63,7 @@ class StepResult:
     ]  # MismatchAccumulator.metrics(): max, outliers, current/stale, routing agreement
 
 
-class StepEngine:
+class StepRunner:
     def __init__(
         self,
         model: Transformer,
@@ -78,8 +78,8 @@ class StepEngine:
     ) -> None:
         if info.is_distributed and parallel is None:
             raise ValueError(
-                "StepEngine at world size > 1 needs a ParallelState (build_parallel_model): "
-                "gradients are summed by FSDP, not by the engine"
+                "StepRunner at world size > 1 needs a ParallelState (build_parallel_model): "
+                "gradients are summed by FSDP, not by the step runner"
             )
         self.model, self.optimizer, self.scheduler, self.info = model, optimizer, scheduler, info
         self.parallel = parallel

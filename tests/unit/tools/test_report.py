@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncrl.launcher import cli
-from asyncrl.launcher.report import ReportError, load_eval, load_metrics, token_staleness, write_report
+from asyncrl.tools.report import ReportError, load_eval, load_metrics, token_staleness, write_report
 from asyncrl.transport.rollouts import write_batch
 from asyncrl.wire import RolloutBatch, RolloutSample
 

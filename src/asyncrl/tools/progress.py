@@ -1,4 +1,4 @@
-"""Progress of a long launcher stage (`asyncrl eval`, `asyncrl sft-data`): a bar with ETA on a terminal.
+"""Progress of a long-running tool (`asyncrl eval`, `asyncrl sft-data`): a bar with ETA on a terminal.
 
     with progress_bar(total=128, desc="eval reverse-text") as bar:
         ...

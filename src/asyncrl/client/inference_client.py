@@ -2,7 +2,7 @@
 
 `InferenceClient` is what the rollout loop calls once per model turn. `RequestClient` adapts any
 function that answers a `GenerateRequest` to it: `HttpInferenceClient` is one over a single
-`HttpBackend` (asyncrl.envs.backend, `POST <base_url>/v1/generate`), and the orchestrator's pool
+`HttpBackend` (asyncrl.client.backend, `POST <base_url>/v1/generate`), and the orchestrator's pool
 hands out one per episode that routes to a server. Tests use in-process fakes (see
 `asyncrl.envs.scripted`).
 """
@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import httpx
 
-from asyncrl.envs.backend import HttpBackend
+from asyncrl.client.backend import HttpBackend
 from asyncrl.wire import GenerateRequest, GenerateResponse, SamplingParams
 
 __all__ = ["HttpInferenceClient", "InferenceClient", "RequestClient"]

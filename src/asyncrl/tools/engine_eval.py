@@ -25,19 +25,19 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.client import RequestClient
 from asyncrl.config.envs import EnvConfig
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.sampling import SamplingParams
 from asyncrl.config.shared import Device
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.client import RequestClient
 from asyncrl.envs.policy import TokenPolicy
 from asyncrl.envs.registry import build_env
 from asyncrl.envs.rollout import Episode, run_episode
 from asyncrl.inference.async_engine import AsyncEngine
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.request import SamplingOptions
-from asyncrl.launcher.progress import progress_bar
+from asyncrl.tools.progress import progress_bar
 from asyncrl.wire import GenerateRequest, GenerateResponse
 
 __all__ = ["EvalResult", "LocalEngineClient", "evaluate", "main"]

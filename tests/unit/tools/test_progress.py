@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from asyncrl.launcher.engine_eval import main as eval_main
-from asyncrl.launcher.init_model import init_model
-from asyncrl.launcher.sft_export import main as sft_data_main
+from asyncrl.tools.engine_eval import main as eval_main
+from asyncrl.tools.init_model import init_model
+from asyncrl.tools.sft_export import main as sft_data_main
 
 
 def test_sft_data_off_a_terminal_prints_only_its_result_line(tmp_path, capsys):

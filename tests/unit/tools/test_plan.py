@@ -10,7 +10,9 @@ import torch
 
 from asyncrl.distributed import ParallelDimsError
 from asyncrl.inference.kv_cache import KVCache
-from asyncrl.launcher.plan import (
+from asyncrl.model import Transformer, preset_args
+from asyncrl.model.layers import PackedCausalAttention
+from asyncrl.tools.plan import (
     GB,
     Layout,
     _attention_elements,
@@ -20,8 +22,6 @@ from asyncrl.launcher.plan import (
     main,
     read_model_config,
 )
-from asyncrl.model import Transformer, preset_args
-from asyncrl.model.layers import PackedCausalAttention
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "configs"
 SEED = DOCS / "seed-800b-78l.json"

@@ -8,8 +8,8 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from asyncrl.launcher.init_model import init_model
-from asyncrl.launcher.sft_export import SFTDataArgsError, corrupt_text, main, write_sft_data
+from asyncrl.tools.init_model import init_model
+from asyncrl.tools.sft_export import SFTDataArgsError, corrupt_text, main, write_sft_data
 from asyncrl.trainer.sft_sources import JsonlSFTSource
 
 

@@ -21,8 +21,10 @@ import numpy as np
 from matplotlib.figure import Figure  # the object API renders with Agg and keeps no global state
 from matplotlib.ticker import MaxNLocator
 
-from asyncrl.launcher.report_figures import FIGURES, FigureSpec, Records, is_number
-from asyncrl.transport.rollouts import BATCH_FILE, load_batch_file
+from asyncrl.run_dir import batch_dir, metrics_file, report_dir
+from asyncrl.run_dir import eval_file as default_eval_file
+from asyncrl.tools.report_figures import FIGURES, FigureSpec, Records, is_number
+from asyncrl.transport.rollouts import BATCH_FILE, batch_steps, load_batch_file
 
 __all__ = ["ReportError", "load_eval", "load_metrics", "main", "write_report"]
 
@@ -86,7 +88,9 @@ def token_staleness(run_dir: Path) -> tuple[np.ndarray, int, int]:
     Returns (staleness per token, batches read, batches present); a long run is subsampled to
     MAX_ROLLOUT_BATCHES evenly spaced batches.
     """
-    files = sorted((run_dir / "rollouts").glob(f"step_*/{BATCH_FILE}"), key=lambda p: int(p.parent.name[5:]))
+    files = [
+        path for step in batch_steps(run_dir) if (path := batch_dir(run_dir, step) / BATCH_FILE).is_file()
+    ]
     picked = [files[int(i)] for i in np.linspace(0, len(files) - 1, min(len(files), MAX_ROLLOUT_BATCHES))]
     values = []
     for path in dict.fromkeys(picked):
@@ -251,11 +255,11 @@ def render_page(run_dir: Path, records: Records, sections: list[Rendered]) -> st
 
 def write_report(run_dir: Path, out_dir: Path | None = None, eval_file: Path | None = None) -> Path:
     """Render every figure of `run_dir` into `out_dir` (default RUN/report); returns index.html."""
-    records = load_metrics(run_dir / "metrics.jsonl")
-    if eval_file is None and (run_dir / "eval.jsonl").is_file():
-        eval_file = run_dir / "eval.jsonl"
+    records = load_metrics(metrics_file(run_dir))
+    if eval_file is None and default_eval_file(run_dir).is_file():
+        eval_file = default_eval_file(run_dir)
     eval_rows = load_eval(eval_file) if eval_file is not None else None
-    out_dir = out_dir or run_dir / "report"
+    out_dir = out_dir or report_dir(run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     reward, *rest = (render_spec(spec, records, out_dir) for spec in FIGURES)
     sections = [reward, render_eval(eval_rows, out_dir), *rest, render_staleness(run_dir, records, out_dir)]

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from asyncrl.envs import HttpBackend, InferenceBackend, InferenceError, ServerUnavailable
+from asyncrl.client import HttpBackend, InferenceBackend, InferenceError, ServerUnavailable
 from asyncrl.wire import GenerateResponse, PauseRequest, UpdateWeightsRequest
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from asyncrl.envs.base import iter_reference_examples
 from asyncrl.envs.registry import build_env
-from asyncrl.launcher.progress import progress_bar
+from asyncrl.tools.progress import progress_bar
 
 __all__ = ["CORRUPTIONS", "corrupt_text", "main", "write_sft_data"]
 

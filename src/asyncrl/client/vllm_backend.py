@@ -42,7 +42,7 @@ import time
 
 import httpx
 
-from asyncrl.envs.backend import HttpBackend, InferenceError
+from asyncrl.client.backend import HttpBackend, InferenceError
 from asyncrl.wire import (
     GenerateRequest,
     GenerateResponse,

@@ -8,9 +8,9 @@ import pytest
 
 from asyncrl.config.envs import EnvConfig
 from asyncrl.config.sampling import SamplingParams
-from asyncrl.launcher import engine_eval
-from asyncrl.launcher.engine_eval import evaluate, main
-from asyncrl.launcher.init_model import init_model
+from asyncrl.tools import engine_eval
+from asyncrl.tools.engine_eval import evaluate, main
+from asyncrl.tools.init_model import init_model
 
 
 def test_eval_scores_every_task_and_greedy_is_deterministic(tmp_path):
