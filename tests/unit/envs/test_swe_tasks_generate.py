@@ -184,3 +184,28 @@ def test_leaks_fix_catches_a_line_of_the_fix_and_statements_drop_addresses():
     )
     assert "<function f at 0x...>" in statement and "0x7f00" not in statement
     assert "      m.py:2 in f" in statement and "a test fails" in statement
+
+
+def test_a_mutant_is_kept_only_if_it_breaks_its_own_tests_and_nothing_else():
+    from asyncrl.envs.swe_tasks.generate import _Candidate, _classify
+    from asyncrl.envs.swe_tasks.mutate import find_mutations
+    from asyncrl.envs.swe_tasks.runner import CommandRun, ProbeRun
+
+    (mutation,) = find_mutations(OPS, "calc/ops.py", ("swap-arguments",))[:1]
+    cand = _Candidate(path="calc/ops.py", function="chunks", original=OPS, mutations=(mutation,),
+                      tests=("t::covering", "t::covering2"), others=("t::other",))  # fmt: skip
+    cfg = GenerateConfig(repo=Path("."), repo_out=Path("repos"), name="calc")
+
+    def classify(outcomes: dict[str, str]) -> tuple[str, object]:
+        run = CommandRun(output="", returncode=1, wall_s=1.0, timed_out=False)
+        return _classify(cand, mutation, ProbeRun(outcomes=outcomes, failures={}, called={}, run=run), cfg)
+
+    passed = {"t::covering": "passed", "t::covering2": "passed", "t::other": "passed"}
+    assert classify(passed)[0] == "survived"
+    outcome, kill = classify(passed | {"t::covering": "failed"})
+    assert outcome == "killed"
+    assert kill.failing == ("t::covering",) and kill.still_passing == ("t::covering2", "t::other")
+    # a test that does not run the function fails: the mutant broke more than the function
+    assert classify(passed | {"t::covering": "failed", "t::other": "failed"})[0] == "collateral"
+    # a test of the run reported nothing: the run itself broke
+    assert classify({"t::covering": "failed", "t::covering2": "passed"})[0] == "error"

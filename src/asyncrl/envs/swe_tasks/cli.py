@@ -2,8 +2,8 @@
 the repositories a committed task file names.
 
     asyncrl swe-tasks --repo DIR --out TASKS.jsonl [--max-tasks 30] [--seed 0] [--jobs 2]
-    asyncrl swe-tasks --verify TASKS.jsonl [--jobs 2]
-    asyncrl swe-tasks --rebuild TASKS.jsonl --repo DIR
+    asyncrl swe-tasks --verify TASKS.jsonl [--jobs 2] [--name NAME]
+    asyncrl swe-tasks --rebuild TASKS.jsonl --repo DIR [--name NAME]   # only the rows NAME__...
 
 Making tasks runs DIR's test suite, mutates the functions that passing tests run and keeps the
 mutants that make some of them fail (docs/envs.md, "Making SWE tasks"). Each task's repository is
@@ -45,7 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--repo-out", type=Path, help="where the task repositories go (default: OUT's stem + -repos)"
     )
-    p.add_argument("--name", help="instance ids start with it (default: --repo's directory name)")
+    p.add_argument(
+        "--name",
+        help="instance ids start with NAME__ (default: --repo's directory name); --verify/--rebuild: only those rows",
+    )
     add = _with_default(p)
     add("--max-tasks", type=int, default=30)
     add("--seed", type=int, default=0, help="the order in which functions and mutants are tried")
@@ -128,6 +131,14 @@ def verify_report(tasks: list[SweTask], verdicts: list[Verdict]) -> str:
     return "\n".join(rows)
 
 
+def _named(tasks: list[SweTask], name: str | None) -> list[SweTask]:
+    """The rows made from the repository `name` (instance ids `name__...`); all rows without a name."""
+    chosen = [t for t in tasks if name is None or t.instance_id.startswith(f"{name}__")]
+    if not chosen:
+        raise SweTaskError(f"no row's instance_id starts with {name}__")
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -136,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.rebuild is not None:
             if args.repo is None:
                 raise GenerateError("--rebuild needs --repo DIR: the original files the tasks were made from")
-            rebuild_task_repos(read_tasks(args.rebuild), args.repo, log=_log)
+            rebuild_task_repos(_named(read_tasks(args.rebuild), args.name), args.repo, log=_log)
             return 0
-        tasks = read_tasks(args.verify)
+        tasks = _named(read_tasks(args.verify), args.name)
         verdicts = verify_tasks(tasks, jobs=args.jobs, timeout_s=args.timeout_s, log=_log)
         print(verify_report(tasks, verdicts))
         bad = [v for v in verdicts if not v.ok]

@@ -6,13 +6,17 @@ that break passing tests.
    passing test runs (a profile hook, no coverage package needed).
 2. For every function (or method) that passing tests run, outside the test files: its mutants
    (`mutate.py`), tried in a seeded order that takes the operators in turn.
-3. Each mutant is written into a scratch checkout and the tests that cover its function run. A
-   mutant that makes some of them fail becomes a task (FAIL_TO_PASS = those tests); one that
-   passes them all, times out or breaks the run is dropped and the function's next mutant is tried.
-4. For each task: the reference patch (mutant -> original), PASS_TO_PASS (the covering tests that
-   still pass, then other passing tests, up to a cap), a problem statement from the failures
-   (never the fix: a statement that would hold a line of it drops the task), and a repository of
-   its own at `<repo_out>/<instance_id>` whose one commit (`base_commit`) is the buggy state.
+3. Each mutant is written into a scratch checkout, and the tests that cover its function run with a
+   seeded sample of the other passing tests. A mutant that makes some covering tests fail and
+   leaves every other test of the run passing becomes a task: FAIL_TO_PASS = the failing tests,
+   PASS_TO_PASS = the rest of the run (up to a cap). One that passes them all, times out, breaks
+   the run or a test that does not even call the function is dropped, and the function's next
+   mutant is tried.
+4. For each task: the reference patch (mutant -> original), a problem statement from the failures
+   (never the fix: a statement that would hold a line of it drops the mutant), and a repository of
+   its own at `<repo_out>/<instance_id>` whose one commit (`base_commit`) is the buggy state. Each
+   row's bug thus fails its FAIL_TO_PASS and passes its PASS_TO_PASS by construction; `--verify`
+   checks the rows again from their repositories, the reference fix included.
 """
 
 from __future__ import annotations
@@ -87,8 +91,7 @@ class GenerateStats:
     baseline_s: float = 0.0
     num_functions: int = 0  # covered by passing tests, with at least one mutant
     num_mutants: int = 0  # of those functions
-    # Per tried mutant: killed (a task), survived, timeout, error (no test ran), leaky (killed, but the
-    # statement would have shown a line of the fix).
+    # Per tried mutant: killed (a task), survived, timeout, error, collateral, leaky (see _classify).
     outcomes: Counter = field(default_factory=Counter)
     mutant_run_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
@@ -101,6 +104,7 @@ class _Candidate:
     original: str  # the file's source
     mutations: tuple[Mutation, ...]  # in trial order
     tests: tuple[str, ...]  # passing tests that run the function
+    others: tuple[str, ...] = ()  # a seeded sample of the other passing tests: PASS_TO_PASS candidates
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +112,7 @@ class _Kill:
     mutation: Mutation
     tests: tuple[str, ...]  # passing tests that run the function
     failing: tuple[str, ...]  # those the mutant makes fail: FAIL_TO_PASS
+    still_passing: tuple[str, ...]  # PASS_TO_PASS: the rest of the run, which the mutant left passing
     patch: str  # mutant -> original
     statement: str
 
@@ -170,19 +175,26 @@ def _covered_functions(
 
 
 def _candidates(
-    checkout: Path, covered: dict[FunctionKey, set[str]], cfg: GenerateConfig
+    checkout: Path, covered: dict[FunctionKey, set[str]], passing: list[str], cfg: GenerateConfig
 ) -> list[_Candidate]:
-    """The covered functions in a seeded order, each with its mutants in trial order. The k-th
-    function starts from the k-th operator of a seeded rotation, so first tries spread over them all."""
+    """The covered functions in a seeded order, each with its mutants in trial order. Each function
+    starts with the operator it has that fewest functions before it started with (ties: a seeded
+    rotation), so the first tries, which make most tasks, spread over every operator."""
     rng = random.Random(cfg.seed)
     found = _covered_functions(checkout, covered, cfg)
     rng.shuffle(found)
     rotation = list(cfg.operators)
     rng.shuffle(rotation)
+    first: Counter = Counter()
     ordered = []
-    for k, cand in enumerate(found):
-        ops = rotation[k % len(rotation) :] + rotation[: k % len(rotation)]
-        ordered.append(dataclasses.replace(cand, mutations=_trial_order(list(cand.mutations), ops, rng)))
+    for cand in found:
+        ops = sorted({m.operator for m in cand.mutations}, key=lambda op: (first[op], rotation.index(op)))
+        first[ops[0]] += 1
+        others = [t for t in passing if t not in set(cand.tests)]
+        if cfg.max_pass_to_pass:
+            others = rng.sample(others, min(len(others), cfg.max_pass_to_pass))
+        mutations = _trial_order(list(cand.mutations), ops, rng)
+        ordered.append(dataclasses.replace(cand, mutations=mutations, others=tuple(others)))
     return ordered
 
 
@@ -196,20 +208,28 @@ class _Trial:
 def _classify(
     cand: _Candidate, mutation: Mutation, probe: ProbeRun, cfg: GenerateConfig
 ) -> tuple[str, _Kill | None]:
+    """killed (a task), survived, timeout, error (a test of the run has no outcome: the run broke),
+    collateral (a test that does not run the function fails: the mutant breaks more than a
+    function, e.g. the import machinery) or leaky (the statement would show a line of the fix)."""
     if probe.run.timed_out:
         return "timeout", None
-    if not probe.outcomes:  # pytest stopped before running a test: a usage or collection error
+    if any(t not in probe.outcomes for t in (*cand.tests, *cand.others)):
         return "error", None
-    failing = tuple(t for t in cand.tests if probe.outcomes.get(t) != "passed")
+    if any(probe.outcomes[t] != "passed" for t in cand.others):
+        return "collateral", None
+    failing = tuple(t for t in cand.tests if probe.outcomes[t] != "passed")
     if not failing:
         return "survived", None
     patch = unified_diff(mutation.path, mutation.source, cand.original)
     statement = problem_statement(failing, probe.failures, cfg.test_cmd)
     if leaks_fix(statement, patch):
         return "leaky", None
-    return "killed", _Kill(
-        mutation=mutation, tests=cand.tests, failing=failing, patch=patch, statement=statement
-    )
+    still_passing = [t for t in cand.tests if t not in failing] + list(cand.others)
+    if cfg.max_pass_to_pass:
+        still_passing = still_passing[: cfg.max_pass_to_pass]
+    kill = _Kill(mutation=mutation, tests=cand.tests, failing=failing, still_passing=tuple(sorted(still_passing)),
+                 patch=patch, statement=statement)  # fmt: skip
+    return "killed", kill
 
 
 def _try(cand: _Candidate, runner: TestRunner, checkout: Path, cfg: GenerateConfig) -> _Trial:
@@ -219,7 +239,7 @@ def _try(cand: _Candidate, runner: TestRunner, checkout: Path, cfg: GenerateConf
     for mutation in cand.mutations[: cfg.max_tries_per_function]:
         target.write_bytes(mutation.source.encode())
         try:
-            probe = runner.probe(checkout, cand.tests, timeout_s=cfg.timeout_s)
+            probe = runner.probe(checkout, [*cand.tests, *cand.others], timeout_s=cfg.timeout_s)
         finally:
             target.write_bytes(cand.original.encode())
         trial.run_s.append(probe.run.wall_s)
@@ -254,34 +274,20 @@ def _search(candidates: list[_Candidate], checkouts: list[Path], runner: TestRun
     return kills[: cfg.max_tasks]
 
 
-def _pass_to_pass(
-    kill: _Kill, passing: list[str], cfg: GenerateConfig, rng: random.Random
-) -> tuple[str, ...]:
-    """The covering tests that still pass, then others (seeded sample), up to max_pass_to_pass."""
-    near = [t for t in kill.tests if t not in kill.failing]
-    far = [t for t in passing if t not in set(kill.tests)]
-    rng.shuffle(far)
-    chosen = near + far
-    if cfg.max_pass_to_pass:
-        chosen = chosen[: cfg.max_pass_to_pass]
-    return tuple(sorted(chosen))
-
-
 def _instance_id(name: str, m: Mutation, patch: str) -> str:
     module = m.path.removesuffix(".py").replace("/", ".")
     digest = hashlib.sha1(patch.encode()).hexdigest()[:6]
     return re.sub(r"[^A-Za-z0-9._-]", "_", f"{name}__{module}.{m.function}__{m.operator}__{digest}")
 
 
-def _make_task(kill: _Kill, passing: list[str], store: Path, tree: str, cfg: GenerateConfig,
-               rng: random.Random) -> SweTask:  # fmt: skip
+def _make_task(kill: _Kill, store: Path, tree: str, cfg: GenerateConfig) -> SweTask:
     m = kill.mutation
     instance_id = _instance_id(cfg.name, m, kill.patch)
     commit = build_task_repo(cfg.repo_out / instance_id, store, tree, kill.patch)
     return SweTask(
         instance_id=instance_id, repo=str(cfg.repo_out / instance_id), base_commit=commit,
         problem_statement=kill.statement, patch=kill.patch, fail_to_pass=kill.failing,
-        pass_to_pass=_pass_to_pass(kill, passing, cfg, rng), test_cmd=cfg.test_cmd,
+        pass_to_pass=kill.still_passing, test_cmd=cfg.test_cmd,
         mutation={"file": m.path, "function": m.function, "line": m.lineno, "operator": m.operator},
     )  # fmt: skip
 
@@ -319,15 +325,14 @@ def generate(cfg: GenerateConfig, log: Log = print) -> tuple[list[SweTask], Gene
             export_tree(work / "store", tree, c)
         try:
             baseline = _baseline(runner, checkouts[0], cfg, stats, log)
-            candidates = _candidates(checkouts[0], _coverage(baseline), cfg)
+            candidates = _candidates(checkouts[0], _coverage(baseline), sorted(baseline.passed), cfg)
             stats.num_functions = len(candidates)
             stats.num_mutants = sum(len(c.mutations) for c in candidates)
             log(f"{stats.num_functions} covered functions, {stats.num_mutants} mutants")
             kills = _search(candidates, checkouts, runner, cfg, stats, log)
         finally:
             runner.close()
-        rng, passing = random.Random(cfg.seed), sorted(baseline.passed)
         cfg.repo_out.mkdir(parents=True, exist_ok=True)
-        tasks = [_make_task(kill, passing, work / "store", tree, cfg, rng) for kill in kills]
+        tasks = [_make_task(kill, work / "store", tree, cfg) for kill in kills]
     stats.wall_s = time.monotonic() - t0
     return tasks, stats
