@@ -25,7 +25,7 @@ from asyncrl.envs.swe_tasks.generate import GenerateConfig, GenerateError, Gener
 from asyncrl.envs.swe_tasks.mutate import OPERATORS
 from asyncrl.envs.swe_tasks.repo import rebuild_task_repos
 from asyncrl.envs.swe_tasks.rows import DEFAULT_TEST_CMD, SweTask, SweTaskError, read_tasks, write_tasks
-from asyncrl.envs.swe_tasks.verify import Verdict, verify_tasks
+from asyncrl.envs.swe_tasks.verify import verify_report, verify_tasks
 
 __all__ = ["main"]
 
@@ -110,25 +110,6 @@ def _summary(tasks: list[SweTask], stats: GenerateStats) -> str:
         f"{stats.num_mutants} mutants; {tried} tried ({outcomes}); median mutant test run {median} s\n"
         f"tasks by operator: {ops or '-'}"
     )
-
-
-def verify_report(tasks: list[SweTask], verdicts: list[Verdict]) -> str:
-    """A table per repository name (the instance id's prefix): tasks, verified, scores, run times."""
-    groups: dict[str, list[Verdict]] = defaultdict(list)
-    for task, verdict in zip(tasks, verdicts):
-        groups[task.instance_id.split("__", 1)[0]].append(verdict)
-    head = (
-        "| repository | tasks | verified | F2P before | F2P after | P2P after | test run s (median / max) |"
-    )
-    rows = [head, "|---|---|---|---|---|---|---|"]
-    for name, vs in sorted(groups.items()):
-        runs = [s for v in vs for s in v.run_s] or [0.0]
-        rows.append(
-            f"| {name} | {len(vs)} | {sum(v.ok for v in vs)} | {statistics.mean(v.f2p_before for v in vs):.3f} "
-            f"| {statistics.mean(v.f2p_after for v in vs):.3f} | {statistics.mean(v.p2p_after for v in vs):.3f} "
-            f"| {statistics.median(runs):.2f} / {max(runs):.2f} |"
-        )
-    return "\n".join(rows)
 
 
 def _named(tasks: list[SweTask], name: str | None) -> list[SweTask]:

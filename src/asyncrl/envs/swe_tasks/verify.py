@@ -9,7 +9,9 @@ passes before, and every test passes after.
 
 from __future__ import annotations
 
+import statistics
 import tempfile
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from asyncrl.envs.swe_tasks.repo import GitError, checkout, git
 from asyncrl.envs.swe_tasks.rows import SweTask, parse_test_outcomes, resolve_repo
 from asyncrl.envs.swe_tasks.runner import TestRunner
 
-__all__ = ["Verdict", "verify_task", "verify_tasks"]
+__all__ = ["Verdict", "verify_report", "verify_task", "verify_tasks"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +67,14 @@ def _verify_in(work: Path, task: SweTask, runner: TestRunner, base: Path | None)
     ids = [*task.fail_to_pass, *task.pass_to_pass]
     verdict = Verdict(instance_id=task.instance_id, problems=(), f2p_before=0.0, f2p_after=0.0,
                       p2p_before=0.0, p2p_after=0.0, run_s=())  # fmt: skip
+    repo = resolve_repo(task.repo, base)
+    if not repo.exists():
+        return _with(
+            verdict,
+            f"repo {task.repo} does not exist (resolved to {repo}; a relative repo is taken from the working directory)",
+        )
     try:
-        checkout(resolve_repo(task.repo, base), task.base_commit, work)
+        checkout(repo, task.base_commit, work)
     except (GitError, OSError) as e:
         return _with(verdict, f"cannot check out {task.base_commit} of {task.repo}: {e}")
     problem = _apply(work, task.test_patch, "test_patch")
@@ -117,3 +125,22 @@ def verify_tasks(
                 + (f" ({runs} s)" if runs else "")
             )
     return verdicts
+
+
+def verify_report(tasks: list[SweTask], verdicts: list[Verdict]) -> str:
+    """A table per repository name (the instance id's prefix): tasks, verified, scores, run times."""
+    groups: dict[str, list[Verdict]] = defaultdict(list)
+    for task, verdict in zip(tasks, verdicts):
+        groups[task.instance_id.split("__", 1)[0]].append(verdict)
+    head = (
+        "| repository | tasks | verified | F2P before | F2P after | P2P after | test run s (median / max) |"
+    )
+    rows = [head, "|---|---|---|---|---|---|---|"]
+    for name, vs in sorted(groups.items()):
+        runs = [s for v in vs for s in v.run_s] or [0.0]
+        rows.append(
+            f"| {name} | {len(vs)} | {sum(v.ok for v in vs)} | {statistics.mean(v.f2p_before for v in vs):.3f} "
+            f"| {statistics.mean(v.f2p_after for v in vs):.3f} | {statistics.mean(v.p2p_after for v in vs):.3f} "
+            f"| {statistics.median(runs):.2f} / {max(runs):.2f} |"
+        )
+    return "\n".join(rows)
