@@ -103,7 +103,6 @@ class TestRunner:
             shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
             shim.chmod(0o755)
         shutil.copyfile(_PROBE_SOURCE, self._dir / f"{_PROBE_MODULE}.py")
-        self._count = 0
 
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -125,8 +124,10 @@ class TestRunner:
         self, checkout: Path, test_ids: Sequence[str], *, trace: bool = False, timeout_s: float | None = None
     ) -> ProbeRun:
         """The run with the probe plugin; `trace` also records the functions each test calls."""
-        self._count += 1
-        report = self._dir / f"probe-{os.getpid()}-{id(checkout)}-{self._count}.json"
+        fd, name = tempfile.mkstemp(prefix="probe-", suffix=".json", dir=self._dir)  # one per run, any thread
+        os.close(fd)
+        report = Path(name)
+        report.unlink()  # the plugin writes it at the end of a session that finished
         extra = {"ASYNCRL_SWE_PROBE_OUT": str(report)}
         if trace:
             extra["ASYNCRL_SWE_TRACE_ROOT"] = str(checkout.resolve())
