@@ -23,7 +23,7 @@ from typing import Any
 
 from asyncrl.envs.swe_tasks.generate import GenerateConfig, GenerateError, GenerateStats, generate
 from asyncrl.envs.swe_tasks.mutate import OPERATORS
-from asyncrl.envs.swe_tasks.repo import rebuild_task_repos
+from asyncrl.envs.swe_tasks.repo import GitError, rebuild_task_repos
 from asyncrl.envs.swe_tasks.rows import DEFAULT_TEST_CMD, SweTask, SweTaskError, read_tasks, write_tasks
 from asyncrl.envs.swe_tasks.verify import verify_report, verify_tasks
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = [v for v in verdicts if not v.ok]
         _log(f"{len(verdicts) - len(bad)} of {len(verdicts)} tasks verified")
         return 1 if bad else 0
-    except (GenerateError, SweTaskError) as e:
+    except (GenerateError, SweTaskError, GitError) as e:
         print(f"asyncrl swe-tasks: {e}", file=sys.stderr)
         return 2
 

@@ -53,9 +53,14 @@ class GitError(RuntimeError):
 def git(*args: str, cwd: Path | None = None, input: str | None = None, **env: str) -> str:
     """Run git with the fixed identity; stdout, or GitError."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")} | _GIT_ENV | env
-    proc = subprocess.run(
-        ["git", *args], cwd=cwd, input=input, capture_output=True, text=True, env=environ, check=False
-    )
+    try:
+        proc = subprocess.run(
+            ["git", *args], cwd=cwd, input=input, capture_output=True, text=True, env=environ, check=False
+        )
+    except FileNotFoundError as e:
+        if shutil.which("git") is None:
+            raise GitError("git is not installed (or not on PATH): swe-tasks needs it") from None
+        raise GitError(f"git {' '.join(args)}: {e}") from None
     if proc.returncode != 0:
         raise GitError(f"git {' '.join(args)} (in {cwd or os.getcwd()}): {proc.stderr.strip()}")
     return proc.stdout

@@ -2,11 +2,11 @@
 
 A row (one JSON object a line, or a Parquet row)::
 
-    {"instance_id": "toolz__itertoolz.take_nth__off-by-one__1c9e2a",
-     "repo": "examples/swe/repos/toolz__itertoolz.take_nth__off-by-one__1c9e2a",
+    {"instance_id": "toolz__toolz.itertoolz.get__off-by-one__0c74ba",
+     "repo": "examples/swe/repos/toolz/toolz__toolz.itertoolz.get__off-by-one__0c74ba",
      "base_commit": "<40 hex digits: the buggy state>",
      "problem_statement": "...", "patch": "<unified diff: buggy -> fixed>", "test_patch": "",
-     "FAIL_TO_PASS": ["toolz/tests/test_itertoolz.py::test_take_nth"],
+     "FAIL_TO_PASS": ["toolz/tests/test_itertoolz.py::test_get"],
      "PASS_TO_PASS": ["toolz/tests/test_itertoolz.py::test_take", ...],
      "test_cmd": "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -rA -p no:cacheprovider --rootdir=. {tests}"}
 
