@@ -12,7 +12,14 @@ from asyncrl.wire.http import (
     UpdateWeightsResponse,
     WeightsInfo,
 )
-from asyncrl.wire.rollout import BatchFormatError, RolloutBatch, RolloutSample, decode_batch, encode_batch
+from asyncrl.wire.rollout import (
+    BatchFormatError,
+    RolloutBatch,
+    RolloutSample,
+    decode_batch,
+    encode_batch,
+    split_by_tokens,
+)
 
 __all__ = [
     "BatchFormatError",
@@ -30,4 +37,5 @@ __all__ = [
     "WeightsInfo",
     "decode_batch",
     "encode_batch",
+    "split_by_tokens",
 ]
