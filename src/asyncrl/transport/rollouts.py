@@ -226,7 +226,7 @@ def read_batch_part(
     samples = _gather(d, manifest, loaded, wanted)
     if num_ranks != manifest.num_parts:
         warnings.warn(
-            f"{d} holds {manifest.num_parts} part(s), written for {manifest.num_parts} trainer data rank(s), "
+            f"{d} holds {manifest.num_parts} part(s), one per data rank of the trainer it was written for, "
             f"but this trainer has {num_ranks}: data rank {rank} read {len(needed)} of them to find its "
             "samples, the ones it would get from the whole batch. The orchestrator writes a batch in "
             "[orchestrator] trainer_dp_size parts (under `asyncrl rl`: the trainer's data ranks)",
