@@ -12,8 +12,9 @@
 
 The parts are `asyncrl.wire.split_by_tokens(lengths, num_parts)`, so part r holds exactly the
 samples a trainer reading the whole batch would give data rank r. A trainer with another number of
-data ranks (a resume at another layout) splits the manifest's lengths for its own count, reads the
-parts that hold its samples, and warns. A step directory written before batches were split holds
+data ranks (a resume at another layout) splits the manifest's lengths for its own count, reads its
+samples out of the parts that hold them (only their tokens, through safetensors' lazy slices), and
+warns. A step directory written before batches were split holds
 one `batch.safetensors` and no manifest; it reads as a batch of one part.
 
 The writer builds the directory under a hidden temporary name in the same parent and renames it
@@ -47,6 +48,7 @@ from asyncrl.wire import (
     RolloutSample,
     decode_batch,
     encode_batch,
+    select_encoded,
     split_by_tokens,
 )
 
@@ -200,7 +202,7 @@ def read_batch(run_dir: str | os.PathLike, step: int, timeout_s: float = 600.0) 
     """
     d = _wait_for_batch(run_dir, step, timeout_s)
     manifest, loaded = _open_batch(d, step)
-    samples = _gather(d, manifest, loaded, range(manifest.num_samples))
+    samples, _ = _read_samples(d, manifest, loaded, range(manifest.num_samples))
     return RolloutBatch(step=step, samples=samples, metrics=manifest.metrics)
 
 
@@ -210,8 +212,8 @@ def read_batch_part(
     """Data rank `rank` of `num_ranks`: wait for batch `step`, then read its own part only.
 
     A batch written in another number of parts is split again for `num_ranks` from the manifest's
-    lengths (the same split, so the same samples as reading it whole); this rank then reads every
-    part that holds one of its samples, with a warning.
+    lengths (the same split, so the same samples as reading it whole); this rank then reads its
+    samples out of the parts that hold them (only their tokens), with a warning.
     """
     assert 0 <= rank < num_ranks, (rank, num_ranks)
     d = _wait_for_batch(run_dir, step, timeout_s)
@@ -220,16 +222,15 @@ def read_batch_part(
         wanted = manifest.parts[rank]
     else:
         wanted = split_by_tokens(manifest.lengths, num_ranks)[rank]
-    where = _locate(manifest)
-    needed = sorted({where[i][0] for i in wanted})
-    num_bytes_read = manifest.num_bytes_read + sum(manifest.part_bytes[p] for p in needed if p not in loaded)
-    samples = _gather(d, manifest, loaded, wanted)
+    samples, num_bytes = _read_samples(d, manifest, loaded, wanted)
+    num_bytes_read = manifest.num_bytes_read + num_bytes
     if num_ranks != manifest.num_parts:
         warnings.warn(
             f"{d} holds {manifest.num_parts} part(s), one per data rank of the trainer it was written for, "
-            f"but this trainer has {num_ranks}: data rank {rank} read {len(needed)} of them to find its "
-            "samples, the ones it would get from the whole batch. The orchestrator writes a batch in "
-            "[orchestrator] trainer_dp_size parts (under `asyncrl rl`: the trainer's data ranks)",
+            f"but this trainer has {num_ranks}: data rank {rank} read its samples out of them "
+            f"({num_bytes_read} of the batch's {manifest.num_bytes} bytes), the ones it would get from "
+            "the whole batch. The orchestrator writes a batch in [orchestrator] trainer_dp_size parts "
+            "(under `asyncrl rl`: the trainer's data ranks)",
             stacklevel=2,
         )
     batch = RolloutBatch(step=step, samples=samples, metrics=manifest.metrics)
@@ -309,37 +310,79 @@ def _load_manifest(path: Path, step: int) -> BatchManifest:
     return manifest
 
 
-def _locate(manifest: BatchManifest) -> dict[int, tuple[int, int]]:
-    """Batch index -> (part, position within the part)."""
-    return {i: (part, pos) for part, idx in enumerate(manifest.parts) for pos, i in enumerate(idx)}
-
-
-def _gather(
+def _read_samples(
     d: Path, manifest: BatchManifest, loaded: dict[int, RolloutBatch], wanted: Iterable[int]
-) -> list[RolloutSample]:
-    """The samples at batch indices `wanted`, in that order, reading each part they need once."""
-    where = _locate(manifest)
-    out = []
+) -> tuple[list[RolloutSample], int]:
+    """The samples at batch indices `wanted`, in that order, and the bytes read for them: a part
+    whose samples are all wanted is read whole, any other only over the wanted samples' tokens."""
+    where = {i: (part, pos) for part, idx in enumerate(manifest.parts) for pos, i in enumerate(idx)}
+    wanted = list(wanted)
+    by_part: dict[int, list[int]] = {}
     for i in wanted:
-        part, pos = where[i]
-        if part not in loaded:
+        by_part.setdefault(where[i][0], []).append(where[i][1])
+    got: dict[tuple[int, int], RolloutSample] = {}
+    num_bytes = 0
+    for part, positions in by_part.items():
+        if part not in loaded and len(positions) == len(manifest.parts[part]):
             loaded[part] = _load_part(d, manifest, part)
-        out.append(loaded[part].samples[pos])
-    return out
+            num_bytes += manifest.part_bytes[part]
+        if part in loaded:
+            samples = [loaded[part].samples[pos] for pos in positions]
+        else:
+            samples, n = _load_part_samples(d, manifest, part, positions)
+            num_bytes += n
+        got |= {(part, pos): sample for pos, sample in zip(positions, samples)}
+    return [got[where[i]] for i in wanted], num_bytes
 
 
 def _load_part(d: Path, manifest: BatchManifest, part: int) -> RolloutBatch:
+    path = d / _part_name(manifest, part)
+    got = load_batch_file(path, expected_step=manifest.step)
+    _check_lengths(path, got, [manifest.lengths[i] for i in manifest.parts[part]])
+    return got
+
+
+def _load_part_samples(
+    d: Path, manifest: BatchManifest, part: int, positions: list[int]
+) -> tuple[list[RolloutSample], int]:
+    """The samples at `positions` of a part, reading only their tokens; and the bytes read."""
+    path = d / _part_name(manifest, part)
+    if not path.is_file():
+        raise BatchFormatError(f"{path}: missing batch file")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            columns = {key: _rows(f.get_slice(key)) for key in f.keys()}  # noqa: SIM118 (not a mapping)
+            arrays, meta = select_encoded(columns, dict(f.metadata() or {}), positions, where=str(path))
+    except (SafetensorError, OSError) as e:
+        raise BatchFormatError(f"{path}: not a readable safetensors file ({e})") from None
+    got = decode_batch(arrays, meta, where=str(path))
+    if got.step != manifest.step:
+        raise BatchFormatError(f"{path}: metadata 'step' is {got.step}, expected {manifest.step}")
+    _check_lengths(path, got, [manifest.lengths[manifest.parts[part][pos]] for pos in positions])
+    return got.samples, _header_bytes(path) + sum(a.nbytes for a in arrays.values())
+
+
+def _rows(lazy: Any) -> Any:
+    """Rows start:stop of a lazily read safetensors array (only those bytes leave the file)."""
+    return lambda start, stop: lazy[start:stop]
+
+
+def _header_bytes(path: Path) -> int:
+    """Size of a safetensors file's header: its 8-byte length prefix and the JSON it announces."""
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def _part_name(manifest: BatchManifest, part: int) -> str:
     name = manifest.files[part]
     assert name is not None, f"part {part} is empty and has no file"
-    path = d / name
-    got = load_batch_file(path, expected_step=manifest.step)
+    return name
+
+
+def _check_lengths(path: Path, got: RolloutBatch, want: list[int]) -> None:
     lengths = [s.num_tokens for s in got.samples]
-    if lengths != [manifest.lengths[i] for i in manifest.parts[part]]:
-        raise BatchFormatError(
-            f"{path}: holds samples of {lengths} tokens, {d / MANIFEST_FILE} lists "
-            f"{[manifest.lengths[i] for i in manifest.parts[part]]}"
-        )
-    return got
+    if lengths != want:
+        raise BatchFormatError(f"{path}: holds samples of {lengths} tokens, the manifest lists {want}")
 
 
 def load_batch_file(path: Path, expected_step: int | None = None) -> RolloutBatch:

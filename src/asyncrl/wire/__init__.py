@@ -18,6 +18,7 @@ from asyncrl.wire.rollout import (
     RolloutSample,
     decode_batch,
     encode_batch,
+    select_encoded,
     split_by_tokens,
 )
 
@@ -37,5 +38,6 @@ __all__ = [
     "WeightsInfo",
     "decode_batch",
     "encode_batch",
+    "select_encoded",
     "split_by_tokens",
 ]

@@ -105,19 +105,33 @@ def test_a_rank_opens_its_own_part_only(tmp_path, monkeypatch):
     assert share.manifest.rewards == [float(i % 3) for i in range(len(LENGTHS))]
 
 
-def test_another_rank_count_re_splits_to_the_same_samples_with_a_warning(tmp_path, monkeypatch):
-    write_batch(tmp_path, _batch(3), num_parts=4)
+def _assert_same_samples(got: list[RolloutSample], want: list[RolloutSample]) -> None:
+    assert [s.episode_id for s in got] == [s.episode_id for s in want]
+    for a, b in zip(got, want):
+        for name in ("token_ids", "loss_mask", "inference_logprobs", "advantages", "routed_experts"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+        assert (a.reward, a.env, a.kv_versions) == (b.reward, b.env, b.kv_versions)
+
+
+def test_another_rank_count_re_splits_to_the_same_samples_reading_only_their_tokens(tmp_path, monkeypatch):
+    lengths = [20 * n for n in LENGTHS]  # long enough that the parts' headers are a small share
+    final = write_batch(tmp_path, _batch(3, lengths), num_parts=4)
+    whole = sum((final / part_file(r)).stat().st_size for r in range(4))
     opened = _spy_opens(monkeypatch)
     shares = []
     for rank in range(3):
         with pytest.warns(UserWarning, match="holds 4 part\\(s\\).* this trainer has 3: data rank"):
             shares.append(read_batch_part(tmp_path, 3, rank=rank, num_ranks=3, timeout_s=0))
+    samples = _batch(3, lengths).samples
     for rank, share in enumerate(shares):
-        assert _ids(share.batch) == [f"ep-{i}" for i in split_by_tokens(LENGTHS, 3)[rank]]
+        _assert_same_samples(share.batch.samples, [samples[i] for i in split_by_tokens(lengths, 3)[rank]])
+        # its samples' tokens, the headers of the parts it opened and the manifest: about a third
+        assert share.num_bytes_read < 0.4 * whole, (rank, share.num_bytes_read, whole)
     assert set(opened) <= {part_file(r) for r in range(4)}
-    with pytest.warns(UserWarning, match="data rank 0 read 4 of them"):  # a dp-1 resume reads it all
+    with pytest.warns(UserWarning, match="data rank 0 read its samples out of them"):  # a dp-1 resume
         one = read_batch_part(tmp_path, 3, rank=0, num_ranks=1, timeout_s=0)
-    assert _ids(one.batch) == _ids(_batch(3))
+    _assert_same_samples(one.batch.samples, samples)
+    assert one.num_bytes_read > whole  # every part, whole, and the manifest
 
 
 def test_more_parts_than_samples_leaves_empty_parts_without_files(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from asyncrl.wire import (
     RoutedExperts,
     decode_batch,
     encode_batch,
+    select_encoded,
     split_by_tokens,
 )
 
@@ -147,3 +148,27 @@ def test_split_is_longest_first_to_the_lightest_part():
     assert split_by_tokens([3], 3) == [[0], [], []]
     with pytest.raises(ValueError, match="num_parts must be >= 1"):
         split_by_tokens([3], 0)
+
+
+def test_select_encoded_reads_only_the_chosen_samples_rows():
+    samples = [_sample(5, 1), _sample(9, 2, routing=False), _sample(4, 3), _sample(7, 4)]
+    arrays, meta = encode_batch(RolloutBatch(step=2, samples=samples, metrics={"m": 1.0}))
+    asked = []
+
+    def rows(name):
+        def read(start, stop):
+            asked.append((name, start, stop))
+            return arrays[name][start:stop]
+
+        return read
+
+    picked, picked_meta = select_encoded({name: rows(name) for name in arrays}, meta, [3, 1])
+    back = decode_batch(picked, picked_meta)
+    want = decode_batch(*encode_batch(RolloutBatch(step=2, samples=[samples[3], samples[1]])))
+    assert [s.episode_id for s in back.samples] == ["ep4", "ep2"] and back.metrics == {"m": 1.0}
+    for a, b in zip(back.samples, want.samples):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_array_equal(a.inference_logprobs, b.inference_logprobs)
+        assert (a.routed_experts is None) == (b.routed_experts is None)
+    # token columns are read over samples 3 (rows 18:25) and 1 (rows 5:14) only
+    assert {(start, stop) for name, start, stop in asked if name == "token_ids"} == {(18, 25), (5, 14)}
