@@ -154,19 +154,20 @@ def write_batch(
     if not batch.samples:
         raise BatchFormatError(f"batch for step {batch.step} has no samples")
     parts = split_by_tokens([s.num_tokens for s in batch.samples], num_parts)
-    files = {
-        part_file(r): encode_batch(RolloutBatch(step=batch.step, samples=[batch.samples[i] for i in idx],
-                                                metrics=batch.metrics))
-        for r, idx in enumerate(parts) if idx
-    }  # fmt: skip
-    clash = (set(files) | {MANIFEST_FILE}) & set(attachments or {})
+    clash = ({part_file(r) for r in range(num_parts)} | {MANIFEST_FILE}) & set(attachments or {})
     assert not clash, f"attachments may not take the batch's own file names {sorted(clash)}"
     with disk_full_as_error(final, f"batch of step {batch.step}"):
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{step_name(batch.step)}.", dir=final.parent))
         try:
-            for name, (file_arrays, file_meta) in (files | dict(attachments or {})).items():
-                save_file(file_arrays, str(tmp / name), metadata=file_meta)
+            for r, idx in enumerate(parts):  # one part encoded at a time: at most a part's copy in memory
+                if idx:
+                    part = RolloutBatch(step=batch.step, samples=[batch.samples[i] for i in idx],
+                                        metrics=batch.metrics)  # fmt: skip
+                    arrays, meta = encode_batch(part)
+                    save_file(arrays, str(tmp / part_file(r)), metadata=meta)
+            for name, (arrays, meta) in (attachments or {}).items():
+                save_file(arrays, str(tmp / name), metadata=meta)
             (tmp / MANIFEST_FILE).write_text(json.dumps(_manifest_doc(batch, parts, tmp)))
             os.rename(tmp, final)
         except BaseException:
