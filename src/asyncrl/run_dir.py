@@ -14,10 +14,9 @@
 
 `rollouts_root`, `weights_root` and `checkpoints_root` are the parents of the step directories;
 `step_name` and `step_of` turn a step into its directory's name and back, and `steps_in` lists the
-steps under a parent. The files inside a step
-directory belong to their writers (asyncrl.transport: the batch file and the STABLE marker;
-asyncrl.orchestrator.checkpoint: its state file). This module imports nothing of asyncrl and not
-torch, so every package may use it.
+steps under a parent. The files inside a step directory belong to their writers (asyncrl.transport:
+the batch's parts and manifest, and the STABLE marker; asyncrl.orchestrator.checkpoint: its state
+file). This module imports nothing of asyncrl and not torch, so every package may use it.
 """
 
 from __future__ import annotations

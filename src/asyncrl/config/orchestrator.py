@@ -85,6 +85,12 @@ class OrchestratorConfig(BaseConfig):
         "fit it, and every env's max_total_tokens must fit it; None: unknown (a request the servers "
         "refuse for its length then ends the episode as a length stop)",
     )
+    trainer_dp_size: int = Field(
+        1,
+        ge=1,
+        description="the trainer's data-parallel ranks (dp_replicate * dp_shard): each batch is written in "
+        "this many token-balanced parts, one per rank, so each rank reads only its own",
+    )
     return_routed_experts: bool = Field(True, description="ask inference for routing (router replay)")
     max_episode_retries: int = Field(3, ge=0, description="re-runs of an episode whose server failed")
     weights_poll_s: float = Field(

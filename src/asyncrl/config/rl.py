@@ -25,7 +25,9 @@ unknown or mistyped key fails as the file is read; checks across keys run in `re
 It also rejects combinations that the processes would accept one by one and then fail on or train
 badly with: an env's `max_total_tokens` above `seq_len` or above the servers' context limit,
 `max_async_steps` above `max_off_policy_steps` (checked by `OrchestratorConfig`), and
-`[trainer.publish] interval` above `max_async_steps + 1` (checked here).
+`[trainer.publish] interval` above `max_async_steps + 1` (checked here). The orchestrator's
+`trainer_dp_size` (the parts each batch is written in) comes from `[trainer.parallel]` and the
+trainer's world size.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from asyncrl.config.base import BaseConfig, ConfigError, load_config, section_of
 from asyncrl.config.inference import InferenceConfig, is_loopback
 from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.config.parallel import ParallelConfig
 from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, SeqLen
 from asyncrl.config.sinks import SinksConfig
 from asyncrl.config.trainer import RLTrainerConfig
@@ -66,6 +69,7 @@ _SHARED = {
         "inference_backend",
         "seq_len",
         "max_model_len",
+        "trainer_dp_size",
     ),
     "trainer": ("run_dir", "max_steps", "seq_len", "seed", "model.path"),
 }
@@ -76,6 +80,7 @@ _SOURCE = {
     "servers": "from [deployment] host, base_port and num_inference_servers",
     "inference_backend": "from [inference] backend",
     "max_model_len": "from [inference] max_model_len",
+    "trainer_dp_size": "from [trainer.parallel] and the trainer's world size ([deployment] trainer_nproc)",
     "model.path": "from the top-level model",
 }
 
@@ -170,9 +175,14 @@ class RLConfig(BaseConfig):
             return self
         return self.model_copy(update={"api_key": secrets.token_urlsafe(32)})
 
-    def resolve(self) -> ResolvedRL:
-        """Each process's full config, with the shared keys filled in; errors name the section."""
+    def resolve(self, *, trainer_world_size: int | None = None) -> ResolvedRL:
+        """Each process's full config, with the shared keys filled in; errors name the section.
+
+        `trainer_world_size` is the trainer's process count: `deployment.trainer_nproc` unless
+        given (`asyncrl slurm` gives its trainer nodes' GPUs).
+        """
         d = self.deployment
+        world_size = d.trainer_nproc if trainer_world_size is None else trainer_world_size
         inference = [
             _section(
                 InferenceConfig,
@@ -204,6 +214,7 @@ class RLConfig(BaseConfig):
                 "api_key": self.api_key,
                 "seq_len": self.seq_len,
                 "max_model_len": min(_context_lens(inference), default=None),
+                "trainer_dp_size": _trainer_dp_size(self.trainer.parallel, world_size),
             },
         )
         trainer_keys = _set_keys(self.trainer)
@@ -240,6 +251,18 @@ class RLConfig(BaseConfig):
 def _context_lens(inference: list[InferenceConfig]) -> list[int]:
     """The servers' known context limits (none while the model directory does not exist yet)."""
     return [n for n in (cfg.context_len() for cfg in inference) if n is not None]
+
+
+def _trainer_dp_size(parallel: ParallelConfig, world_size: int) -> int:
+    """The trainer's data ranks, dp_replicate * dp_shard (CP ranks of one group read one part).
+
+    dp_shard = -1 takes what the world size leaves; a layout that does not fit the world size is
+    rejected by the launcher's check (asyncrl.distributed.ParallelDims) before anything starts.
+    """
+    dp_shard = parallel.dp_shard
+    if dp_shard == -1:
+        dp_shard = max(1, world_size // (parallel.dp_replicate * parallel.cp))
+    return parallel.dp_replicate * dp_shard
 
 
 def _check_publish_interval(trainer: RLTrainerConfig, orchestrator: OrchestratorConfig) -> None:

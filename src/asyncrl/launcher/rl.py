@@ -132,6 +132,8 @@ def keys_help() -> str:
         about = f"{cls.__name__}; {', '.join(shared)} come from the top level"
         if "max_model_len" in shared:
             about += " (max_model_len: the [inference] servers' context limit)"
+        if "trainer_dp_size" in shared:
+            about += " (trainer_dp_size: the [trainer] data-parallel ranks)"
         if "port" in shared:
             about += " (host, port: [deployment])"
         sections.append(config_help(RLConfig.model_fields[name].annotation, name, about=about))

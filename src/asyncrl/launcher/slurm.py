@@ -177,8 +177,8 @@ def main(argv: list[str]) -> int:
         # Servers listen on 0.0.0.0 on cluster nodes: they always get a per-run API key.
         cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=True)
         script = render_sbatch(cfg, Path(cfg.run_dir))
-        resolved = cfg.resolve()
         s = cfg.slurm
+        resolved = cfg.resolve(trainer_world_size=s.trainer_nodes * s.gpus_per_node)
         check_trainer_parallel(
             resolved.trainer,
             world_size=s.trainer_nodes * s.gpus_per_node,

@@ -1,7 +1,7 @@
 """The orchestrator's checkpoint: what it needs to continue a run, written with every batch.
 
-`rollouts/step_n/` holds the trainer's `batch.safetensors` and `orchestrator.safetensors`, the
-orchestrator's state right after it cut batch n. Both go into the one directory that
+`rollouts/step_n/` holds the trainer's batch (its parts and manifest) and `orchestrator.safetensors`,
+the orchestrator's state right after it cut batch n. Both go into the one directory that
 `asyncrl.transport.write_batch` renames into place, so batch n on disk and the state that
 follows it always agree: a crash leaves either both or neither.
 

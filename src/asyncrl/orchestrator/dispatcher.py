@@ -309,7 +309,9 @@ class Dispatcher:
         while True:
             state = self.snapshot(batch.step, groups, metrics)  # in flight may change while we wait
             try:
-                path = write_batch(self.cfg.run_dir, batch, encode_state(state))
+                path = write_batch(
+                    self.cfg.run_dir, batch, encode_state(state), num_parts=self.cfg.trainer_dp_size
+                )
             except FileExistsError:
                 raise  # two writers on one run dir: never overwrite a batch
             except OSError as e:

@@ -21,10 +21,10 @@ import numpy as np
 from matplotlib.figure import Figure  # the object API renders with Agg and keeps no global state
 from matplotlib.ticker import MaxNLocator
 
-from asyncrl.run_dir import batch_dir, metrics_file, report_dir
 from asyncrl.run_dir import eval_file as default_eval_file
+from asyncrl.run_dir import metrics_file, report_dir
 from asyncrl.tools.report_figures import FIGURES, FigureSpec, Records, is_number
-from asyncrl.transport.rollouts import BATCH_FILE, batch_steps, load_batch_file
+from asyncrl.transport.rollouts import batch_steps, read_batch
 
 __all__ = ["ReportError", "load_eval", "load_metrics", "main", "write_report"]
 
@@ -88,16 +88,14 @@ def token_staleness(run_dir: Path) -> tuple[np.ndarray, int, int]:
     Returns (staleness per token, batches read, batches present); a long run is subsampled to
     MAX_ROLLOUT_BATCHES evenly spaced batches.
     """
-    files = [
-        path for step in batch_steps(run_dir) if (path := batch_dir(run_dir, step) / BATCH_FILE).is_file()
-    ]
-    picked = [files[int(i)] for i in np.linspace(0, len(files) - 1, min(len(files), MAX_ROLLOUT_BATCHES))]
+    steps = batch_steps(run_dir)
+    picked = [steps[int(i)] for i in np.linspace(0, len(steps) - 1, min(len(steps), MAX_ROLLOUT_BATCHES))]
     values = []
-    for path in dict.fromkeys(picked):
-        batch = load_batch_file(path)
+    for step in dict.fromkeys(picked):
+        batch = read_batch(run_dir, step, timeout_s=0)
         values += [batch.step - 1 - s.policy_versions[s.loss_mask] for s in batch.samples]
     flat = np.concatenate(values) if values else np.zeros(0, np.int64)
-    return flat.astype(np.int64), len(dict.fromkeys(picked)), len(files)
+    return flat.astype(np.int64), len(dict.fromkeys(picked)), len(steps)
 
 
 # -- rendering -----------------------------------------------------------------------------------

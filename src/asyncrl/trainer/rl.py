@@ -2,9 +2,10 @@
 
     records = run_rl(cfg)   # cfg: RLTrainerConfig; the process entry point is asyncrl.trainer.main
 
-Step n waits for batch n, checks that it fits the model, trains this data rank's share of it
-(packed rows, the configured off-policy loss, router replay when the samples carry routing),
-publishes v_n, logs the step and applies the mismatch gate.
+Step n waits for batch n, reads this data rank's part of it (the orchestrator writes one per
+rank), checks that it fits the model, trains on it (packed rows, the configured off-policy loss,
+router replay when the samples carry routing), publishes v_n, logs the step and applies the
+mismatch gate.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from asyncrl.model import ModelArgs
 from asyncrl.run_dir import batch_dir
 from asyncrl.trainer.loss import LossInputs, LossResult, rl_loss
 from asyncrl.trainer.mismatch import check_mismatch_gate
-from asyncrl.trainer.packing import pack_samples, shard_samples
+from asyncrl.trainer.packing import pack_samples
 from asyncrl.trainer.session import TrainSession
-from asyncrl.transport import read_batch
+from asyncrl.transport import BatchShare, read_batch_part
 from asyncrl.wire import BatchFormatError, RolloutBatch
 
 __all__ = ["check_batch_fits_model", "run_rl"]
@@ -49,19 +50,25 @@ def check_batch_fits_model(batch: RolloutBatch, args: ModelArgs, where: str) -> 
                 )
 
 
-def batch_reward_stats(batch: RolloutBatch) -> dict[str, Any]:
-    """How many samples the trained batch holds and their mean reward, for the trainer's metrics line."""
-    rewards = [s.reward for s in batch.samples]
+def batch_stats(share: BatchShare) -> dict[str, Any]:
+    """The whole batch's sample count and mean reward (from its manifest), and the bytes this rank
+    read of it against the batch's size, for the trainer's metrics line."""
+    rewards = share.manifest.rewards
     return {
-        "num_samples": len(batch.samples),
+        "num_samples": len(rewards),
         "reward_mean": sum(rewards) / len(rewards),
+        "batch_bytes_read": share.num_bytes_read,
+        "batch_bytes": share.manifest.num_bytes,
     }
 
 
 def _warn_if_replay_is_idle(cfg: RLTrainerConfig, args: ModelArgs, batch: RolloutBatch) -> None:
-    if cfg.router_replay and args.is_moe and all(s.routed_experts is None for s in batch.samples):
+    if not (cfg.router_replay and args.is_moe and batch.samples):
+        return
+    if all(s.routed_experts is None for s in batch.samples):
         warnings.warn(
-            f"router_replay = true but batch {batch.step} carries no routed_experts; the trainer routes "
+            f"router_replay = true but this rank's part of batch {batch.step} carries no routed_experts; "
+            "the trainer routes "
             "with its own router (ask the orchestrator for return_routed_experts)",
             stacklevel=2,
         )
@@ -79,15 +86,18 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
     try:
         for step in range(session.start_step + 1, cfg.max_steps + 1):
             t_wait = time.perf_counter()
-            batch = read_batch(cfg.run_dir, step, timeout_s=cfg.batch_timeout_s)
+            share = read_batch_part(
+                cfg.run_dir, step, rank=session.data_rank, num_ranks=session.data_size,
+                timeout_s=cfg.batch_timeout_s,
+            )  # fmt: skip
             wait_s = time.perf_counter() - t_wait
-            check_batch_fits_model(batch, session.model.args, str(batch_dir(cfg.run_dir, step)))
+            mine = share.batch
+            check_batch_fits_model(mine, session.model.args, str(batch_dir(cfg.run_dir, step)))
             if step == session.start_step + 1:
-                _warn_if_replay_is_idle(cfg, session.model.args, batch)
-            mine = shard_samples(batch.samples, session.data_rank, session.data_size)
-            micro_batches = pack_samples(mine, cfg.seq_len, replay=replay)
+                _warn_if_replay_is_idle(cfg, session.model.args, mine)
+            micro_batches = pack_samples(mine.samples, cfg.seq_len, replay=replay)
             result = session.step_runner.step(micro_batches, loss_fn, trained_version=step - 1)
-            records.append(session.end_step(step, result, batch_reward_stats(batch) | {"wait_s": wait_s}))
+            records.append(session.end_step(step, result, batch_stats(share) | {"wait_s": wait_s}))
             check_mismatch_gate(
                 result.mismatch["mismatch_kl_current"],
                 max_kl=cfg.mismatch.max_mismatch_kl,

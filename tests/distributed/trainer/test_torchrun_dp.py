@@ -1,4 +1,5 @@
-"""Two gloo ranks under torchrun train exactly like one process (loss, grad norm, weights, resume)."""
+"""Two gloo ranks under torchrun, each reading its own part of every batch, train exactly like one
+process reading the whole batch (loss, grad norm, weights), and resume in one process on those parts."""
 
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ def test_two_ranks_match_one_process_and_resume_at_another_world_size(tmp_path):
         for s in (1, 2, 3)
     ]
     one, two = tmp_path / "one", tmp_path / "two"
-    for run_dir in (one, two):
-        for b in batches:
-            write_batch(run_dir, b)
+    for b in batches:
+        write_batch(one, b)  # one part: the whole batch
+        write_batch(two, b, num_parts=2)  # one part per data rank
     run_rl(load_config(RLTrainerConfig, ["@", str(_toml(tmp_path / "one.toml", model_dir, one, 3))]))
     _run(_toml(tmp_path / "two.toml", model_dir, two, 2), nproc=2)
     # Resume the 2-rank checkpoint (step 2) in a single process: DCP is world-size independent.
@@ -67,6 +68,12 @@ def test_two_ranks_match_one_process_and_resume_at_another_world_size(tmp_path):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], abs=1e-5), step  # loss is a +/- sum near 0
         assert b[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4), step
         assert b[step]["num_loss_tokens"] == a[step]["num_loss_tokens"]
+        assert b[step]["num_samples"] == a[step]["num_samples"] == 5
+        assert b[step]["reward_mean"] == pytest.approx(a[step]["reward_mean"])
+    # each rank read its own part; the resumed single process read both parts of batch 3
+    for step in (1, 2):
+        assert b[step]["batch_bytes_read"] < 0.7 * b[step]["batch_bytes"], b[step]
+    assert b[3]["batch_bytes_read"] > b[3]["batch_bytes"]  # both parts and the manifest
     wa, wb = from_pretrained(weights_dir(one, 3)), from_pretrained(weights_dir(two, 3))
     # Adam divides by sqrt(v): rounding in near-zero gradients (a different summation order) can move
     # a weight by a fraction of lr, so compare at 0.1 * lr; a wrong gradient would move it by ~lr.

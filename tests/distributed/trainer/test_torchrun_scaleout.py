@@ -84,8 +84,8 @@ def test_parallel_layouts_match_one_process_and_checkpoints_reshard(tmp_path):
     ]
     runs = {name: tmp_path / name for name in ("ref", *LAYOUTS)}
     for run_dir in runs.values():
-        for b in batches:
-            write_batch(run_dir, b)
+        for b in batches:  # in 2 parts: read one per rank at dp 2, both (re-split) at dp 1
+            write_batch(run_dir, b, num_parts=2)
     run_rl(load_config(RLTrainerConfig, ["@", str(_toml(tmp_path / "ref.toml", model_dir, runs["ref"], 3))]))
     for name, (nproc, parallel) in LAYOUTS.items():
         _torchrun(_toml(tmp_path / f"{name}.toml", model_dir, runs[name], 2, parallel), nproc)

@@ -82,3 +82,31 @@ def test_every_command_defaults_to_one_run_dir_and_seq_len():
     trainer = load_config(RLTrainerConfig, {"model": {"path": "m"}, "max_steps": 1})
     assert rl.run_dir == orchestrator.run_dir == str(trainer.run_dir) == "outputs/run"
     assert rl.seq_len == orchestrator.seq_len == trainer.seq_len
+
+
+@pytest.mark.parametrize(
+    ("nproc", "parallel", "dp_size"),
+    [
+        (1, {}, 1),
+        (4, {}, 4),  # dp_shard = -1 takes the whole world
+        (4, {"cp": 2}, 2),  # the CP ranks of one group read one part
+        (8, {"dp_replicate": 2, "cp": 2}, 4),
+        (8, {"dp_shard": 2, "cp": 2, "ep": 2, "dp_replicate": 2}, 4),  # EP borrows ranks, reads nothing
+    ],
+)
+def test_the_orchestrator_writes_one_part_per_trainer_data_rank(nproc, parallel, dp_size):
+    cfg = _load(deployment={"trainer_nproc": nproc}, trainer={"parallel": parallel})
+    assert cfg.resolve().orchestrator.trainer_dp_size == dp_size
+
+
+def test_a_given_trainer_world_size_replaces_trainer_nproc():
+    cfg = _load(deployment={"trainer_nproc": 1}, trainer={"parallel": {"cp": 2}})
+    assert cfg.resolve(trainer_world_size=16).orchestrator.trainer_dp_size == 8  # asyncrl slurm's GPUs
+
+
+def test_trainer_dp_size_is_derived_never_set_in_the_orchestrator_section():
+    assert OrchestratorConfig(model="m").trainer_dp_size == 1  # the standalone orchestrator's default
+    with pytest.raises(
+        ConfigError, match=r"sets trainer_dp_size \(from \[trainer.parallel\] and the trainer"
+    ):
+        _load(orchestrator={"trainer_dp_size": 2})

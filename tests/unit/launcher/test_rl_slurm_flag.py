@@ -56,6 +56,8 @@ def test_rl_slurm_dry_run_writes_sbatch_and_passes_parallel_to_trainer(tmp_path,
     assert "--nnodes=2 --nproc-per-node=2" in script
     assert f'-m asyncrl trainer @ "{run}/configs/trainer.toml"' in script
     assert _trainer_parallel(run)["activation_checkpointing"] is True
+    # 2 nodes x 2 GPUs at dp_shard 2 x cp 2: batches are written in 2 parts
+    assert tomllib.loads((run / "configs" / "orchestrator.toml").read_text())["trainer_dp_size"] == 2
     assert "wrote" in capsys.readouterr().out
 
 

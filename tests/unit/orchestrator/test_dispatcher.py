@@ -14,6 +14,7 @@ from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.sampling import SamplingParams
 from asyncrl.orchestrator.checkpoint import load_latest_state
 from asyncrl.orchestrator.main import run_orchestrator
+from asyncrl.transport.rollouts import read_batch_part
 
 from .conftest import fake_trainer
 from .fake_server import FakeServer
@@ -70,6 +71,19 @@ def test_synchronous_mode_trains_only_on_policy_tokens(tmp_path, tokenizer_dir, 
         per_sample = [np.unique(s.advantages[s.loss_mask]) for s in b.samples]
         assert all(len(a) == 1 for a in per_sample)
         assert sum(float(a[0]) for a in per_sample) == pytest.approx(0, abs=1e-5)
+
+
+def test_batches_are_written_in_one_part_per_trainer_data_rank(tmp_path, tokenizer_dir, servers):
+    (server,) = servers(1)
+    cfg = _cfg(tmp_path, tokenizer_dir, [server], max_steps=2, trainer_dp_size=3)
+    batches, _ = asyncio.run(_run(cfg))
+    for b in batches:
+        shares = [read_batch_part(cfg.run_dir, b.step, rank=r, num_ranks=3, timeout_s=0) for r in range(3)]
+        assert shares[0].manifest.num_parts == 3
+        ids = [s.episode_id for share in shares for s in share.batch.samples]
+        assert sorted(ids) == sorted(s.episode_id for s in b.samples)
+        loads = [share.batch.num_tokens for share in shares]
+        assert max(loads) - min(loads) <= max(s.num_tokens for s in b.samples)
 
 
 def test_heavy_tailed_latency_respects_max_off_policy_steps(tmp_path, tokenizer_dir, servers):

@@ -7,11 +7,13 @@ import re
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from asyncrl.launcher import cli
+from asyncrl.run_dir import batch_dir
 from asyncrl.tools.report import ReportError, load_eval, load_metrics, token_staleness, write_report
-from asyncrl.transport.rollouts import write_batch
-from asyncrl.wire import RolloutBatch, RolloutSample
+from asyncrl.transport.rollouts import LEGACY_BATCH_FILE, write_batch
+from asyncrl.wire import RolloutBatch, RolloutSample, encode_batch
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_FIGURES = ("reward", "eval", "mismatch", "dropped", "inference", "trainer", "prefix_cache", "staleness")
@@ -95,8 +97,11 @@ def test_report_draws_every_figure_from_the_logged_key_names(tmp_path, capsys):
 
 
 def test_token_staleness_counts_each_loss_token_once(tmp_path):
-    write_batch(tmp_path, RolloutBatch(step=3, samples=[sample([2, 2]), sample([1, 1, 0])]))
-    write_batch(tmp_path, RolloutBatch(step=4, samples=[sample([3])]))
+    write_batch(tmp_path, RolloutBatch(step=3, samples=[sample([2, 2]), sample([1, 1, 0])]), num_parts=2)
+    # batch 4 in the single-file layout of runs written before batches were split per rank
+    arrays, meta = encode_batch(RolloutBatch(step=4, samples=[sample([3])]))
+    batch_dir(tmp_path, 4).mkdir(parents=True)
+    save_file(arrays, str(batch_dir(tmp_path, 4) / LEGACY_BATCH_FILE), metadata=meta)
     staleness, num_read, num_present = token_staleness(tmp_path)
     assert sorted(staleness.tolist()) == [0, 0, 0, 1, 1, 2]
     assert (num_read, num_present) == (2, 2)
