@@ -38,7 +38,7 @@ from asyncrl.distributed import (
     split_for_cp,
 )
 from asyncrl.model import AttentionBackend, ModelArgs, ModelConfigError, Transformer, load_args, torch_dtype
-from asyncrl.model.hf import load_state_dict, mtp_tensor_names
+from asyncrl.model.hf import HFReader, load_state_dict
 from asyncrl.trainer.packing import MicroBatch
 
 __all__ = [
@@ -104,7 +104,9 @@ def build_parallel_model(
     """Meshes, the model built on meta and parallelised, then rank 0's weights broadcast as shards."""
     meshes = dims.build_meshes(info.device.type)
     args: ModelArgs = load_args(cfg.model.path)
-    if mtp := mtp_tensor_names(cfg.model.path, args):  # every rank reads the headers: all raise
+    with HFReader(cfg.model.path, args) as reader:  # every rank reads the headers: all raise
+        mtp = sorted(reader.mtp_shapes())
+    if mtp:
         raise ModelConfigError(
             f"{cfg.model.path}: {len(mtp)} MTP-layer tensors (e.g. {mtp[0]}) are kept only by the "
             "one-process trainer so far; at world size > 1 they would be lost from published weights"
