@@ -20,10 +20,15 @@ from torch import nn
 
 from asyncrl.model.args import ModelArgs
 
-__all__ = ["PREFIX", "PassthroughTensors", "hf_name", "is_mtp_key", "our_name"]
+__all__ = ["PREFIX", "PassthroughTensors", "hf_name", "is_mtp_key", "num_mtp_layers", "our_name"]
 
 PREFIX = "mtp."
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def num_mtp_layers(args: ModelArgs) -> int:
+    """The config's `num_nextn_predict_layers` (kept in `ModelArgs.extra`, written back as read)."""
+    return int(args.extra.get("num_nextn_predict_layers") or 0)
 
 
 def is_mtp_key(hf_key: str, args: ModelArgs) -> bool:
