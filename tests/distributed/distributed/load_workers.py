@@ -95,8 +95,9 @@ def worker_mtp_publish(rank: int, world_size: int, path: str, run_dir: str, dcp_
     """GLM-5 with its MTP layer at world size 2 (FSDP2 x EP2): MTP tensors are sharded frozen buffers;
     a training step leaves them as they are; publish and DCP carry them (checked by the caller)."""
     model, _ = build(rank, world_size, _config(path, {"dp_shard": 2, "ep": 2}, run_dir))
-    mtp = dict(model.mtp.named_buffers())
-    assert mtp and not any(n.startswith("mtp.") for n, _ in model.named_parameters())
+    mtp = dict(model.mtp.items())  # by HF name
+    assert "model.layers.4.eh_proj.weight" in mtp
+    assert not any(n.startswith("mtp.") for n, _ in model.named_parameters())
     for name, t in mtp.items():
         assert isinstance(t, DTensor) and t.to_local().shape[0] == -(-t.shape[0] // 2), name
     before = {n: t.to_local().clone() for n, t in mtp.items()}
@@ -104,7 +105,7 @@ def worker_mtp_publish(rank: int, world_size: int, path: str, run_dir: str, dcp_
     ids = torch.randint(0, model.args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(rank))
     model(ids).logits.float().square().mean().backward()
     optimizer.step()
-    for name, t in model.mtp.named_buffers():
+    for name, t in model.mtp.items():
         assert torch.equal(t.to_local(), before[name]), name
     info = DistInfo(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
     FilesystemWeightPublisher(Path(run_dir), Path(path), 2, info).publish(model, 1)
