@@ -12,9 +12,10 @@ from, and reads data on demand, so a rank of a sharded model reads just the slic
 A slice of a stacked expert tensor [E, I, D] reads only its experts (per-expert tensors
 `mlp.experts.{e}.gate_proj.weight` on disk, as on the Hub, or transformers' fused
 `mlp.experts.gate_up_proj` [E, 2I, D] / `mlp.experts.down_proj` [E, D, I]). safetensors maps the
-files, so the bytes of other slices are never touched. Every HF tensor is read by `read_hf`: the
-one place where a per-tensor transform (e.g. dequantising a block-scale FP8 weight with the
-matching block of its scales) plugs in.
+data is read with positioned reads (`asyncrl.model.safetensors_file`), never mapped, so a reader
+holds in memory only the tensors it returns, and the bytes of other slices are never read. Every
+HF tensor is read by `read_hf`: the one place where a per-tensor transform (e.g. dequantising a
+block-scale FP8 weight with the matching block of its scales) plugs in.
 """
 
 from __future__ import annotations
@@ -23,17 +24,16 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from asyncrl.model.args import ModelArgs, ModelConfigError
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
 from asyncrl.model.mtp import hf_name as mtp_hf_name
 from asyncrl.model.mtp import is_mtp_key, our_name
+from asyncrl.model.safetensors_file import DTYPES, SafetensorsError, SafetensorsFile
 
 __all__ = ["HFReader", "HFTensor", "safetensors_files"]
 
@@ -41,7 +41,7 @@ _EXPERT_KEY = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
 _FUSED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError)
+_READ_ERRORS = (SafetensorsError, OSError)
 Index = tuple[slice, ...]
 
 
@@ -101,8 +101,7 @@ class HFReader:
     def __init__(self, path: str | os.PathLike, args: ModelArgs) -> None:
         self.path, self.args = Path(path), args
         self.bytes_read = 0
-        self._stack = ExitStack()
-        self._handles: dict[Path, object] = {}
+        self._files: dict[Path, SafetensorsFile] = {}
         try:
             self._sources = _plan(self._scan(), args, self.path)
         except BaseException:
@@ -116,8 +115,9 @@ class HFReader:
         self.close()
 
     def close(self) -> None:
-        self._handles.clear()
-        self._stack.close()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
     @property
     def names(self) -> list[str]:
@@ -159,23 +159,23 @@ class HFReader:
         """Our tensor `name`, or the slice `index` of it (one slice per leading dim, step 1), as `dtype`."""
         src = self._sources[name]
         full = _normalise(src.shape, index, name)
-        out = torch.empty([s.stop - s.start for s in full], dtype=dtype)
-        if out.numel() == 0:
-            return out
+        sizes = [s.stop - s.start for s in full]
+        if 0 in sizes:
+            return torch.empty(sizes, dtype=dtype)
         if src.stacked:
+            out = torch.empty(sizes, dtype=dtype)
             for i, e in enumerate(range(full[0].start, full[0].stop)):
                 out[i].copy_(self.read_hf(src.parts[e], full[1:]))
             return out
         if src.fused:
             d1 = full[1]
             full = (full[0], slice(d1.start + src.dim1_offset, d1.stop + src.dim1_offset), *full[2:])
-        out.copy_(self.read_hf(src.parts[0], full))
-        return out
+        return self.read_hf(src.parts[0], full).to(dtype)
 
     def read_hf(self, part: HFTensor, index: Index) -> torch.Tensor:
         """The slice `index` of one HF tensor, as stored: the one place that reads file data."""
         try:
-            t = self._handle(part.file).get_slice(part.name)[index]
+            t = self._files[part.file].read(part.name, index)
         except _READ_ERRORS as e:
             raise ModelConfigError(
                 f"{part.file}: cannot read tensor '{part.name}' ({type(e).__name__}: {e})"
@@ -183,34 +183,22 @@ class HFReader:
         self.bytes_read += t.numel() * t.element_size()
         return t
 
-    def _handle(self, file: Path):
-        if file not in self._handles:
-            try:
-                self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt"))
-            except _READ_ERRORS as e:
-                raise ModelConfigError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})") from None
-        return self._handles[file]
-
     def _scan(self) -> dict[str, HFTensor]:
         """Every tensor's header entry; weights must be floating point, each name in one file."""
         tensors: dict[str, HFTensor] = {}
         for file in safetensors_files(self.path):
-            f = self._handle(file)
             try:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    sl = f.get_slice(key)
-                    t = HFTensor(name=key, file=file, shape=tuple(sl.get_shape()), dtype=sl.get_dtype())
-                    if not t.dtype.startswith(("F", "BF")):
-                        raise ModelConfigError(
-                            f"{file}: tensor '{key}' has dtype {t.dtype}; weights must be floating point"
-                        )
-                    if key in tensors:
-                        raise ModelConfigError(f"{file}: tensor '{key}' is also in {tensors[key].file}")
-                    tensors[key] = t
+                f = self._files[file] = SafetensorsFile(file)
             except _READ_ERRORS as e:
-                if isinstance(e, ModelConfigError):
-                    raise
                 raise ModelConfigError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})") from None
+            for key, entry in f.entries.items():
+                if entry.dtype not in DTYPES:
+                    floating = entry.dtype.startswith(("F", "BF"))
+                    why = f"not one of {sorted(DTYPES)}" if floating else "weights must be floating point"
+                    raise ModelConfigError(f"{file}: tensor '{key}' has dtype {entry.dtype}; {why}")
+                if key in tensors:
+                    raise ModelConfigError(f"{file}: tensor '{key}' is also in {tensors[key].file}")
+                tensors[key] = HFTensor(name=key, file=file, shape=entry.shape, dtype=entry.dtype)
         return tensors
 
 
