@@ -78,17 +78,25 @@ def _check_bytes(model: Transformer, num_read: int, degrees: dict, label: str) -
 
 
 def worker_startup(rank: int, world_size: int, model_dirs: dict[str, str], layouts: list[tuple]) -> None:
-    """Every (model, layout): the gathered sharded load equals from_pretrained, bit for bit, and
-    each rank read only its own share of the files."""
+    """Every (model, layout): the gathered sharded load equals from_pretrained, bit for bit, each
+    rank read only its own share of the files, and a forward gives from_pretrained's logits."""
     _counting_reads()
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     for label, path in model_dirs.items():
-        ref = from_pretrained(path).state_dict() if rank == 0 else None
+        one = from_pretrained(path) if rank == 0 else None
+        ref = one.state_dict() if one is not None else None
+        with torch.no_grad():
+            ref_logits = one(ids).logits if one is not None else None
         for degrees, ac in layouts:
             if degrees.get("ep", 1) > 1 and not load_args(path).is_moe:
                 continue
             model, num_read = build(rank, world_size, _config(path, degrees, ac=ac))
             _check_against_reference(model, ref, f"{label} {degrees}")
             _check_bytes(model, num_read, degrees, f"{label} {degrees}")
+            with torch.no_grad():  # the shards FSDP gathers for compute are the ones loaded
+                logits = model(ids).logits
+            if ref_logits is not None:
+                torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5, msg=f"{label} {degrees}")
 
 
 def worker_mtp_publish(rank: int, world_size: int, path: str, run_dir: str, dcp_dir: str) -> None:
