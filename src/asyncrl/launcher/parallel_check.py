@@ -6,8 +6,8 @@ The trainer validates the same degrees at start-up (before its process group exi
 here as well turns a wasted Slurm allocation or a child crash into an immediate config error.
 The expert count is the one the trainer uses: the model's config.json parsed by
 `asyncrl.model.load_args` (`num_experts` for Qwen3-MoE, `n_routed_experts` for DeepSeek-V3,
-GLM-4.5 and GLM-5), read when the directory is reachable from here; otherwise the
-expert-parallel rules that need it are left to the trainer.
+GLM-4.5 and GLM-5), read when the directory is reachable from here and its config.json parses;
+otherwise the expert-parallel rules that need it are left to the trainer.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ __all__ = ["check_trainer_parallel"]
 
 
 def _num_experts(model_dir: Path) -> int | None:
-    """Experts per MoE layer (0 for a dense model), or None when config.json is not reachable here."""
+    """Experts per MoE layer (0 for a dense model), or None if config.json is unreadable here."""
     from asyncrl.model import ModelConfigError, load_args  # torch: see check_trainer_parallel
 
     if not (Path(model_dir) / "config.json").is_file():
         return None
     try:
         args = load_args(model_dir)
-    except ModelConfigError as e:
-        raise ConfigError(f"trainer.model.path: {e}") from None
+    except ModelConfigError:
+        return None  # the trainer reports a broken config.json with its own error
     return args.num_experts if args.is_moe else 0
 
 

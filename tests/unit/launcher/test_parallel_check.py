@@ -43,11 +43,11 @@ def test_ep_on_a_dense_model_is_rejected(tmp_path):
         _check(_model_dir(tmp_path, "tiny-dense"), ep=2, world_size=2)
 
 
-def test_a_broken_model_config_is_reported_before_launch(tmp_path):
+def test_an_unreadable_model_config_leaves_ep_to_the_trainer(tmp_path):
+    """The trainer reports a broken config.json with its own error; the launcher does not guess."""
     model = _model_dir(tmp_path, "tiny-glm5")
     (model / "config.json").write_text('{"model_type": "glm_moe_dsa"}')
-    with pytest.raises(ConfigError, match=r"trainer.model.path: .*missing required key 'vocab_size'"):
-        _check(model, ep=2, world_size=2)
+    _check(model, ep=2, world_size=2)
 
 
 def test_a_model_not_reachable_from_here_leaves_ep_to_the_trainer(tmp_path):
