@@ -19,6 +19,7 @@ from asyncrl.distributed.context_parallel import (
 )
 from asyncrl.distributed.dims import Meshes, ParallelDims, ParallelDimsError
 from asyncrl.distributed.expert_parallel import ExpertParallelExperts, all_to_all, apply_expert_parallel
+from asyncrl.distributed.hf_load import load_hf_shards, local_index
 from asyncrl.distributed.parallelize import apply_parallelism, clip_grad_norm_, mixed_precision_policy
 from asyncrl.distributed.process_group import DistInfo, all_reduce_, barrier, init_distributed
 
@@ -41,6 +42,8 @@ __all__ = [
     "iter_hf_tensors",
     "load_dcp",
     "load_full_state_dict",
+    "load_hf_shards",
+    "local_index",
     "mixed_precision_policy",
     "pad_for_cp",
     "save_dcp",

@@ -8,47 +8,44 @@ feeding the writer) all go through them.
 On disk, experts are per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, as on the Hub); in
 memory they are stacked. Loading also accepts transformers' fused in-memory layout
 (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]) for convenience.
+Every load reads through `asyncrl.model.hf_reader.HFReader`, which maps our names to HF tensors
+and reads whole tensors or slices (a sharded model's ranks read only their own slices).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from asyncrl.model.args import ModelArgs, ModelConfigError
 from asyncrl.model.compute import drop_fp32_copies
 from asyncrl.model.dtypes import dtype_name
+from asyncrl.model.hf_reader import HFReader
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
 from asyncrl.model.mtp import hf_name as mtp_hf_name
-from asyncrl.model.mtp import is_mtp_key, our_name
 from asyncrl.model.transformer import Transformer
 
 __all__ = [
     "HFCheckpointWriter",
+    "HFReader",
+    "build_meta_model",
     "check_state_dict",
     "from_pretrained",
     "is_hf_tensor",
     "load_args",
     "load_into",
     "load_state_dict",
-    "mtp_tensor_names",
     "save_pretrained",
     "to_hf_state_dict",
     "to_hf_tensors",
 ]
 
-_EXPERT_KEY = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
-)
-_FUSED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 MAX_SHARD_BYTES = 4 * 1024**3
 
 
@@ -70,108 +67,39 @@ def load_args(path: str | os.PathLike) -> ModelArgs:
         raise ModelConfigError(f"{cfg_path}: {e}") from None
 
 
-def _safetensors_files(path: Path) -> list[Path]:
-    if not path.is_dir():
-        raise ModelConfigError(f"weights directory not found: {path}")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ModelConfigError(
-                f"{index}: not a valid safetensors index ({type(e).__name__}: {e})"
-            ) from None
-        files = [path / name for name in names if isinstance(name, str)]
-        outside = [f for f in files if f.resolve().parent != path.resolve()]
-        if len(files) != len(names) or outside:
-            raise ModelConfigError(f"{index}: weight_map must name files inside {path}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        extra = (
-            " (PyTorch .bin checkpoints are not supported; convert to safetensors)"
-            if list(path.glob("*.bin"))
-            else ""
-        )
-        raise ModelConfigError(f"{path} holds no *.safetensors weights{extra}")
-    return files
-
-
-def mtp_tensor_names(path: str | os.PathLike, args: ModelArgs) -> list[str]:
-    """HF names of the checkpoint's MTP-layer tensors (read from the shard headers, no data)."""
-    names = []
-    for file in _safetensors_files(Path(path)):
-        with safe_open(str(file), framework="pt") as f:
-            names += [k for k in f.keys() if is_mtp_key(k, args)]  # noqa: SIM118
-    return sorted(names)
-
-
 def load_state_dict(path: str | os.PathLike, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read every safetensors shard and convert to our (stacked-expert) parameter names."""
-    path = Path(path)
-    flat: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(path):
-        flat |= _read_file(file, dtype)
-    return _stack_experts(flat, args)
+    """Read every tensor of the checkpoint, in our (stacked-expert) names and `dtype`."""
+    with HFReader(path, args) as reader:
+        return {name: reader.read(name, dtype) for name in reader.names}
 
 
-def _read_file(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file, fully read; a truncated or corrupt file names itself."""
-    out: dict[str, torch.Tensor] = {}
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                t = f.get_tensor(key)
-                if not t.is_floating_point():
-                    raise ModelConfigError(
-                        f"{file}: tensor '{key}' has dtype {t.dtype}; weights must be floating point"
-                    )
-                out[key] = t.to(dtype)
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        if isinstance(e, ModelConfigError):
-            raise
-        raise ModelConfigError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})") from None
-    return out
-
-
-def _stack_experts(flat: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    for key, t in flat.items():
-        if is_mtp_key(key, args):  # kept verbatim, experts unstacked (see asyncrl.model.mtp)
-            out[our_name(key)] = t
-        elif m := _EXPERT_KEY.match(key):
-            per_expert.setdefault((m[1], m[3]), {})[int(m[2])] = t
-        elif m := _FUSED_KEY.match(key):
-            if m[2] == "gate_up_proj":
-                out[f"{m[1]}.gate_proj"], out[f"{m[1]}.up_proj"] = t.chunk(2, dim=1)
-            else:
-                out[f"{m[1]}.down_proj"] = t
-        else:
-            out[key] = t
-    for (prefix, proj), experts in per_expert.items():
-        missing = sorted(set(range(args.num_experts)) - set(experts))
-        if missing:
-            raise ModelConfigError(f"checkpoint is missing experts {missing} for {prefix}.*.{proj}.weight")
-        out[f"{prefix}.{proj}"] = torch.stack([experts[e] for e in range(args.num_experts)])
-    return out
+def build_meta_model(reader: HFReader, dtype: torch.dtype) -> Transformer:
+    """The checkpoint's model on the meta device in `dtype`, with a placeholder per MTP tensor."""
+    with torch.device("meta"):
+        model = Transformer(reader.args).to(dtype)
+        for hf_key, shape in reader.mtp_shapes().items():
+            model.mtp.put(hf_key, torch.empty(shape, dtype=dtype))
+    return model
 
 
 def from_pretrained(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> Transformer:
-    """Load a Hugging Face directory (config.json + safetensors) of a supported family."""
-    args = load_args(path)
-    state = load_state_dict(path, args, dtype)
-    with torch.device("meta"):
-        model = Transformer(args).to(dtype)
-    model.to_empty(device=device)
-    model.tie_weights()
-    for name in [n for n in state if n.startswith(MTP_PREFIX)]:
-        model.mtp.put(mtp_hf_name(name), state[name].to(device))
-    load_into(model, state, where=str(path))
-    return model.to(dtype)
+    """Load a Hugging Face directory (config.json + safetensors) of a supported family.
+
+    Names and shapes are checked before anything is read; then one tensor at a time is read
+    into the model, so the peak is the model plus its largest tensor.
+    """
+    with HFReader(path, load_args(path)) as reader:
+        model = build_meta_model(reader, dtype)
+        model.to_empty(device=device)
+        model.tie_weights()
+        targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if is_hf_tensor(n, model.args)}
+        reader.check({n: t.shape for n, t in targets.items()}, where=str(path))
+        with torch.no_grad():
+            for name, t in targets.items():
+                t.copy_(reader.read(name, dtype))
+    return model
 
 
 def _tensors(model: Transformer) -> dict[str, torch.Tensor]:
