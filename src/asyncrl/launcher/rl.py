@@ -29,7 +29,6 @@ through to RUN/configs/trainer.toml; set `[deployment] trainer_nproc` (one node)
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
@@ -139,9 +138,10 @@ def keys_help() -> str:
 
 
 def _shell(child: ChildSpec) -> str:
-    """A child's command line; a vLLM server's with its environment, to start it by hand."""
-    env = {k: v for k, v in child.env.items() if k.startswith("VLLM_")}
-    return VLLMCommand(argv=child.argv, env=env).shell() if env else shlex.join(child.argv)
+    """A child's command line with the variables the launcher adds to its environment (a vLLM server's
+    PYTHONPATH to the worker extension, CUDA_VISIBLE_DEVICES, ...), to start it by hand; an API key in
+    the environment is masked."""
+    return VLLMCommand(argv=child.argv, env=child.env).shell()
 
 
 def _check_vllm(resolved: ResolvedRL, *, skip_probe: bool) -> int:
