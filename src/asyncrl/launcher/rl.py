@@ -40,6 +40,7 @@ from asyncrl.config.rl import _SHARED, ResolvedRL, RLConfig
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.launcher.console import Console, LiveConsole, PlainConsole
 from asyncrl.launcher.parallel_check import check_trainer_parallel
+from asyncrl.launcher.preflight import check_inputs
 from asyncrl.launcher.resume import check_fresh_run_dir, plan_resume
 from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm import SlurmRLConfig
@@ -186,6 +187,8 @@ def main(argv: list[str]) -> int:
         check_trainer_parallel(
             resolved.trainer, world_size=nproc, where=f"deployment.trainer_nproc = {nproc}"
         )
+        if not dry_run:
+            check_inputs(resolved)
         if resume:
             plan = plan_resume(resolved, dry_run=dry_run)
             resolved = plan.resolved
