@@ -1,4 +1,4 @@
-"""`asyncrl <command>`: a config mistake is one message naming the command and exit code 2, for every command."""
+"""`asyncrl <command>`: a config mistake is one message naming the command and exit code 2, everywhere."""
 
 from __future__ import annotations
 
