@@ -6,8 +6,10 @@ resolved config of every process written to RUN/configs/. On a terminal the cons
 live status line (step, reward, mismatch KL, staleness, tok/s, batch fill) and the children's
 warnings and errors; otherwise the orchestrator's and the trainer's progress lines are echoed
 (asyncrl.launcher.console). The `[sinks]` table mirrors RUN/metrics.jsonl to W&B / TensorBoard.
-When one process fails, or on Ctrl-C, everything is stopped and the exit code is non-zero, naming
-the failing process.
+Before any process starts, every input they will read is checked (asyncrl.launcher.preflight: the
+model directory, each environment and its task files, the vLLM interpreter). When one process
+fails, or on Ctrl-C, everything is stopped and the exit code is non-zero, naming the failing
+process.
 
 Top-level keys: model, run_dir, max_steps, seq_len, seed, and the tables [deployment],
 [inference], [orchestrator], [trainer] (see docs/configuration.md). Any key can be overridden on
@@ -18,7 +20,8 @@ Other flags:
                 checkpoint c, the orchestrator from the checkpoint stored with its newest batch,
                 the servers from the newest published weights up to v_c (those after c are
                 retracted and published again by the trainer; see asyncrl.launcher.resume)
-  --dry-run     resolve and write the configs, print the commands, start nothing
+  --dry-run     resolve and write the configs, print the commands, start nothing (and check no
+                input: the files may live where the processes will run)
   --slurm       render RUN/slurm.sbatch from the `[slurm]` table and submit it with sbatch
                 (with --dry-run: only write it); same as `asyncrl slurm`, see asyncrl.launcher.slurm
 
