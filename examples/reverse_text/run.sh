@@ -11,6 +11,8 @@
 # Every stage prints progress; the last lines compare the SFT and RL models on held-out tasks and
 # give the path of the run's report (plots of the RL run and both evals: open it in a browser).
 # Re-running overwrites the previous run's stages (only the directories this script writes).
+# SFT stops at a loss, so its last step varies; $OUT/sft/final links to its weights, the RL start point
+# that rl.toml names.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,7 +35,7 @@ esac
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 stage() { printf '\n=== [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
-last_weights() { ls -d "$1"/weights/step_* | sort -V | tail -1; }
+last_weights() { ls -d "$1"/weights/step_* | sort -V | tail -1; }  # $1/weights/step_N, N the largest
 
 t0=$SECONDS
 rm -rf "$OUT/base" "$OUT/data" "$OUT/sft" "$OUT/rl" "$OUT/eval.jsonl"
@@ -49,7 +51,8 @@ $ASYNCRL sft-data --env reverse-text --num "$SFT_ROWS" --out "$OUT/data/sft.json
 stage "3/6 sft: imperfect demonstrations -> the RL start point"
 $ASYNCRL sft @ "$HERE/sft.toml" --model.path "$OUT/base" --data.path "$OUT/data/sft.jsonl" \
     --run-dir "$OUT/sft" --seed "$SEED"
-SFT_MODEL="$(last_weights "$OUT/sft")"
+ln -sfn "weights/$(basename "$(last_weights "$OUT/sft")")" "$OUT/sft/final"
+SFT_MODEL="$OUT/sft/final"
 
 evaluate() {  # $1 label, $2 model
     $ASYNCRL eval --model "$2" --label "$1" --env reverse-text --env-args "$ENV_ARGS" \

@@ -4,7 +4,7 @@
     asyncrl sft @ sft.toml --data.path data/sft.jsonl --max-steps 200
 
 Both commands share the model, optimizer, schedule, checkpoint and publish sections, so an SFT
-run and an RL run write the same run-directory layout (ARCHITECTURE.md, "Run directory").
+run and an RL run write the same run-directory layout (docs/architecture.md, "Run directory").
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ resolved config of every process written to RUN/configs/. On a terminal the cons
 live status line (step, reward, mismatch KL, staleness, tok/s, batch fill) and the children's
 warnings and errors; otherwise the orchestrator's and the trainer's progress lines are echoed
 (asyncrl.launcher.console). The `[sinks]` table mirrors RUN/metrics.jsonl to W&B / TensorBoard.
-When one process fails, or on Ctrl-C, everything is stopped and the exit code is non-zero, naming
-the failing process.
+Before any process starts, every input they will read is checked (asyncrl.launcher.preflight: the
+model directory, each environment and its task files, the vLLM interpreter). When one process
+fails, or on Ctrl-C, everything is stopped and the exit code is non-zero, naming the failing
+process.
 
 Top-level keys: model, run_dir, max_steps, seq_len, seed, and the tables [deployment],
 [inference], [orchestrator], [trainer] (see docs/configuration.md). Any key can be overridden on
@@ -18,7 +20,8 @@ Other flags:
                 checkpoint c, the orchestrator from the checkpoint stored with its newest batch,
                 the servers from the newest published weights up to v_c (those after c are
                 retracted and published again by the trainer; see asyncrl.launcher.resume)
-  --dry-run     resolve and write the configs, print the commands, start nothing
+  --dry-run     resolve and write the configs, print the commands, start nothing (and check no
+                input: the files may live where the processes will run)
   --slurm       render RUN/slurm.sbatch from the `[slurm]` table and submit it with sbatch
                 (with --dry-run: only write it); same as `asyncrl slurm`, see asyncrl.launcher.slurm
 
@@ -29,7 +32,6 @@ through to RUN/configs/trainer.toml; set `[deployment] trainer_nproc` (one node)
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
@@ -41,6 +43,7 @@ from asyncrl.config.rl import _SHARED, ResolvedRL, RLConfig
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.launcher.console import Console, LiveConsole, PlainConsole
 from asyncrl.launcher.parallel_check import check_trainer_parallel
+from asyncrl.launcher.preflight import check_inputs
 from asyncrl.launcher.resume import check_fresh_run_dir, plan_resume
 from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm import SlurmRLConfig
@@ -141,9 +144,10 @@ def keys_help() -> str:
 
 
 def _shell(child: ChildSpec) -> str:
-    """A child's command line; a vLLM server's with its environment, to start it by hand."""
-    env = {k: v for k, v in child.env.items() if k.startswith("VLLM_")}
-    return VLLMCommand(argv=child.argv, env=env).shell() if env else shlex.join(child.argv)
+    """A child's command line with the variables the launcher adds to its environment (a vLLM server's
+    PYTHONPATH to the worker extension, CUDA_VISIBLE_DEVICES, ...), to start it by hand; an API key in
+    the environment is masked."""
+    return VLLMCommand(argv=child.argv, env=child.env).shell()
 
 
 def _check_vllm(resolved: ResolvedRL, *, skip_probe: bool) -> int:
@@ -188,6 +192,8 @@ def main(argv: list[str]) -> int:
         check_trainer_parallel(
             resolved.trainer, world_size=nproc, where=f"deployment.trainer_nproc = {nproc}"
         )
+        if not dry_run:
+            check_inputs(resolved)
         if resume:
             plan = plan_resume(resolved, dry_run=dry_run)
             resolved = plan.resolved

@@ -1,10 +1,11 @@
 """Evaluate any served model on an environment through its OpenAI-compatible chat endpoint.
 
-    asyncrl eval-env --base-url http://127.0.0.1:8000 --model tiny --env reverse-text --num 64
+    asyncrl eval-env --base-url http://127.0.0.1:8000 --env reverse-text --num 64
     asyncrl eval-env --base-url ... --env my_pkg.envs:make_env --env-args '{"level": 2}' --split train
 
 Runs `--num` episodes of the split with up to `--concurrency` in flight and prints the mean reward,
 each named reward, and the episode metrics. Text only: no token ids, so no training samples.
+Without `--model`, the requests name the one model the server lists at `GET /v1/models`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 from collections.abc import Callable
 
 import httpx
 
+from asyncrl.client.backend import InferenceError
+from asyncrl.config import ConfigError
 from asyncrl.config.envs import EnvConfig
 from asyncrl.envs.base import Environment, Split
 from asyncrl.envs.policy import ChatPolicy, Policy
@@ -24,7 +28,7 @@ from asyncrl.envs.registry import build_env
 from asyncrl.envs.rollout import Episode, run_episode
 from asyncrl.wire import SamplingParams
 
-__all__ = ["evaluate", "main", "summarize"]
+__all__ = ["evaluate", "main", "served_model", "summarize"]
 
 
 async def evaluate(
@@ -60,7 +64,9 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl eval-env", description=__doc__.splitlines()[0])
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", default="default", help="model name sent in the request")
+    p.add_argument(
+        "--model", default=None, help="model name in the requests (default: the server's only one)"
+    )
     p.add_argument("--env", default="reverse-text", help="registered name or package.module:factory")
     p.add_argument("--env-args", default="{}", type=json.loads, help="JSON object of env factory arguments")
     p.add_argument("--split", default="eval", choices=["train", "eval"])
@@ -73,24 +79,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _run(args: argparse.Namespace) -> dict[str, float]:
+async def served_model(http: httpx.AsyncClient) -> str:
+    """The one model the server lists at `GET /v1/models`; ConfigError when it lists none or several."""
+    where = http.base_url.join("v1/models")
+    try:
+        response = await http.get("/v1/models")
+    except httpx.HTTPError as e:
+        raise ConfigError(f"cannot reach {where}: {type(e).__name__}: {e}") from None
+    try:
+        response.raise_for_status()
+        names = [m["id"] for m in response.json()["data"]]
+    except (httpx.HTTPStatusError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{where} does not list the served models ({e}); name one with --model") from None
+    if len(names) != 1:
+        raise ConfigError(f"{where} lists {len(names)} models {names}; pick one with --model")
+    return names[0]
+
+
+async def _run(args: argparse.Namespace) -> tuple[str, dict[str, float]]:
     env = build_env(args.env, args.env_args, seed=args.seed)
     config = EnvConfig(name=args.env)
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=600.0) as http:
+        model = args.model or await served_model(http)
         episodes = await evaluate(
-            env, lambda: ChatPolicy(http, args.model, sampling), config=config, num=args.num,
+            env, lambda: ChatPolicy(http, model, sampling), config=config, num=args.num,
             split=args.split, concurrency=args.concurrency,
         )  # fmt: skip
-    return summarize(episodes)
+    return model, summarize(episodes)
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    summary = asyncio.run(_run(args))
+    try:
+        model, summary = asyncio.run(_run(args))
+    except InferenceError as e:  # the server refused a request or failed: say so, without a traceback
+        print(f"asyncrl eval-env: {e}", file=sys.stderr)
+        return 1
     width = max(len(k) for k in summary)
-    print(f"{args.env} ({args.split}, {args.num} episodes) on {args.base_url} [{args.model}]")
+    print(f"{args.env} ({args.split}, {args.num} episodes) on {args.base_url} [{model}]")
     for key, value in summary.items():
         print(f"  {key:<{width}}  {value:.4f}")
     return 0
