@@ -36,3 +36,18 @@ def test_eval_env_command_on_a_mock_server(capsys, monkeypatch):
     assert float(rows["rewards/exact"]) == pytest.approx(expected_exact, abs=1e-4)
     assert float(rows["num_episodes"]) == 20
     assert "metrics/num_turns" in out and "reverse-text (eval, 20 episodes)" in out
+
+
+@pytest.mark.parametrize(("agent", "reward"), [("reference", 1.0), ("noop", 0.0)])
+def test_eval_env_scripted_agents_need_no_server(capsys, agent, reward):
+    assert cli_main(["eval-env", "--agent", agent, "--env", "reverse-text", "--num", "6"]) == 0
+    out = capsys.readouterr().out
+    rows = dict(line.split() for line in out.splitlines()[1:])
+    assert float(rows["reward"]) == reward and float(rows["reward_min"]) == reward
+    assert float(rows["num_episodes"]) == 6 and f"[agent: {agent}]" in out
+
+
+def test_eval_env_with_a_model_needs_a_base_url(capsys):
+    with pytest.raises(SystemExit):
+        endpoint_eval.main(["--env", "reverse-text"])
+    assert "--agent model (the default) evaluates a served model: pass --base-url" in capsys.readouterr().err
