@@ -18,8 +18,9 @@ import platform
 import sys
 import time
 
-from asyncrl.envs.swe_tasks import read_tasks, verify_tasks
-from asyncrl.envs.swe_tasks.verify import verify_report
+from asyncrl.envs.builtin.swe.tasks import read_tasks
+from asyncrl.tools.swe_tasks import verify_tasks
+from asyncrl.tools.swe_tasks.verify import verify_report
 from report import write_section
 
 

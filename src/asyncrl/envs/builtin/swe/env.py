@@ -106,9 +106,11 @@ def _load_tasks(
         path=tasks, eval_path=eval_tasks, prompt_field="problem_statement", answer_field="", shuffle=shuffle
     )
     table = TaskTable.load(data, seed=seed)
-    base_dirs: dict[Split, Path] = {"train": Path(tasks).parent, "eval": Path(eval_tasks or tasks).parent}
+    # a row's relative repo and venv paths are taken from the directory of its own tasks file
+    files: dict[Split, str] = {"train": tasks, "eval": eval_tasks or tasks}
+    base_dirs = {split: Path(path).expanduser().absolute().parent for split, path in files.items()}
     rows = {
-        (split, row.where): SweTask.from_row(row, base_dir=base_dirs[split])
+        (split, row.where): SweTask.from_row(row.row, where=row.where, base_dir=base_dirs[split])
         for split in base_dirs
         for row in (table.row(split, i) for i in range(table.size(split)))
     }
