@@ -31,7 +31,7 @@ from asyncrl.envs.registry import build_env
 from asyncrl.envs.rollout import Episode, run_episode
 from asyncrl.wire import SamplingParams
 
-__all__ = ["AGENTS", "evaluate", "main", "summarize"]
+__all__ = ["AGENTS", "evaluate", "main", "scripted_agent", "summarize"]
 
 AGENTS = ("model", "reference", "noop")  # model: the endpoint at --base-url
 
@@ -89,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _scripted(agent: str, env: Environment) -> Callable[[Task], Policy]:
+def scripted_agent(agent: str, env: Environment) -> Callable[[Task], Policy]:
+    """A policy factory for `--agent reference` or `--agent noop` (see the module docstring)."""
+
     def make(task: Task) -> Policy:
         if agent == "noop":
             return ReplayPolicy([])
@@ -111,7 +113,7 @@ async def _run(args: argparse.Namespace) -> dict[str, float]:
         async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=600.0) as http:
             episodes = await run(lambda task: ChatPolicy(http, args.model, sampling))
     else:
-        episodes = await run(_scripted(args.agent, env))
+        episodes = await run(scripted_agent(args.agent, env))
     return summarize(episodes) | {"wall_s": time.monotonic() - t0}
 
 

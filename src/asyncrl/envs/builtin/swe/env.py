@@ -39,6 +39,7 @@ __all__ = ["SandboxSettings", "SweEnv"]
 log = logging.getLogger(__name__)
 
 MOUNT_POINT = "/repo"
+SHIM_DIR = "/opt/asyncrl/bin"  # where the `python` shim of the task's interpreter appears in the sandbox
 METRICS = (
     "fail_to_pass", "pass_to_pass", "submitted", "grading_error", "test_run_s", "sandbox_start_s", "sandbox_warm",
 )  # fmt: skip
@@ -87,6 +88,17 @@ def _settings(sandbox: dict[str, Any] | SandboxSettings) -> SandboxSettings:
     except ValidationError as e:
         problems = "; ".join(".".join(["sandbox", *map(str, x["loc"])]) + f": {x['msg']}" for x in e.errors())
         raise EnvConfigError(f"swe: bad sandbox settings: {problems}") from None
+
+
+def _write_python_shim(directory: Path, python: str) -> Path:
+    """`python` and `python3` scripts that run `python`: first on PATH in the sandbox, so every test
+    command finds one (Debian's /usr/bin has only python3). Scripts, not symlinks: a venv's
+    interpreter finds its venv only when started by its own path."""
+    directory.mkdir(parents=True)
+    for name in ("python", "python3"):
+        (directory / name).write_text(f'#!/bin/sh\nexec "{python}" "$@"\n')
+        (directory / name).chmod(0o755)
+    return directory
 
 
 def _python_binds(venv: Path | None) -> tuple[tuple[str, str], ...]:
@@ -151,6 +163,14 @@ class SweEnv(Environment):
         except BaseException:
             self.pool.close()
             raise
+        venvs = sorted({t.venv for t in self._tasks.values()}, key=str)
+        self._shims = {
+            venv: _write_python_shim(
+                self.pool.run_dir.path / "python" / str(i),
+                str(venv / "bin" / "python") if venv else sys.executable,
+            )
+            for i, venv in enumerate(venvs)
+        }
         isolation = "; ".join(f"{k}: {v}" for k, v in self.pool.isolation().items())
         log.info("swe: %d tasks; sandboxes: %s", len(self._tasks), isolation)
         reward = "partial" if partial_credit else "resolved"
@@ -214,14 +234,18 @@ class SweEnv(Environment):
         prefix = str(swe.venv.resolve()) if swe.venv else sys.prefix
         paths = [MOUNT_POINT, *([f"{MOUNT_POINT}/src"] if (box.work / "src").is_dir() else [])]
         return {
-            "PATH": f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
+            "PATH": f"{SHIM_DIR}:{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
             "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": ":".join(paths),
         }  # fmt: skip
+
+    def _read_only(self, swe: SweTask) -> tuple[tuple[str, str], ...]:
+        """What a command of the task's sandbox sees read-only: its Python environment and `python` shim."""
+        return (*_python_binds(swe.venv), (str(self._shims[swe.venv]), SHIM_DIR))
 
     def tools(self, state: EpisodeState) -> list[Tool]:
         """The episode's tools; without a sandbox (SFT export reads only their schemas) they refuse to run."""
         box: PooledSandbox | None = state.data.get("sandbox")
-        binds = _python_binds(self.swe_task(state.task).venv)
+        binds = self._read_only(self.swe_task(state.task))
 
         async def run(command: str) -> SandboxResult:
             if box is None:
@@ -247,7 +271,7 @@ class SweEnv(Environment):
             swe: SweTask = state.data["swe"]
             state.data["grade"] = await grade_episode(
                 state.data["sandbox"], state.data["checkout"], swe, env=self.sandbox_env(state),
-                timeout_s=self.test_timeout_s, read_only=_python_binds(swe.venv),
+                timeout_s=self.test_timeout_s, read_only=self._read_only(swe),
             )  # fmt: skip
             if state.data["grade"].error:
                 log.warning("swe %s: %s", swe.instance_id, state.data["grade"].error)

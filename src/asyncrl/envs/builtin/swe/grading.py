@@ -12,6 +12,8 @@ In the episode's own sandbox, once the agent is done (nothing of it runs any mor
    `pytest_plugin.py`, which writes each test's outcome with a per-run nonce to a report file.
 A test counts as passing when it passed or xfailed. The code under test runs in the same process as
 pytest, so determined code can still reach the plugin's state; the nonce defeats printed results.
+`report_env`, `read_report` and `fraction_passing` are also how `asyncrl swe-tasks --verify` reads
+a run, so a verified row scores as the env grades it.
 """
 
 from __future__ import annotations
