@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.envs.builtin.swe.grading import PLUGIN, PLUGIN_MODULE, read_report, report_env
+from asyncrl.envs.builtin.swe.grading import PLUGIN, PLUGIN_MODULE, read_report, report_env, write_python_shim
 from asyncrl.envs.builtin.swe.tasks import format_test_cmd
 
 __all__ = ["CommandRun", "Failure", "ProbeRun", "TestRun", "TestRunner"]
@@ -108,11 +108,7 @@ class TestRunner:
         self.test_cmd = test_cmd
         self.timeout_s = timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="asyncrl-swe-runner-"))
-        (self._dir / "bin").mkdir()
-        for name in ("python", "python3"):
-            shim = self._dir / "bin" / name
-            shim.write_text(f'#!/bin/sh\nexec "{python or sys.executable}" "$@"\n')
-            shim.chmod(0o755)
+        write_python_shim(self._dir / "bin", str(python or sys.executable))
         shutil.copyfile(_PROBE_SOURCE, self._dir / f"{_PROBE_MODULE}.py")
         (self._dir / "report").mkdir()
         shutil.copyfile(PLUGIN, self._dir / "report" / f"{PLUGIN_MODULE}.py")

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from asyncrl.envs.base import EnvConfigError, Environment, EpisodeState, Reward, Rubric, Split, Task
 from asyncrl.envs.builtin.swe.checkout import GitCheckout, GitSource
-from asyncrl.envs.builtin.swe.grading import Grade, grade_episode
+from asyncrl.envs.builtin.swe.grading import Grade, grade_episode, write_python_shim
 from asyncrl.envs.builtin.swe.reference import reference_messages
 from asyncrl.envs.builtin.swe.tasks import SweTask, resolve_commits
 from asyncrl.envs.builtin.swe.tools import make_tools
@@ -88,17 +88,6 @@ def _settings(sandbox: dict[str, Any] | SandboxSettings) -> SandboxSettings:
     except ValidationError as e:
         problems = "; ".join(".".join(["sandbox", *map(str, x["loc"])]) + f": {x['msg']}" for x in e.errors())
         raise EnvConfigError(f"swe: bad sandbox settings: {problems}") from None
-
-
-def _write_python_shim(directory: Path, python: str) -> Path:
-    """`python` and `python3` scripts that run `python`: first on PATH in the sandbox, so every test
-    command finds one (Debian's /usr/bin has only python3). Scripts, not symlinks: a venv's
-    interpreter finds its venv only when started by its own path."""
-    directory.mkdir(parents=True)
-    for name in ("python", "python3"):
-        (directory / name).write_text(f'#!/bin/sh\nexec "{python}" "$@"\n')
-        (directory / name).chmod(0o755)
-    return directory
 
 
 def _python_binds(venv: Path | None) -> tuple[tuple[str, str], ...]:
@@ -165,7 +154,7 @@ class SweEnv(Environment):
             raise
         venvs = sorted({t.venv for t in self._tasks.values()}, key=str)
         self._shims = {
-            venv: _write_python_shim(
+            venv: write_python_shim(
                 self.pool.run_dir.path / "python" / str(i),
                 str(venv / "bin" / "python") if venv else sys.executable,
             )

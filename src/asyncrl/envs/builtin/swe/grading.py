@@ -12,8 +12,8 @@ In the episode's own sandbox, once the agent is done (nothing of it runs any mor
    `pytest_plugin.py`, which writes each test's outcome with a per-run nonce to a report file.
 A test counts as passing when it passed or xfailed. The code under test runs in the same process as
 pytest, so determined code can still reach the plugin's state; the nonce defeats printed results.
-`report_env`, `read_report` and `fraction_passing` are also how `asyncrl swe-tasks --verify` reads
-a run, so a verified row scores as the env grades it.
+`write_python_shim`, `report_env`, `read_report` and `fraction_passing` are also how `asyncrl
+swe-tasks --verify` runs and reads a test command, so a verified row scores as the env grades it.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ __all__ = [
     "protected_paths",
     "read_report",
     "report_env",
+    "write_python_shim",
 ]
 
 PLUGIN = Path(__file__).with_name("pytest_plugin.py")
@@ -132,6 +133,18 @@ def report_env(nonce: str, report: str, plugin_dir: str, pythonpath: str) -> dic
         "ASYNCRL_SWE_NONCE": nonce, "ASYNCRL_SWE_REPORT": report, "PYTEST_ADDOPTS": f"-p {PLUGIN_MODULE}",
         "PYTHONPATH": f"{pythonpath}:{plugin_dir}" if pythonpath else plugin_dir,
     }  # fmt: skip
+
+
+def write_python_shim(directory: Path, python: str) -> Path:
+    """`directory` (made) with `python` and `python3` scripts that start `python`: put first on a test
+    command's PATH, they give it the task's interpreter even where that interpreter's own bin has
+    only python3 (Debian's /usr/bin). Scripts, not symlinks: a venv's interpreter finds its venv only
+    when started by its own path."""
+    directory.mkdir(parents=True)
+    for name in ("python", "python3"):
+        (directory / name).write_text(f'#!/bin/sh\nexec "{python}" "$@"\n')
+        (directory / name).chmod(0o755)
+    return directory
 
 
 def read_report(path: Path, nonce: str) -> dict[str, str]:
