@@ -1,7 +1,7 @@
 """The shipped SWE task set, examples/swe/tasks.jsonl: its rows always; its repositories, one
 verified task per repository, and the `swe` env on those tasks (the reference fix scores 1, the
 untouched bug 0, from any working directory), once `bash scripts/setup-swe-tasks.sh` has built them
-(skipped, saying so, before that). About 20 s with the repositories."""
+(skipped, saying so, before that). About 40 s with the repositories on 2 shared cores."""
 
 from __future__ import annotations
 

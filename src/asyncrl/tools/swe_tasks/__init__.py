@@ -7,7 +7,7 @@
     verdicts = verify_tasks(read_tasks("data/tasks.jsonl"))   # the bug fails, the reference fix passes
 
 The rows are the `swe` environment's format, which `asyncrl.envs.builtin.swe.tasks` owns. See
-docs/envs.md, "Making SWE tasks".
+docs/envs.md, "SWE tasks".
 """
 
 from asyncrl.tools.swe_tasks.generate import GenerateConfig, GenerateError, GenerateStats, generate

@@ -6,7 +6,7 @@ the repositories a committed task file names.
     asyncrl swe-tasks --rebuild TASKS.jsonl --repo DIR [--name NAME]   # only the rows NAME__...
 
 Making tasks runs DIR's test suite, mutates the functions that passing tests run and keeps the
-mutants that make some of them fail (docs/envs.md, "Making SWE tasks"). Each task's repository is
+mutants that make some of them fail (docs/envs.md, "SWE tasks"). Each task's repository is
 written to `--repo-out` (default: `<OUT's directory>/<OUT's stem>-repos/<instance_id>`); rows name
 it relative to OUT's directory when it lies under it (the rule of every task file: relative paths
 are taken from the file's directory), else by its absolute path.
