@@ -47,7 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "report": ("asyncrl.tools.report:main", "PNG plots and one HTML page of a run's metrics (matplotlib)"),
     "swe-tasks": (
-        "asyncrl.envs.swe_tasks.cli:main",
+        "asyncrl.tools.swe_tasks.cli:main",
         "SWE-bench-form tasks from a Python repository by mutation (--verify checks them)",
     ),
 }

@@ -234,7 +234,7 @@ class Dispatcher:
             dispatch_version=version,
             samples=samples,
             rewards=[e.reward for e in valid],
-            episode_metrics=[e.metrics | {"reward": e.reward} for e in episodes],
+            episode_metrics=[e.rewards | e.metrics | {"reward": e.reward} for e in episodes],
             index=index,
         )
 

@@ -73,3 +73,18 @@ def test_a_server_with_several_models_needs_model(capsys, monkeypatch):
     assert cli_main(["eval-env", "--base-url", "http://srv", "--num", "1"]) == 2
     err = capsys.readouterr().err
     assert "http://srv/v1/models lists 2 models ['a', 'b']; pick one with --model" in err
+
+
+@pytest.mark.parametrize(("agent", "reward"), [("reference", 1.0), ("noop", 0.0)])
+def test_eval_env_scripted_agents_need_no_server(capsys, agent, reward):
+    assert cli_main(["eval-env", "--agent", agent, "--env", "reverse-text", "--num", "6"]) == 0
+    out = capsys.readouterr().out
+    rows = dict(line.split() for line in out.splitlines()[1:])
+    assert float(rows["reward"]) == reward and float(rows["reward_min"]) == reward
+    assert float(rows["num_episodes"]) == 6 and f"[agent: {agent}]" in out
+
+
+def test_eval_env_with_a_model_needs_a_base_url(capsys):
+    with pytest.raises(SystemExit):
+        endpoint_eval.main(["--env", "reverse-text"])
+    assert "--agent model (the default) evaluates a served model: pass --base-url" in capsys.readouterr().err
