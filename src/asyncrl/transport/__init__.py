@@ -22,10 +22,12 @@ from asyncrl.transport.weights import (
     WeightsTimeoutError,
     latest_stable_step,
     prune_weights,
+    read_keep_set,
     retract_weights_after,
     stable_steps,
     stage_weights,
     wait_for_weights,
+    write_keep_set,
 )
 
 __all__ = [
@@ -41,9 +43,11 @@ __all__ = [
     "latest_stable_step",
     "prune_weights",
     "read_batch",
+    "read_keep_set",
     "retract_weights_after",
     "stable_steps",
     "stage_weights",
     "wait_for_weights",
     "write_batch",
+    "write_keep_set",
 ]
