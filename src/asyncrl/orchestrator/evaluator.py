@@ -51,7 +51,7 @@ from asyncrl.transport.metrics import MetricsWriter, read_metrics
 from asyncrl.transport.weights import STABLE_MARKER, read_keep_set, write_keep_set
 from asyncrl.wire import SamplingParams
 
-__all__ = ["Evaluator"]
+__all__ = ["Evaluator", "best_weights", "version_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +212,7 @@ class Evaluator:
 
     # -- the best version and the keep-set -----------------------------------------------------
     def _on_disk(self, version: int) -> bool:
-        """The weights of `version` can still be loaded: the base model, or a published step."""
-        return version == 0 or (weights_dir(self.run_dir, version) / STABLE_MARKER).is_file()
+        return version_weights(self.run_dir, self.cfg.model, version) is not None
 
     def _path(self, version: int) -> Path:
         return Path(self.cfg.model) if version == 0 else weights_dir(self.run_dir, version)
@@ -232,6 +231,27 @@ class Evaluator:
         elif self.interrupted is not None and self.interrupted not in self.records:
             steps[self.interrupted] = "eval interrupted, to be redone"
         write_keep_set(self.run_dir, steps)
+
+
+def version_weights(run_dir: str | Path, model: str | Path, version: int) -> Path | None:
+    """Where the weights of `version` are: the base model for v0, a published step after; None once
+    pruned or retracted."""
+    if version == 0:
+        return Path(model)
+    path = weights_dir(run_dir, version)
+    return path if (path / STABLE_MARKER).is_file() else None
+
+
+def best_weights(run_dir: str | Path, model: str | Path, metric: str) -> tuple[int, float, Path] | None:
+    """(version, value, path) of the best evaluated version by `metric` whose weights are on disk."""
+    best = best_version(
+        read_metrics(run_dir, "eval"), metric, lambda v: version_weights(run_dir, model, v) is not None
+    )
+    if best is None:
+        return None
+    path = version_weights(run_dir, model, best[0])
+    assert path is not None
+    return (*best, path)
 
 
 def _eval_envs(cfg: OrchestratorConfig, mixture: EnvMixture) -> dict[str, tuple[EnvConfig, Environment]]:
