@@ -13,6 +13,7 @@ from asyncrl.envs import Environment, Reward, Rubric, Task
 from asyncrl.envs.registry import available_envs, register_env
 from asyncrl.orchestrator.main import run_orchestrator
 from asyncrl.run_dir import weights_dir
+from asyncrl.tools.report import write_report
 from asyncrl.transport.metrics import read_metrics
 from asyncrl.transport.weights import read_keep_set, stable_steps
 
@@ -69,6 +70,10 @@ def test_an_eval_every_2_versions_writes_its_lines_and_stays_out_of_training(
     out = capsys.readouterr().out
     assert "[orchestrator] eval v2 | reverse-text: reward " in out and " pass@2 " in out
     assert read_keep_set(cfg.run_dir) == {}  # nothing pinned without keep_best once the evals are done
+    # `asyncrl report` draws them next to the training reward
+    page = write_report(tmp_path / "run").read_text()
+    assert '<img src="reward.png"' in page and "held-out eval: not logged" not in page
+    assert "held-out reverse-text pass@1, v0 / v4" in page
 
 
 def test_the_best_version_by_keep_best_survives_pruning_and_is_named(
