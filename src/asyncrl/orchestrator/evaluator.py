@@ -69,7 +69,11 @@ class Evaluator:
         self.cfg, self.ev, self.pool, self.on_line = cfg, cfg.eval, pool, on_line
         self.run_dir = Path(cfg.run_dir)
         self.envs = _eval_envs(cfg, mixture)
-        self.tasks = {label: [env.task("eval", i) for i in range(self.ev.num_tasks)] for label, (_, env) in self.envs.items()}  # fmt: skip
+        # drawn once, at start: an env without an eval split fails here, and every eval sees the same tasks
+        self.tasks = {
+            label: [env.task("eval", i) for i in range(self.ev.num_tasks)]
+            for label, (_, env) in self.envs.items()
+        }
         self.episodes = EpisodeRunner(
             pool,
             tokenizer,
@@ -127,13 +131,11 @@ class Evaluator:
         if version is None:
             return
         held = await self.pool.call_all(lambda b: b.weights())
-        if {getattr(info, "version", None) for info in held.values()} != {
-            version
-        }:  # v0: fresh servers hold it
+        if {getattr(info, "version", None) for info in held.values()} != {version}:  # fresh servers: v0
             if version == 0 or not self._on_disk(version):
                 log.warning(
-                    "the eval of v%d was interrupted and its weights are gone (retracted for a resume); it "
-                    "runs when the servers get v%d again",
+                    "the eval of v%d was interrupted and its weights cannot be loaded now (retracted for "
+                    "a resume); it runs when the servers get v%d again",
                     version, version,
                 )  # fmt: skip
                 return
