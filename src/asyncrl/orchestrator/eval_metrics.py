@@ -29,7 +29,7 @@ __all__ = [
     "format_eval_line",
     "next_due",
     "pass_at_k",
-    "tokens_on_version",
+    "token_versions",
 ]
 
 _LENGTH_STOPS = ("max_tokens", "context_limit")
@@ -84,11 +84,14 @@ def _truncated(episode: Episode) -> bool:
     return episode.stop_reason in _LENGTH_STOPS or episode.metrics.get("num_truncated_turns", 0.0) > 0
 
 
-def tokens_on_version(episodes: Iterable[Episode], version: int) -> float:
-    """Share of the sampled tokens that `version` sampled (1.0 when no update landed mid-eval)."""
+def token_versions(episodes: Iterable[Episode], version: int) -> tuple[float, int]:
+    """(share of the sampled tokens that `version` sampled, the newest version that sampled one):
+    (1.0, version) when no update landed mid-eval."""
     versions = [s.policy_versions[s.loss_mask] for e in episodes for s in e.samples]
     flat = np.concatenate(versions) if versions else np.zeros(0, np.int32)
-    return float(np.mean(flat == version)) if flat.size else 1.0
+    if not flat.size:
+        return 1.0, version
+    return float(np.mean(flat == version)), int(flat.max())
 
 
 def eval_record(
@@ -96,11 +99,13 @@ def eval_record(
 ) -> dict[str, Any]:
     """The eval line of `version` (all but role, step and time: the metrics writer's)."""
     every = [e for ev in envs.values() for e in ev.episodes]
+    on_version, newest = token_versions(every, version)
     record: dict[str, Any] = {
         "version": version,
         "eval/episodes": len(every),
         "eval/seconds": seconds,
-        "eval/tokens_on_version": tokens_on_version(every, version),
+        "eval/tokens_on_version": on_version,
+        "eval/newest_version": newest,
     }
     for label, ev in envs.items():
         record |= {f"eval/{label}/{name}": v for name, v in _env_metrics(ev, k, pass_threshold).items()}

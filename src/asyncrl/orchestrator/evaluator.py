@@ -13,7 +13,7 @@ Reading order:
 3. Pinned to one version, by record: the servers are never held at v, since that would stall
    training. Every token carries the version that sampled it, and the line records the share of
    the eval's sampled tokens that v sampled (`eval/tokens_on_version`: 1.0 unless an update landed
-   mid-eval; the rest came from newer versions).
+   mid-eval; the rest came from newer versions, up to `eval/newest_version`).
 4. The line, role "eval" and step = version = v, goes to RUN/metrics.jsonl (`eval_metrics.eval_record`)
    and to the console. Then the keep-set (`weights/keep.json`) is rewritten: the version being
    evaluated and the best version by `keep_best` stay on disk whatever the trainer prunes.

@@ -83,6 +83,7 @@ def test_the_eval_line_has_each_envs_numbers_and_the_version():
     assert record["eval/rt/truncated"] == pytest.approx(2 / 8)  # a cut turn, a budget stop
     assert record["eval/calc/pass@3"] == 1.0 and "eval/calc/greedy_reward" not in record
     assert record["eval/tokens_on_version"] == pytest.approx(19 / 20)  # 10 episodes x 2 tokens, one of v4
+    assert record["eval/newest_version"] == 4
     line = format_eval_line(record, ["rt", "calc"], k=3)
     assert line.startswith("[orchestrator] eval v3 | rt: reward 0.350 pass@1 0.167 pass@3 0.500 greedy 0.700")
     assert line.endswith("| calc: reward 1.000 pass@1 1.000 pass@3 1.000 | 11 episodes in 2.5s")

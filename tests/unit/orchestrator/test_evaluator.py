@@ -134,6 +134,6 @@ def test_resume_redoes_an_eval_cut_short_by_a_crash_at_its_own_version(tmp_path,
     lines = read_metrics(cfg.run_dir, "eval")
     assert sorted(r["version"] for r in lines) == sorted({0, 2, 4, 6} | {cut})  # each version once
     redone = next(r for r in lines if r["version"] == cut)
-    assert redone["eval/tokens_on_version"] == 1.0  # the servers held v<cut> for the whole redo
+    assert redone["eval/tokens_on_version"] == 1.0 and redone["eval/newest_version"] == cut  # v<cut> only
     assert {s.version for s in restarted.seen[: redone["eval/episodes"]]} == {cut}
     assert json.loads((tmp_path / "run" / "weights" / "keep.json").read_text()) == {"steps": {}}
