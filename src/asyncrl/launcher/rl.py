@@ -50,6 +50,7 @@ from asyncrl.launcher.slurm import SlurmRLConfig
 from asyncrl.launcher.slurm import main as slurm_main
 from asyncrl.launcher.supervisor import ChildSpec, Supervisor
 from asyncrl.launcher.vllm import VLLMCommand, build_vllm_command, check_vllm, probe_vllm, resolve_vllm_python
+from asyncrl.orchestrator.evaluator import best_weights
 from asyncrl.run_dir import log_file, logs_dir
 from asyncrl.transport.sinks import build_sinks
 
@@ -85,6 +86,7 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
             log=log_file(cfg.run_dir, "orchestrator"),
             echo_prefixes=("[orchestrator]",),
             may_exit_ok=True,
+            done_ok=resolved.orchestrator.eval.enabled,  # it evaluates the final version after the trainer
         )
     )
     nproc = cfg.deployment.trainer_nproc
@@ -221,4 +223,19 @@ def main(argv: list[str]) -> int:
         f"asyncrl rl: {'finished' if code == 0 else 'FAILED'} (exit {code})",
         file=sys.stderr if code else sys.stdout,
     )
+    if code == 0:
+        _print_best(resolved)
     return code
+
+
+def _print_best(resolved: ResolvedRL) -> None:
+    """The path of the best version by `[orchestrator.eval] keep_best`, kept from pruning."""
+    metric = resolved.orchestrator.eval.keep_best
+    if not resolved.orchestrator.eval.enabled or metric is None:
+        return
+    best = best_weights(resolved.orchestrator.run_dir, resolved.orchestrator.model, metric)
+    if best is None:
+        print(f"asyncrl rl: no evaluated version has {metric} and weights on disk")
+        return
+    version, value, path = best
+    print(f"asyncrl rl: best version by {metric}: v{version} ({value:.4f}), {path}")

@@ -26,10 +26,12 @@ from asyncrl.transport.weights import (
     WeightsTimeoutError,
     latest_stable_step,
     prune_weights,
+    read_keep_set,
     retract_weights_after,
     stable_steps,
     stage_weights,
     wait_for_weights,
+    write_keep_set,
 )
 
 __all__ = [
@@ -47,10 +49,12 @@ __all__ = [
     "prune_weights",
     "read_batch",
     "read_batch_part",
+    "read_keep_set",
     "read_manifest",
     "retract_weights_after",
     "stable_steps",
     "stage_weights",
     "wait_for_weights",
     "write_batch",
+    "write_keep_set",
 ]
