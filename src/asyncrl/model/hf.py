@@ -1,9 +1,9 @@
 """Hugging Face checkpoints: load a directory into a `Transformer`, save one that transformers loads.
 
 This module owns the HF format: the naming (`is_hf_tensor`, `to_hf_tensors`) and the one streaming
-sharded writer (`HFCheckpointWriter`). `save_pretrained` (one process), the trainer's weight
-publishing and the rank-0 gathered publish of a sharded model (`asyncrl.distributed.iter_hf_tensors`
-feeding the writer) all go through them.
+sharded writer (`HFCheckpointWriter`). `save_pretrained` (one process) and the trainer's weight
+publishing (every rank writing its share of the shards, in the serving format of
+`asyncrl.model.serving`) go through them. Loading reads block-scale FP8 weights too (dequantized).
 
 On disk, experts are per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, as on the Hub); in
 memory they are stacked. Loading also accepts transformers' fused in-memory layout
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,6 +29,13 @@ from asyncrl.model.dtypes import dtype_name
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
 from asyncrl.model.mtp import hf_name as mtp_hf_name
 from asyncrl.model.mtp import is_mtp_key, our_name
+from asyncrl.model.serving import (
+    ServingFormat,
+    dequantize_fp8,
+    is_fp8_scale,
+    quantization_config_for,
+    to_serving,
+)
 from asyncrl.model.transformer import Transformer
 
 __all__ = [
@@ -108,11 +115,18 @@ def mtp_tensor_names(path: str | os.PathLike, args: ModelArgs) -> list[str]:
 
 
 def load_state_dict(path: str | os.PathLike, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read every safetensors shard and convert to our (stacked-expert) parameter names."""
+    """Read every safetensors shard and convert to our (stacked-expert) parameter names in `dtype`.
+
+    Block-scale FP8 weights (`weight` + `weight_scale_inv`, `asyncrl.model.serving`) are dequantized.
+    """
     path = Path(path)
     flat: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
         flat |= _read_file(file, dtype)
+    try:
+        flat = dequantize_fp8(flat, dtype)
+    except ValueError as e:
+        raise ModelConfigError(f"{path}: {e}") from None
     return _stack_experts(flat, args)
 
 
@@ -127,7 +141,8 @@ def _read_file(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
                     raise ModelConfigError(
                         f"{file}: tensor '{key}' has dtype {t.dtype}; weights must be floating point"
                     )
-                out[key] = t.to(dtype)
+                fp8 = is_fp8_scale(key) or t.dtype == torch.float8_e4m3fn  # dequantized in fp32 later
+                out[key] = t if fp8 else t.to(dtype)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         if isinstance(e, ModelConfigError):
             raise
@@ -261,54 +276,101 @@ class HFCheckpointWriter:
     """Stream (HF name, tensor) pairs into `path` as safetensors shards + index + config.json.
 
     The shard plan comes first, from shapes alone (`huggingface_hub.split_torch_state_dict_into_shards`
-    over meta tensors, so DTensor parameters of a sharded model plan without any gather). Each shard
-    is written as soon as its last tensor arrives, so the writer holds about one shard of tensors.
+    over meta tensors, so DTensor parameters of a sharded model plan without any gather): the same
+    files at every world size. Each shard is written as soon as its last tensor arrives, so the
+    writer holds about one shard of tensors.
 
         writer = HFCheckpointWriter(path, model)
         for name, tensor in pairs:          # any order; full tensors, e.g. gathered one at a time
             writer.add(name, tensor)
         writer.finish()                     # checks every planned tensor came, writes index + config
+
+    `fmt` (`asyncrl.model.serving`) plans the files in a serving format; the caller then adds the
+    tensors `to_serving` gives. `files` restricts the writer to some of the planned shards (one
+    rank's share; `finish(metadata=False)` then checks only those, and one writer writes the index
+    and config.json). `save_shard(path, tensors)` writes a complete shard (default: safetensors'
+    `save_file`); a caller may queue it instead, e.g. for a background thread.
     """
 
     def __init__(
-        self, path: str | os.PathLike, model: Transformer, max_shard_bytes: int = MAX_SHARD_BYTES
+        self,
+        path: str | os.PathLike,
+        model: Transformer,
+        max_shard_bytes: int = MAX_SHARD_BYTES,
+        *,
+        fmt: ServingFormat | None = None,
+        files: Iterable[str] | None = None,
+        save_shard: Callable[[Path, dict[str, torch.Tensor]], None] | None = None,
     ) -> None:
         self.path, self.args = Path(path), model.args
-        meta: dict[str, torch.Tensor] = {}
-        for name, p in model.state_dict().items():
-            if is_hf_tensor(name, model.args):
-                full = torch.empty(p.shape, dtype=p.dtype, device="meta")  # DTensor.shape is the global one
-                for hf_name, t in to_hf_tensors(name, full):
-                    meta[hf_name] = torch.empty(
-                        t.shape, dtype=t.dtype, device="meta"
-                    )  # own storage: own size
+        meta = _planned_tensors(model, fmt)
         if not meta:
             raise ValueError("model has no tensors to write")
-        self.dtype = dtype_name(next(iter(meta.values())).dtype)
+        self.fmt = fmt or ServingFormat(dtype=next(iter(meta.values())).dtype)
         self.plan = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_bytes)
-        self._pending = {file: set(names) for file, names in self.plan.filename_to_tensors.items()}
+        mine = set(self.plan.filename_to_tensors) if files is None else set(files)
+        if unknown := mine - set(self.plan.filename_to_tensors):
+            raise ValueError(f"files {sorted(unknown)} are not in the checkpoint plan")
+        self._pending = {file: set(self.plan.filename_to_tensors[file]) for file in sorted(mine)}
         self._buffers: dict[str, dict[str, torch.Tensor]] = {file: {} for file in self._pending}
+        self._save_shard = save_shard or _save_shard
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all planned tensors (every file, whoever writes it)."""
+        return int(self.plan.metadata["total_size"])
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         file = self.plan.tensor_to_filename.get(name)
-        if file is None or name not in self._pending[file]:
+        if file is None or (file in self._pending and name not in self._pending[file]):
             raise ValueError(f"tensor {name!r} is not in the checkpoint plan or was added twice")
+        if file not in self._pending:
+            raise ValueError(f"tensor {name!r} belongs to {file}, which this writer does not write")
         self._pending[file].discard(name)
         self._buffers[file][name] = tensor.detach().contiguous().cpu()
         if not self._pending[file]:
-            save_file(self._buffers.pop(file), str(self.path / file), metadata={"format": "pt"})
+            self._save_shard(self.path / file, self._buffers.pop(file))
 
-    def finish(self) -> None:
+    def finish(self, metadata: bool = True) -> None:
+        """Check that every tensor of this writer's files came; with `metadata`, write config + index."""
         missing = sorted(name for names in self._pending.values() for name in names)
         if missing:
             raise ValueError(
                 f"{self.path}: tensors never added: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
             )
-        config = self.args.to_hf_config(self.dtype)
+        if metadata:
+            self.write_metadata()
+
+    def write_metadata(self) -> None:
+        """config.json (torch_dtype and quantization_config as in the files) and, if sharded, the index."""
+        config = self.args.to_hf_config(dtype_name(self.fmt.dtype))
+        config.pop("quantization_config", None)  # the source model's, if it had one, says nothing here
+        if quantization := quantization_config_for(self.plan.tensor_to_filename, self.fmt):
+            config["quantization_config"] = quantization
         (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if self.plan.is_sharded:
             index = {"metadata": self.plan.metadata, "weight_map": self.plan.tensor_to_filename}
             (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _planned_tensors(model: Transformer, fmt: ServingFormat | None) -> dict[str, torch.Tensor]:
+    """Meta tensors of every file tensor, in HF names (and the serving format, if given)."""
+    meta: dict[str, torch.Tensor] = {}
+    for name, p in model.state_dict().items():
+        if not is_hf_tensor(name, model.args):
+            continue
+        full = torch.empty(p.shape, dtype=p.dtype, device="meta")  # DTensor.shape is the global one
+        for hf_name, t in to_hf_tensors(name, full):
+            pairs = [(hf_name, t)] if fmt is None else to_serving(hf_name, t, fmt)
+            for out_name, out in pairs:
+                meta[out_name] = torch.empty(
+                    out.shape, dtype=out.dtype, device="meta"
+                )  # own storage: own size
+    return meta
+
+
+def _save_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def save_pretrained(
