@@ -16,10 +16,11 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
+from huggingface_hub import StateDictSplit, split_torch_state_dict_into_shards
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -39,6 +40,7 @@ from asyncrl.model.serving import (
 from asyncrl.model.transformer import Transformer
 
 __all__ = [
+    "FilePlan",
     "HFCheckpointWriter",
     "check_state_dict",
     "from_pretrained",
@@ -47,6 +49,7 @@ __all__ = [
     "load_into",
     "load_state_dict",
     "mtp_tensor_names",
+    "plan_files",
     "save_pretrained",
     "to_hf_state_dict",
     "to_hf_tensors",
@@ -272,13 +275,56 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     }
 
 
+@dataclass(frozen=True, kw_only=True)
+class FilePlan:
+    """A checkpoint's safetensors files, planned from shapes alone: the same at every world size.
+
+    Example: FilePlan(split=<huggingface_hub's file <-> tensor-name maps>, sources={
+    "model.layers.0.mlp.experts.gate_proj": ("model.layers.0.mlp.experts.0.gate_proj.weight", ...)},
+    file_bytes={"model-00001-of-00002.safetensors": 4294967296, ...}, fmt=ServingFormat(...)).
+    """
+
+    split: StateDictSplit
+    sources: dict[str, tuple[str, ...]]  # our state-dict name -> the file tensors it becomes
+    file_bytes: dict[str, int]
+    fmt: ServingFormat
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.file_bytes.values())
+
+
+def plan_files(
+    model: Transformer, max_shard_bytes: int = MAX_SHARD_BYTES, fmt: ServingFormat | None = None
+) -> FilePlan:
+    """Plan `model`'s files (in `fmt`, else in the model's own dtype) over meta tensors: no data is
+    read, so DTensor parameters of a sharded model plan without any gather."""
+    meta: dict[str, torch.Tensor] = {}
+    sources: dict[str, tuple[str, ...]] = {}
+    for name, p in model.state_dict().items():
+        if not is_hf_tensor(name, model.args):
+            continue
+        full = torch.empty(p.shape, dtype=p.dtype, device="meta")  # DTensor.shape is the global one
+        fmt = fmt or ServingFormat(dtype=p.dtype)
+        outs = [pair for hf_name, t in to_hf_tensors(name, full) for pair in to_serving(hf_name, t, fmt)]
+        for out_name, out in outs:
+            meta[out_name] = torch.empty(out.shape, dtype=out.dtype, device="meta")  # own storage: own size
+        sources[name] = tuple(out_name for out_name, _ in outs)
+    if fmt is None or not meta:
+        raise ValueError("model has no tensors to write")
+    split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_bytes)
+    file_bytes = {
+        file: sum(meta[n].numel() * meta[n].element_size() for n in names)
+        for file, names in split.filename_to_tensors.items()
+    }
+    return FilePlan(split=split, sources=sources, file_bytes=file_bytes, fmt=fmt)
+
+
 class HFCheckpointWriter:
     """Stream (HF name, tensor) pairs into `path` as safetensors shards + index + config.json.
 
-    The shard plan comes first, from shapes alone (`huggingface_hub.split_torch_state_dict_into_shards`
-    over meta tensors, so DTensor parameters of a sharded model plan without any gather): the same
-    files at every world size. Each shard is written as soon as its last tensor arrives, so the
-    writer holds about one shard of tensors.
+    The files are planned first (`plan_files`, from shapes alone). Each shard is written as soon as
+    its last tensor arrives, so the writer holds about one shard of tensors.
 
         writer = HFCheckpointWriter(path, model)
         for name, tensor in pairs:          # any order; full tensors, e.g. gathered one at a time
@@ -286,10 +332,10 @@ class HFCheckpointWriter:
         writer.finish()                     # checks every planned tensor came, writes index + config
 
     `fmt` (`asyncrl.model.serving`) plans the files in a serving format; the caller then adds the
-    tensors `to_serving` gives. `files` restricts the writer to some of the planned shards (one
-    rank's share; `finish(metadata=False)` then checks only those, and one writer writes the index
-    and config.json). `save_shard(path, tensors)` writes a complete shard (default: safetensors'
-    `save_file`); a caller may queue it instead, e.g. for a background thread.
+    tensors `to_serving` gives. `plan` reuses a plan made before. `files` restricts the writer to
+    some of the planned shards (one rank's share; `finish(metadata=False)` then checks only those,
+    and one writer writes the index and config.json). `save_shard(path, tensors)` writes a complete
+    shard (default: safetensors' `save_file`); a caller may queue it instead, e.g. for a thread.
     """
 
     def __init__(
@@ -299,29 +345,22 @@ class HFCheckpointWriter:
         max_shard_bytes: int = MAX_SHARD_BYTES,
         *,
         fmt: ServingFormat | None = None,
+        plan: FilePlan | None = None,
         files: Iterable[str] | None = None,
         save_shard: Callable[[Path, dict[str, torch.Tensor]], None] | None = None,
     ) -> None:
         self.path, self.args = Path(path), model.args
-        meta = _planned_tensors(model, fmt)
-        if not meta:
-            raise ValueError("model has no tensors to write")
-        self.fmt = fmt or ServingFormat(dtype=next(iter(meta.values())).dtype)
-        self.plan = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_bytes)
-        mine = set(self.plan.filename_to_tensors) if files is None else set(files)
-        if unknown := mine - set(self.plan.filename_to_tensors):
+        self.plan = plan or plan_files(model, max_shard_bytes, fmt)
+        planned = self.plan.split.filename_to_tensors
+        mine = set(planned) if files is None else set(files)
+        if unknown := mine - set(planned):
             raise ValueError(f"files {sorted(unknown)} are not in the checkpoint plan")
-        self._pending = {file: set(self.plan.filename_to_tensors[file]) for file in sorted(mine)}
+        self._pending = {file: set(planned[file]) for file in sorted(mine)}
         self._buffers: dict[str, dict[str, torch.Tensor]] = {file: {} for file in self._pending}
         self._save_shard = save_shard or _save_shard
 
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of all planned tensors (every file, whoever writes it)."""
-        return int(self.plan.metadata["total_size"])
-
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        file = self.plan.tensor_to_filename.get(name)
+        file = self.plan.split.tensor_to_filename.get(name)
         if file is None or (file in self._pending and name not in self._pending[file]):
             raise ValueError(f"tensor {name!r} is not in the checkpoint plan or was added twice")
         if file not in self._pending:
@@ -343,30 +382,15 @@ class HFCheckpointWriter:
 
     def write_metadata(self) -> None:
         """config.json (torch_dtype and quantization_config as in the files) and, if sharded, the index."""
-        config = self.args.to_hf_config(dtype_name(self.fmt.dtype))
+        split, fmt = self.plan.split, self.plan.fmt
+        config = self.args.to_hf_config(dtype_name(fmt.dtype))
         config.pop("quantization_config", None)  # the source model's, if it had one, says nothing here
-        if quantization := quantization_config_for(self.plan.tensor_to_filename, self.fmt):
+        if quantization := quantization_config_for(split.tensor_to_filename, fmt):
             config["quantization_config"] = quantization
         (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if self.plan.is_sharded:
-            index = {"metadata": self.plan.metadata, "weight_map": self.plan.tensor_to_filename}
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _planned_tensors(model: Transformer, fmt: ServingFormat | None) -> dict[str, torch.Tensor]:
-    """Meta tensors of every file tensor, in HF names (and the serving format, if given)."""
-    meta: dict[str, torch.Tensor] = {}
-    for name, p in model.state_dict().items():
-        if not is_hf_tensor(name, model.args):
-            continue
-        full = torch.empty(p.shape, dtype=p.dtype, device="meta")  # DTensor.shape is the global one
-        for hf_name, t in to_hf_tensors(name, full):
-            pairs = [(hf_name, t)] if fmt is None else to_serving(hf_name, t, fmt)
-            for out_name, out in pairs:
-                meta[out_name] = torch.empty(
-                    out.shape, dtype=out.dtype, device="meta"
-                )  # own storage: own size
-    return meta
 
 
 def _save_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
