@@ -18,7 +18,8 @@ together.
 Both directions live here: `to_serving` for writers (the file publisher, a bucketed sender) and
 `dequantize_fp8` for readers (`asyncrl.model.hf.load_state_dict`).
 
-Shape legend: O output dim, K input dim, Ob = ceil(O/128), Kb = ceil(K/128) blocks.
+Shape legend: O output dim, K input dim, Ob = ceil(O/128), Kb = ceil(K/128) blocks; o, k the dims
+of a slice.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from asyncrl.model.fp8 import BLOCK, FP8_DTYPE, plan_fp8, quantize_weight
 __all__ = [
     "SCALE_SUFFIX",
     "ServingFormat",
+    "dequantize_blocks",
     "dequantize_fp8",
     "is_fp8_scale",
     "quantization_config_for",
@@ -163,6 +165,16 @@ def dequantize_fp8(flat: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[st
     return out
 
 
+def dequantize_blocks(
+    q_ok: torch.Tensor, scale_inv_ObKb: torch.Tensor, offset: tuple[int, int] = (0, 0)
+) -> torch.Tensor:
+    """fp32 values of FP8 weight rows/columns `q_ok` that start at `offset` in a weight whose 128x128
+    blocks have the scales `scale_inv_ObKb`: a whole weight, or the slice a sharded reader reads."""
+    rows = torch.arange(offset[0], offset[0] + q_ok.shape[0]) // BLOCK
+    cols = torch.arange(offset[1], offset[1] + q_ok.shape[1]) // BLOCK
+    return q_ok.float() * scale_inv_ObKb.float()[rows][:, cols]
+
+
 def _dequantize(q_OK: torch.Tensor, scale_ObKb: torch.Tensor) -> torch.Tensor:
     out_dim, K = q_OK.shape
     if scale_ObKb.shape != (-(-out_dim // BLOCK), -(-K // BLOCK)):
@@ -170,5 +182,4 @@ def _dequantize(q_OK: torch.Tensor, scale_ObKb: torch.Tensor) -> torch.Tensor:
             f"block scales of shape {list(scale_ObKb.shape)} do not fit a weight of shape {[out_dim, K]} "
             f"in {BLOCK}x{BLOCK} blocks"
         )
-    scale_OK = scale_ObKb.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:out_dim, :K]
-    return q_OK.float() * scale_OK
+    return dequantize_blocks(q_OK, scale_ObKb)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from asyncrl.model import HFCheckpointWriter, Transformer, from_pretrained, preset_args, to_hf_state_dict
 from asyncrl.model.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight
 from asyncrl.model.hf import load_state_dict
-from asyncrl.model.serving import ServingFormat, dequantize_fp8, serving_format, to_serving
+from asyncrl.model.serving import ServingFormat, dequantize_blocks, dequantize_fp8, serving_format, to_serving
 
 
 @pytest.fixture(scope="module")
@@ -112,5 +112,7 @@ def test_dequantize_handles_partial_edge_blocks_and_names_a_lone_scale():
     assert torch.equal(w[:128, 128:], q[:128, 128:].float() * 2) and torch.equal(
         w[128:, 128:], q[128:, 128:].float() * 4
     )
+    part = dequantize_blocks(q[100:130, 120:200], scale, offset=(100, 120))  # a sharded reader's slice
+    assert torch.equal(part, w[100:130, 120:200])
     with pytest.raises(ValueError, match="block scales 'b.weight_scale_inv' without their weight 'b.weight'"):
         dequantize_fp8({"b.weight_scale_inv": scale}, torch.float32)
