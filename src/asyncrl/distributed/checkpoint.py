@@ -122,19 +122,21 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None
     set_model_state_dict(model, state if state is not None else {}, options=options)
 
 
-def gather_to_rank(value: torch.Tensor, dst: int) -> torch.Tensor | None:
+def gather_to_rank(value: torch.Tensor, dst: int, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """The full tensor on global rank `dst` (None elsewhere); each rank sends only its own shard.
 
     For a DTensor on a mesh spanning the world: every rank sends its local shard and its global
     offset to `dst` (gathers padded to the largest shard), and `dst` places the shards; ranks
     that hold replicated copies just write the same values twice. A plain tensor (the same on
-    every rank) is returned as is on `dst`.
+    every rank) is returned as is on `dst`. With `dtype`, each shard is cast before it is sent
+    (bf16 halves the bytes of an fp32 gather; a cast is elementwise, so the result is the same).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     if not isinstance(value, DTensor):
-        return value if rank == dst else None
+        return (value if dtype is None else value.to(dtype)) if rank == dst else None
     assert value.device_mesh.size() == dist.get_world_size(), "meshes built by ParallelDims span the world"
     local = value.to_local().contiguous()
+    local = local if dtype is None else local.to(dtype)
     shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
     meta = torch.tensor([*shape, *offset], dtype=torch.int64, device=local.device)
     world = dist.get_world_size()
@@ -164,21 +166,27 @@ def gather_to_rank0(value: torch.Tensor) -> torch.Tensor | None:
 
 
 def iter_full_tensors(
-    model: Transformer, owners: Callable[[str], Collection[int]]
+    model: Transformer,
+    owners: Callable[[str], Collection[int]],
+    dtype: Callable[[str], torch.dtype | None] = lambda name: None,
+    copy: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (our name, full tensor) of every published entry on each rank in `owners(name)`.
 
     Collective: every rank must exhaust the iterator. Entries are gathered one at a time, once per
-    owner (`gather_to_rank`), so a rank holds its own shards plus one full tensor at a time (the
-    caller keeps what it needs). At world size 1 nothing is gathered and the tensors are the
-    model's own (not copies).
+    owner (`gather_to_rank`, in `dtype(name)` unless None), so a rank holds its own shards plus one
+    full tensor at a time (the caller keeps what it needs). A tensor that needs no gather (world
+    size 1, or not sharded) may be the model's own; copy=True makes every one new storage.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     for name, value in model.state_dict().items():  # checkpoint wrappers drop their prefix here
         if not is_hf_tensor(name, model.args):
             continue
         for dst in sorted(owners(name)):
-            full = gather_to_rank(value, dst) if dist.is_initialized() else value
+            if isinstance(value, DTensor):
+                full = gather_to_rank(value, dst, dtype(name))  # new storage
+            else:
+                full = value.to(dtype(name) or value.dtype, copy=copy) if dst == rank else None
             if full is not None:
                 assert dst == rank
                 yield name, full

@@ -43,7 +43,7 @@ from asyncrl.distributed import DistInfo, all_reduce_, iter_full_tensors
 from asyncrl.model import HFCheckpointWriter, Transformer, torch_dtype
 from asyncrl.model import hf as hf_format
 from asyncrl.model.hf import FilePlan, plan_files, to_hf_tensors
-from asyncrl.model.serving import SCALE_SUFFIX, serving_format, to_serving
+from asyncrl.model.serving import SCALE_SUFFIX, is_fp8_scale, serving_format, to_serving
 from asyncrl.run_dir import weights_dir
 from asyncrl.trainer.diskspace import ensure_free_space, raise_together
 from asyncrl.transport import (
@@ -126,6 +126,7 @@ class _Layout:
     files: tuple[str, ...]  # this rank's
     wanted: frozenset[str]  # the file tensors of this rank's files
     owners: dict[str, tuple[int, ...]]  # our name -> ranks that write one of its file tensors
+    fp8_entries: frozenset[str]  # our names stored as FP8 blocks
 
     @classmethod
     def build(cls, plan: FilePlan, info: DistInfo) -> _Layout:
@@ -136,7 +137,8 @@ class _Layout:
         owners = {
             name: tuple(sorted({owner[file_of[t]] for t in outs})) for name, outs in plan.sources.items()
         }
-        return cls(plan=plan, files=files, wanted=wanted, owners=owners)
+        fp8 = frozenset(name for name, outs in plan.sources.items() if any(map(is_fp8_scale, outs)))
+        return cls(plan=plan, files=files, wanted=wanted, owners=owners, fp8_entries=fp8)
 
 
 @dataclass(kw_only=True)
@@ -261,17 +263,24 @@ class FilesystemWeightPublisher:
     def _snapshot(self, model: Transformer, layout: _Layout, writer: HFCheckpointWriter) -> None:
         """Gather this rank's tensors and hand them to its writer in the serving format. Collective.
 
-        A snapshot that a background thread writes must not share storage with the parameters,
-        which the next optimizer step changes in place.
+        A tensor that is only cast is gathered in the serving dtype (half the bytes of an fp32
+        gather for bf16); one that is quantized is gathered as it is, so its FP8 blocks are those
+        of one process. A snapshot that a background thread writes must not share storage with
+        the parameters, which the next optimizer step changes in place.
         """
-        wanted = layout.wanted
+        fmt, wanted = layout.plan.fmt, layout.wanted
+        tensors = iter_full_tensors(
+            model,
+            lambda name: layout.owners[name],
+            lambda name: None if name in layout.fp8_entries else fmt.dtype,
+            copy=self.cfg.overlap,
+        )
         with torch.no_grad():
-            for name, full in iter_full_tensors(model, lambda name: layout.owners[name]):
-                copy = self.cfg.overlap and full.device.type == "cpu"  # .cpu() copies a device tensor anyway
+            for name, full in tensors:
                 for hf_name, t in to_hf_tensors(name, full):
                     if hf_name not in wanted and hf_name + SCALE_SUFFIX not in wanted:
                         continue  # another rank's (a weight and its scales may sit in two files)
-                    for out_name, out in to_serving(hf_name, t, layout.plan.fmt, copy=copy):
+                    for out_name, out in to_serving(hf_name, t, fmt):
                         if out_name in wanted:
                             writer.add(out_name, out)
 
