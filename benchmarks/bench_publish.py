@@ -6,11 +6,12 @@ Each world size runs under torchrun (gloo, CPU, one thread per rank). Every rank
 on meta, shards it with FSDP over all ranks and fills its shards with random values (the bytes are
 timed, not the values). Cases:
 
-- one writer: today's path before every rank wrote, kept as `asyncrl.distributed.iter_hf_tensors`:
-  rank 0 receives every tensor and writes every file, in the step;
-- all ranks: `FilesystemWeightPublisher` with `overlap = false` (each rank gathers and writes its
-  share of the files, in the step), and with `overlap = true` (the step only takes the snapshot;
-  "step blocked" is that part, the slowest rank's, and "publish s" runs until STABLE).
+- one writer: the path before every rank wrote, kept as `asyncrl.distributed.iter_hf_tensors`:
+  rank 0 receives every tensor (gathered in fp32) and writes every file, in the step;
+- all ranks: `FilesystemWeightPublisher` with `overlap = false` (each rank gathers, in the serving
+  dtype where it only casts, and writes its share of the files, in the step), and with
+  `overlap = true` (the step only takes the snapshot; "step blocked" is that part, the slowest
+  rank's, and "publish s" runs until STABLE).
 
 Files go to a local disk through the page cache (safetensors does not fsync), so "publish s" is
 mostly gather + serialisation + memory copies; on a shared filesystem the writes themselves take
@@ -44,7 +45,7 @@ from asyncrl.model import HFCheckpointWriter, ModelArgs, Transformer, preset_arg
 from asyncrl.model.hf import plan_files
 from asyncrl.model.serving import serving_format, to_serving
 from asyncrl.run_dir import weights_dir
-from asyncrl.trainer.publish import FilesystemWeightPublisher
+from asyncrl.trainer.publish import FilesystemWeightPublisher, assign_files
 from asyncrl.transport import stage_weights
 from report import write_section
 
@@ -131,6 +132,12 @@ def _case(model, case, run_dir: Path, step: int, shard_bytes: int, info: DistInf
     return _slowest(blocked, info), _slowest(total, info)
 
 
+def _busiest(sizes: dict[str, int], world_size: int) -> int:
+    """Bytes written by the rank with the most, under the publisher's assignment."""
+    owner = assign_files(sizes, world_size)
+    return max(sum(b for f, b in sizes.items() if owner[f] == r) for r in range(world_size))
+
+
 def worker(ns: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     info = init_distributed("cpu")
@@ -142,11 +149,12 @@ def worker(ns: argparse.Namespace) -> None:
         times = [_case(model, case, run_dir, step, ns.shard_bytes, info) for step in range(1, ns.repeats + 1)]
         if info.is_main:
             published = weights_dir(run_dir, ns.repeats).resolve()
-            files = [f for f in published.iterdir() if f.suffix == ".safetensors"]
+            sizes = {f.name: f.stat().st_size for f in published.iterdir() if f.suffix == ".safetensors"}
+            busiest = sum(sizes.values()) if case[1] == "one" else _busiest(sizes, info.world_size)
             results.append({
                 "case": i, "blocked": statistics.median(t[0] for t in times),
                 "total": statistics.median(t[1] for t in times),
-                "bytes": sum(f.stat().st_size for f in files), "files": len(files),
+                "bytes": sum(sizes.values()), "files": len(sizes), "busiest": busiest,
             })  # fmt: skip
         if info.is_distributed:
             dist.barrier()
@@ -188,7 +196,7 @@ def _rows(model: str, args: ModelArgs, world_size: int, results: list[dict]) -> 
         blocked = f"{r['blocked']:.2f}" if overlap else "(all)"
         rows.append(
             f"| {model} | {args.num_params() / 1e6:.0f}M | {world_size} | {label} | {fmt} | "
-            f"{r['bytes'] / 1e6:.0f} | {r['files']} | {r['total']:.2f} | {blocked} |"
+            f"{r['bytes'] / 1e6:.0f} | {r['files']} | {r['busiest'] / 1e6:.0f} | {r['total']:.2f} | {blocked} |"
         )
     return rows
 
@@ -219,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(rows[-1], flush=True)
     table = (
-        "| model | params | world size | writers | format | MB per version | files | publish s | step blocked s |\n"
-        "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+        "| model | params | world size | writers | format | MB per version | files | MB by the busiest rank "
+        "| publish s | step blocked s |\n|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
     )
     print(table)
     if ns.write:
@@ -230,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             "ranks, random weights, files of at most an eighth of the bf16 model. `publish s` runs until "
             "STABLE; `step blocked s` is what a step waits with `[publish] overlap` (the snapshot), where "
             "the rest overlaps the next step; without overlap the step waits for all of it. One writer: "
-            "rank 0 receives and writes everything (the path before every rank wrote). Files go through "
-            "the page cache of a local disk.\n"
+            "rank 0 receives (in fp32) and writes everything, the path before every rank wrote; all ranks "
+            "gather in the serving dtype where they only cast. Files go through the page cache of a local "
+            "disk.\n"
             f"Machine: {platform.machine()}, {os.cpu_count()} cores, shared (1-min load average "
             f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}.\n"
             f"Command: `python benchmarks/bench_publish.py --repeats {ns.repeats} "
