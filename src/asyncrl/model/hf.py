@@ -299,19 +299,18 @@ def plan_files(
 ) -> FilePlan:
     """Plan `model`'s files (in `fmt`, else in the model's own dtype) over meta tensors: no data is
     read, so DTensor parameters of a sharded model plan without any gather."""
+    entries = {name: p for name, p in model.state_dict().items() if is_hf_tensor(name, model.args)}
+    if not entries:
+        raise ValueError("model has no tensors to write")
+    fmt = fmt or ServingFormat(dtype=next(iter(entries.values())).dtype)
     meta: dict[str, torch.Tensor] = {}
     sources: dict[str, tuple[str, ...]] = {}
-    for name, p in model.state_dict().items():
-        if not is_hf_tensor(name, model.args):
-            continue
+    for name, p in entries.items():
         full = torch.empty(p.shape, dtype=p.dtype, device="meta")  # DTensor.shape is the global one
-        fmt = fmt or ServingFormat(dtype=p.dtype)
         outs = [pair for hf_name, t in to_hf_tensors(name, full) for pair in to_serving(hf_name, t, fmt)]
         for out_name, out in outs:
             meta[out_name] = torch.empty(out.shape, dtype=out.dtype, device="meta")  # own storage: own size
         sources[name] = tuple(out_name for out_name, _ in outs)
-    if fmt is None or not meta:
-        raise ValueError("model has no tensors to write")
     split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_bytes)
     file_bytes = {
         file: sum(meta[n].numel() * meta[n].element_size() for n in names)
