@@ -5,7 +5,9 @@ See docs/scaling.md for the layout rules and how the trainer calls this package.
 """
 
 from asyncrl.distributed.checkpoint import (
+    gather_to_rank,
     gather_to_rank0,
+    iter_full_tensors,
     iter_hf_tensors,
     load_dcp,
     load_full_state_dict,
@@ -37,8 +39,10 @@ __all__ = [
     "barrier",
     "clip_grad_norm_",
     "gather_from_cp",
+    "gather_to_rank",
     "gather_to_rank0",
     "init_distributed",
+    "iter_full_tensors",
     "iter_hf_tensors",
     "load_dcp",
     "load_full_state_dict",

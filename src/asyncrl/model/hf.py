@@ -1,9 +1,9 @@
 """Hugging Face checkpoints: load a directory into a `Transformer`, save one that transformers loads.
 
 This module owns the HF format: the naming (`is_hf_tensor`, `to_hf_tensors`) and the one streaming
-sharded writer (`HFCheckpointWriter`). `save_pretrained` (one process), the trainer's weight
-publishing and the rank-0 gathered publish of a sharded model (`asyncrl.distributed.iter_hf_tensors`
-feeding the writer) all go through them.
+sharded writer (`HFCheckpointWriter`). `save_pretrained` (one process) and the trainer's weight
+publishing (every rank writing its share of the shards, in the serving format of
+`asyncrl.model.serving`) go through them. Loading reads block-scale FP8 weights too (dequantized).
 
 On disk, experts are per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, as on the Hub); in
 memory they are stacked. Loading also accepts transformers' fused in-memory layout
@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
+from huggingface_hub import StateDictSplit, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from asyncrl.model.args import ModelArgs, ModelConfigError
@@ -29,9 +30,11 @@ from asyncrl.model.dtypes import dtype_name
 from asyncrl.model.hf_reader import HFReader
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
 from asyncrl.model.mtp import hf_name as mtp_hf_name
+from asyncrl.model.serving import ServingFormat, quantization_config_for, to_serving
 from asyncrl.model.transformer import Transformer
 
 __all__ = [
+    "FilePlan",
     "HFCheckpointWriter",
     "HFReader",
     "build_meta_model",
@@ -41,6 +44,7 @@ __all__ = [
     "load_args",
     "load_into",
     "load_state_dict",
+    "plan_files",
     "save_pretrained",
     "to_hf_state_dict",
     "to_hf_tensors",
@@ -185,58 +189,125 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     }
 
 
+@dataclass(frozen=True, kw_only=True)
+class FilePlan:
+    """A checkpoint's safetensors files, planned from shapes alone: the same at every world size.
+
+    Example: FilePlan(split=<huggingface_hub's file <-> tensor-name maps>, sources={
+    "model.layers.0.mlp.experts.gate_proj": ("model.layers.0.mlp.experts.0.gate_proj.weight", ...)},
+    file_bytes={"model-00001-of-00002.safetensors": 4294967296, ...}, fmt=ServingFormat(...)).
+    """
+
+    split: StateDictSplit
+    sources: dict[str, tuple[str, ...]]  # our state-dict name -> the file tensors it becomes
+    file_bytes: dict[str, int]
+    fmt: ServingFormat
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.file_bytes.values())
+
+
+def plan_files(
+    model: Transformer, max_shard_bytes: int = MAX_SHARD_BYTES, fmt: ServingFormat | None = None
+) -> FilePlan:
+    """Plan `model`'s files (in `fmt`, else in the model's own dtype) over meta tensors: no data is
+    read, so DTensor parameters of a sharded model plan without any gather."""
+    entries = {name: p for name, p in model.state_dict().items() if is_hf_tensor(name, model.args)}
+    if not entries:
+        raise ValueError("model has no tensors to write")
+    fmt = fmt or ServingFormat(dtype=next(iter(entries.values())).dtype)
+    meta: dict[str, torch.Tensor] = {}
+    sources: dict[str, tuple[str, ...]] = {}
+    for name, p in entries.items():
+        full = torch.empty(p.shape, dtype=p.dtype, device="meta")  # DTensor.shape is the global one
+        outs = [pair for hf_name, t in to_hf_tensors(name, full) for pair in to_serving(hf_name, t, fmt)]
+        for out_name, out in outs:
+            meta[out_name] = torch.empty(out.shape, dtype=out.dtype, device="meta")  # own storage: own size
+        sources[name] = tuple(out_name for out_name, _ in outs)
+    split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_bytes)
+    file_bytes = {
+        file: sum(meta[n].numel() * meta[n].element_size() for n in names)
+        for file, names in split.filename_to_tensors.items()
+    }
+    return FilePlan(split=split, sources=sources, file_bytes=file_bytes, fmt=fmt)
+
+
 class HFCheckpointWriter:
     """Stream (HF name, tensor) pairs into `path` as safetensors shards + index + config.json.
 
-    The shard plan comes first, from shapes alone (`huggingface_hub.split_torch_state_dict_into_shards`
-    over meta tensors, so DTensor parameters of a sharded model plan without any gather). Each shard
-    is written as soon as its last tensor arrives, so the writer holds about one shard of tensors.
+    The files are planned first (`plan_files`, from shapes alone). Each shard is written as soon as
+    its last tensor arrives, so the writer holds about one shard of tensors.
 
         writer = HFCheckpointWriter(path, model)
         for name, tensor in pairs:          # any order; full tensors, e.g. gathered one at a time
             writer.add(name, tensor)
         writer.finish()                     # checks every planned tensor came, writes index + config
+
+    `fmt` (`asyncrl.model.serving`) plans the files in a serving format; the caller then adds the
+    tensors `to_serving` gives. `plan` reuses a plan made before. `files` restricts the writer to
+    some of the planned shards (one rank's share; `finish(metadata=False)` then checks only those,
+    and one writer writes the index and config.json). `save_shard(path, tensors)` writes a complete
+    shard (default: safetensors' `save_file`); a caller may queue it instead, e.g. for a thread.
     """
 
     def __init__(
-        self, path: str | os.PathLike, model: Transformer, max_shard_bytes: int = MAX_SHARD_BYTES
+        self,
+        path: str | os.PathLike,
+        model: Transformer,
+        max_shard_bytes: int = MAX_SHARD_BYTES,
+        *,
+        fmt: ServingFormat | None = None,
+        plan: FilePlan | None = None,
+        files: Iterable[str] | None = None,
+        save_shard: Callable[[Path, dict[str, torch.Tensor]], None] | None = None,
     ) -> None:
         self.path, self.args = Path(path), model.args
-        meta: dict[str, torch.Tensor] = {}
-        for name, p in model.state_dict().items():
-            if is_hf_tensor(name, model.args):
-                full = torch.empty(p.shape, dtype=p.dtype, device="meta")  # DTensor.shape is the global one
-                for hf_name, t in to_hf_tensors(name, full):
-                    meta[hf_name] = torch.empty(
-                        t.shape, dtype=t.dtype, device="meta"
-                    )  # own storage: own size
-        if not meta:
-            raise ValueError("model has no tensors to write")
-        self.dtype = dtype_name(next(iter(meta.values())).dtype)
-        self.plan = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_bytes)
-        self._pending = {file: set(names) for file, names in self.plan.filename_to_tensors.items()}
+        self.plan = plan or plan_files(model, max_shard_bytes, fmt)
+        planned = self.plan.split.filename_to_tensors
+        mine = set(planned) if files is None else set(files)
+        if unknown := mine - set(planned):
+            raise ValueError(f"files {sorted(unknown)} are not in the checkpoint plan")
+        self._pending = {file: set(planned[file]) for file in sorted(mine)}
         self._buffers: dict[str, dict[str, torch.Tensor]] = {file: {} for file in self._pending}
+        self._save_shard = save_shard or _save_shard
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        file = self.plan.tensor_to_filename.get(name)
-        if file is None or name not in self._pending[file]:
+        file = self.plan.split.tensor_to_filename.get(name)
+        if file is None or (file in self._pending and name not in self._pending[file]):
             raise ValueError(f"tensor {name!r} is not in the checkpoint plan or was added twice")
+        if file not in self._pending:
+            raise ValueError(f"tensor {name!r} belongs to {file}, which this writer does not write")
         self._pending[file].discard(name)
         self._buffers[file][name] = tensor.detach().contiguous().cpu()
         if not self._pending[file]:
-            save_file(self._buffers.pop(file), str(self.path / file), metadata={"format": "pt"})
+            self._save_shard(self.path / file, self._buffers.pop(file))
 
-    def finish(self) -> None:
+    def finish(self, metadata: bool = True) -> None:
+        """Check that every tensor of this writer's files came; with `metadata`, write config + index."""
         missing = sorted(name for names in self._pending.values() for name in names)
         if missing:
             raise ValueError(
                 f"{self.path}: tensors never added: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
             )
-        config = self.args.to_hf_config(self.dtype)
+        if metadata:
+            self.write_metadata()
+
+    def write_metadata(self) -> None:
+        """config.json (torch_dtype and quantization_config as in the files) and, if sharded, the index."""
+        split, fmt = self.plan.split, self.plan.fmt
+        config = self.args.to_hf_config(dtype_name(fmt.dtype))
+        config.pop("quantization_config", None)  # the source model's, if it had one, says nothing here
+        if quantization := quantization_config_for(split.tensor_to_filename, fmt):
+            config["quantization_config"] = quantization
         (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if self.plan.is_sharded:
-            index = {"metadata": self.plan.metadata, "weight_map": self.plan.tensor_to_filename}
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _save_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def save_pretrained(

@@ -14,8 +14,10 @@ A slice of a stacked expert tensor [E, I, D] reads only its experts (per-expert 
 `mlp.experts.gate_up_proj` [E, 2I, D] / `mlp.experts.down_proj` [E, D, I]). safetensors maps the
 data is read with positioned reads (`asyncrl.model.safetensors_file`), never mapped, so a reader
 holds in memory only the tensors it returns, and the bytes of other slices are never read. Every
-HF tensor is read by `read_hf`: the one place where a per-tensor transform (e.g. dequantising a
-block-scale FP8 weight with the matching block of its scales) plugs in.
+HF tensor is read by `read_hf`, which also dequantises block-scale FP8 weights (`X.weight` in
+float8_e4m3fn with `X.weight_scale_inv`, one fp32 scale per 128x128 block, as DeepSeek-V3's
+checkpoints and asyncrl's FP8 publications store them): a slice reads only the scale blocks that
+cover it, and the values come back in fp32 (then in the caller's dtype).
 """
 
 from __future__ import annotations
@@ -24,16 +26,18 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from asyncrl.model.args import ModelArgs, ModelConfigError
+from asyncrl.model.fp8 import BLOCK
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
 from asyncrl.model.mtp import hf_name as mtp_hf_name
 from asyncrl.model.mtp import is_mtp_key, our_name
 from asyncrl.model.safetensors_file import DTYPES, SafetensorsError, SafetensorsFile
+from asyncrl.model.serving import SCALE_SUFFIX, dequantize_blocks, is_fp8_scale
 
 __all__ = ["HFReader", "HFTensor", "safetensors_files"]
 
@@ -53,6 +57,7 @@ class HFTensor:
     file: Path
     shape: tuple[int, ...]
     dtype: str  # safetensors' dtype name, e.g. "BF16"
+    scale: HFTensor | None = None  # the block scales (`X.weight_scale_inv`) of an FP8 weight
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +108,7 @@ class HFReader:
         self.bytes_read = 0
         self._files: dict[Path, SafetensorsFile] = {}
         try:
-            self._sources = _plan(self._scan(), args, self.path)
+            self._sources = _plan(_attach_scales(self._scan()), args, self.path)
         except BaseException:
             self.close()
             raise
@@ -173,7 +178,18 @@ class HFReader:
         return self.read_hf(src.parts[0], full).to(dtype)
 
     def read_hf(self, part: HFTensor, index: Index) -> torch.Tensor:
-        """The slice `index` of one HF tensor, as stored: the one place that reads file data."""
+        """The slice `index` of one HF tensor, as stored (FP8 with block scales: in fp32), the one
+        place that reads file data."""
+        t = self._read_stored(part, index)
+        if part.scale is None:
+            return t
+        rows, cols = index
+        first = (rows.start // BLOCK, cols.start // BLOCK)
+        blocks = (slice(first[0], -(-rows.stop // BLOCK)), slice(first[1], -(-cols.stop // BLOCK)))
+        scale = self._read_stored(part.scale, blocks)
+        return dequantize_blocks(t, scale, (rows.start - first[0] * BLOCK, cols.start - first[1] * BLOCK))
+
+    def _read_stored(self, part: HFTensor, index: Index) -> torch.Tensor:
         try:
             t = self._files[part.file].read(part.name, index)
         except _READ_ERRORS as e:
@@ -200,6 +216,32 @@ class HFReader:
                     raise ModelConfigError(f"{file}: tensor '{key}' is also in {tensors[key].file}")
                 tensors[key] = HFTensor(name=key, file=file, shape=entry.shape, dtype=entry.dtype)
         return tensors
+
+
+def _attach_scales(tensors: dict[str, HFTensor]) -> dict[str, HFTensor]:
+    """Each `X.weight_scale_inv` moved onto its FP8 `X.weight`; an FP8 tensor needs its 2-D block scales."""
+    out = {k: t for k, t in tensors.items() if not is_fp8_scale(k)}
+    for key, scale in tensors.items():
+        if not is_fp8_scale(key):
+            continue
+        name = key.removesuffix(SCALE_SUFFIX)
+        weight = out.get(name)
+        if weight is None:
+            raise ModelConfigError(f"{scale.file}: block scales '{key}' without their weight '{name}'")
+        blocks = [-(-n // BLOCK) for n in weight.shape]
+        if len(weight.shape) != 2 or list(scale.shape) != blocks:
+            raise ModelConfigError(
+                f"{scale.file}: block scales '{key}' of shape {list(scale.shape)} do not fit the weight's "
+                f"shape {list(weight.shape)} in {BLOCK}x{BLOCK} blocks"
+            )
+        out[name] = replace(weight, scale=scale)
+    for key, t in out.items():
+        if t.dtype.startswith("F8_") and t.scale is None:
+            raise ModelConfigError(
+                f"{t.file}: FP8 tensor '{key}' has no block scales ('{key}{SCALE_SUFFIX}'); only block-scale "
+                "FP8 checkpoints can be read"
+            )
+    return out
 
 
 def _plan(tensors: dict[str, HFTensor], args: ModelArgs, path: Path) -> dict[str, _Source]:

@@ -35,6 +35,9 @@ from asyncrl.transport.disk import disk_full_as_error
 __all__ = [
     "STABLE_MARKER",
     "WeightsTimeoutError",
+    "begin_publication",
+    "commit_publication",
+    "discard_publication",
     "latest_stable_step",
     "prune_weights",
     "read_keep_set",
@@ -60,24 +63,54 @@ def stage_weights(run_dir: str | os.PathLike, step: int, keep_last: int | None =
     If the body raises, the directory is removed and nothing is published; a full disk raises
     `DiskFullError` naming weights/step_{step}. An existing step_{step} (a step retrained after a
     resume) is replaced in one rename. With `keep_last`, older versions are pruned after it,
-    except those of the keep-set.
+    except those of the keep-set. The same protocol in three calls, for writers that share a
+    publication (several processes, or a background thread): `begin_publication`,
+    `commit_publication`, `discard_publication`.
     """
     final = weights_dir(run_dir, step)
     with disk_full_as_error(final, f"published weights of step {step}"):
-        final.parent.mkdir(parents=True, exist_ok=True)
-        content = Path(tempfile.mkdtemp(prefix=f".{step_name(step)}.", dir=final.parent))
-        link = content.with_name(f"{content.name}.link")
+        content = begin_publication(run_dir, step)
         try:
             yield content
+            commit_publication(run_dir, step, content)
+        except BaseException:
+            discard_publication(content)
+            raise
+    if keep_last is not None:
+        prune_weights(run_dir, keep_last)
+
+
+def begin_publication(run_dir: str | os.PathLike, step: int) -> Path:
+    """A new, empty `weights/.step_{step}.<id>/`: no reader sees it until `commit_publication`."""
+    final = weights_dir(run_dir, step)
+    with disk_full_as_error(final, f"published weights of step {step}"):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{step_name(step)}.", dir=final.parent))
+
+
+def commit_publication(
+    run_dir: str | os.PathLike, step: int, content: Path, keep_last: int | None = None
+) -> None:
+    """Mark `content` (from `begin_publication`, fully written) STABLE and make weights/step_{step}
+    point to it in one rename; then keep the newest `keep_last` versions."""
+    final = weights_dir(run_dir, step)
+    link = content.with_name(f"{content.name}.link")
+    with disk_full_as_error(final, f"published weights of step {step}"):
+        try:
             (content / STABLE_MARKER).touch()
             os.symlink(content.name, link)
             _replace_with_link(final, link)
         except BaseException:
             link.unlink(missing_ok=True)
-            shutil.rmtree(content, ignore_errors=True)
             raise
     if keep_last is not None:
         prune_weights(run_dir, keep_last, keep=read_keep_set(run_dir))
+
+
+def discard_publication(content: Path) -> None:
+    """Remove an uncommitted publication (a failed or abandoned write)."""
+    content.with_name(f"{content.name}.link").unlink(missing_ok=True)
+    shutil.rmtree(content, ignore_errors=True)
 
 
 def _replace_with_link(final: Path, link: Path) -> None:

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncrl.model import ModelConfigError, Transformer, from_pretrained, preset_args, save_pretrained
+from asyncrl.model.fp8 import dequantize_weight, quantize_weight
 from asyncrl.model.hf import HFReader, load_state_dict
 
 ARGS = replace(preset_args("tiny-moe"), num_hidden_layers=2)
@@ -99,5 +100,53 @@ def test_experts_beyond_the_config_and_integer_tensors_are_rejected(saved):
     save_file(state | {"model.norm.weight": torch.ones(128, dtype=torch.int64)}, file)
     with pytest.raises(
         ModelConfigError, match=r"'model.norm.weight' has dtype I64; weights must be floating"
+    ):
+        HFReader(path, ARGS)
+
+
+def _fp8_checkpoint(saved, tmp_path, name: str, edit=None):
+    """The saved checkpoint with `name` (one expert's or a plain 2-D weight) stored as block-scale FP8."""
+    path, _ = saved
+    state = load_file(path / "model.safetensors")
+    q, scale = quantize_weight(state[name])
+    state[name], state[name + "_scale_inv"] = q, scale
+    if edit:
+        edit(state)
+    out = tmp_path / "fp8"
+    out.mkdir()
+    (out / "config.json").write_text((path / "config.json").read_text())
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out, dequantize_weight(q, scale)
+
+
+def test_fp8_block_weights_read_dequantized_whole_or_by_slice(saved, tmp_path):
+    path, whole = _fp8_checkpoint(saved, tmp_path, "model.layers.1.mlp.experts.3.gate_proj.weight")
+    with HFReader(path, ARGS) as reader:
+        assert GATE in reader.names and not any(n.endswith("_scale_inv") for n in reader.names)
+        assert torch.equal(reader.read(GATE, torch.float32)[3], whole)
+        before = reader.bytes_read
+        part = reader.read(GATE, torch.float32, (slice(3, 4), slice(40, 100), slice(10, 70)))
+        assert torch.equal(part[0], whole[40:100, 10:70])  # a slice off the block grid
+        assert reader.bytes_read - before == 60 * 60 * 1 + 4  # FP8 bytes of the slice + its one scale
+        assert torch.equal(reader.read(GATE, torch.bfloat16, (slice(3, 4),))[0], whole.bfloat16())
+
+
+def test_fp8_without_its_scales_or_scales_without_a_weight_are_named(saved, tmp_path):
+    name = "model.layers.0.self_attn.o_proj.weight"
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    path, _ = _fp8_checkpoint(saved, lone, name, edit=lambda s: s.pop(name + "_scale_inv"))
+    with pytest.raises(ModelConfigError, match=f"FP8 tensor '{name}' has no block scales"):
+        HFReader(path, ARGS)
+    orphan = tmp_path / "orphan"
+    orphan.mkdir()
+    path, _ = _fp8_checkpoint(
+        saved,
+        orphan,
+        name,
+        edit=lambda s: s.__setitem__("x.weight_scale_inv", s[name + "_scale_inv"].clone()),
+    )
+    with pytest.raises(
+        ModelConfigError, match="block scales 'x.weight_scale_inv' without their weight 'x.weight'"
     ):
         HFReader(path, ARGS)

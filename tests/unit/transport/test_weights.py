@@ -14,6 +14,9 @@ from asyncrl.transport import (
     STABLE_MARKER,
     DiskFullError,
     WeightsTimeoutError,
+    begin_publication,
+    commit_publication,
+    discard_publication,
     latest_stable_step,
     prune_weights,
     read_keep_set,
@@ -46,6 +49,25 @@ def test_publish_links_step_n_to_a_complete_publication(tmp_path):
     )
     assert _names(tmp_path) == [publication.name, "step_1"]
     assert latest_stable_step(tmp_path) == 1
+
+
+def test_a_shared_publication_appears_only_when_committed_and_a_discarded_one_leaves_nothing(tmp_path):
+    _publish(tmp_path, 1)
+    content = begin_publication(tmp_path, 2)
+    for rank in range(2):  # several writers fill one publication
+        (content / f"model-{rank}.safetensors").write_bytes(b"w")
+    assert stable_steps(tmp_path) == [1] and not weights_dir(tmp_path, 2).exists()
+    commit_publication(tmp_path, 2, content, keep_last=1)
+    assert stable_steps(tmp_path) == [2] and weights_dir(tmp_path, 2).resolve() == content
+    assert sorted(p.name for p in content.iterdir()) == [
+        STABLE_MARKER,
+        "model-0.safetensors",
+        "model-1.safetensors",
+    ]
+    abandoned = begin_publication(tmp_path, 3)
+    (abandoned / "model-0.safetensors").write_bytes(b"w")
+    discard_publication(abandoned)
+    assert _names(tmp_path) == [content.name, "step_2"]
 
 
 def test_keep_last_prunes_oldest(tmp_path):
