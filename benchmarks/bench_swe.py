@@ -234,7 +234,7 @@ def main() -> None:
     if args.child:
         _child(*map(Path, args.child))
         return
-    load = [os.getloadavg()[0]]
+    load, t0 = [os.getloadavg()[0]], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-swe-") as tmp:
         work = Path(tmp)
         tasks = write_example(work / "example")
@@ -250,12 +250,15 @@ def main() -> None:
         machine = f"{platform.machine()}, {os.cpu_count()} cores (shared), Python {platform.python_version()}"
         body = (
             "## SWE env\n\n"
-            f"Machine: {machine}. Command: `PYTHONPATH=src python benchmarks/bench_swe.py --levels "
-            f"{' '.join(map(str, args.levels))} --rounds {args.rounds} --repeats {args.repeats} --write`.\n"
-            "A scripted agent applies the reference fix of the example task `calclib-clamp` (two tool calls), "
-            "then the grader runs the task's tests (pytest) in the episode's bwrap sandbox; `max_sandboxes` = "
-            "episodes in flight. Start latency: the time `setup` waits for a pristine sandbox. Load average "
-            f"(other jobs on the machine) {load[0]:.1f} at the start, {load[1]:.1f} at the end.\n\n"
+            f"Machine: {machine}; load average (other jobs on the machine) {load[0]:.1f} at the start, "
+            f"{load[1]:.1f} at the end. Command: `PYTHONPATH=src python benchmarks/bench_swe.py --levels "
+            f"{' '.join(map(str, args.levels))} --rounds {args.rounds} --repeats {args.repeats} --write` "
+            f"({time.monotonic() - t0:.0f} s), one run. The env's built-in example task `calclib-clamp` "
+            "(`asyncrl.envs.builtin.swe.example`), which measures the pool rather than the tasks; the shipped "
+            'task set is in "SWE task set" below.\n\n'
+            "A scripted agent applies the reference fix (two tool calls), then the grader runs the task's "
+            "tests (pytest) in the episode's bwrap sandbox; `max_sandboxes` = episodes in flight. Start "
+            "latency: the time `setup` waits for a pristine sandbox.\n\n"
             f"{table}\n"
         )
         write_section("## SWE env", body)

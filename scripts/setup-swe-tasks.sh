@@ -3,15 +3,16 @@
 # made from (PyPI sdists: source and tests) and recreates its task repositories under
 # examples/swe/repos/ (gitignored), checking that each one's commit is its row's base_commit.
 #
-#   bash scripts/setup-swe-tasks.sh          # needs PyPI through pip, git, and asyncrl's dependencies
+#   bash scripts/setup-swe-tasks.sh          # needs PyPI through pip, git, and asyncrl installed
+#                                            # (pip install -e .: the rebuild is `asyncrl swe-tasks --rebuild`)
 #
 # Safe to re-run: repositories already at their base_commit are left as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's asyncrl, installed or not
-if ! "$PYTHON" -c "import asyncrl.envs.swe_tasks" 2>/dev/null; then
-  echo "setup-swe-tasks: $PYTHON cannot import asyncrl (are its dependencies installed? pip install -e .)" >&2
+if ! "$PYTHON" -c "import asyncrl.tools.swe_tasks" 2>/dev/null; then
+  echo "setup-swe-tasks: $PYTHON cannot import asyncrl: install it first (pip install -e .)" >&2
   exit 1
 fi
 TASKS=examples/swe/tasks.jsonl

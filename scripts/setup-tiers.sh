@@ -2,8 +2,8 @@
 # The optional tiers the test suite exercises, installed where this machine allows:
 #   - bubblewrap (Debian package): the sandbox's OS boundary (docs/envs.md);
 #   - the vLLM tier in its own venv, .venv-vllm (scripts/setup-vllm.sh; docs/inference.md);
-#   - the shipped SWE task set's repositories, from PyPI sdists (scripts/setup-swe-tasks.sh; docs/envs.md).
-# Python extras (verifiers, data, sinks) come from `pip install -e ".[dev,verifiers]"`.
+#   - the shipped SWE task set's repositories, from PyPI sdists (scripts/setup-swe-tasks.sh; docs/envs.md),
+#     rebuilt by asyncrl itself: run `pip install -e ".[dev,verifiers]"` (the Python extras) first.
 # A tier that cannot be installed is reported and its tests skip, saying why; this script never fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -5,6 +5,7 @@
       logs/<name>.log       log_file         the output of each child process
       rollouts/step_N/      batch_dir        batch N, with the orchestrator's checkpoint
       weights/step_N/       weights_dir      policy version N: HF safetensors + STABLE
+      weights/keep.json     weights_keep_file  versions pruning must keep (the eval's, the best)
       checkpoints/step_N/   checkpoint_dir   the trainer's DCP checkpoint after step N
       metrics.jsonl         metrics_file     one line per step and role
       eval.jsonl            eval_file        `asyncrl eval --json-out` results `asyncrl report` reads
@@ -45,6 +46,7 @@ __all__ = [
     "steps_in",
     "tensorboard_dir",
     "weights_dir",
+    "weights_keep_file",
     "weights_root",
 ]
 
@@ -102,6 +104,10 @@ def weights_root(run_dir: RunDir) -> Path:
 
 def weights_dir(run_dir: RunDir, step: int) -> Path:
     return weights_root(run_dir) / step_name(step)
+
+
+def weights_keep_file(run_dir: RunDir) -> Path:
+    return weights_root(run_dir) / "keep.json"
 
 
 def checkpoints_root(run_dir: RunDir) -> Path:

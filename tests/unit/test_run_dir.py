@@ -19,6 +19,7 @@ def test_every_path_of_a_run_directory():
     assert layout.rollouts_root(run) == run / "rollouts"
     assert layout.weights_dir(run, 3) == run / "weights" / "step_3"
     assert layout.weights_root(run) == run / "weights"
+    assert layout.weights_keep_file(run) == run / "weights" / "keep.json"
     assert layout.checkpoint_dir(run, 3) == run / "checkpoints" / "step_3"
     assert layout.checkpoints_root(run) == run / "checkpoints"
     assert layout.metrics_file(run) == run / "metrics.jsonl"

@@ -99,7 +99,7 @@ class InferenceBackend(Protocol):
 
 
 class HttpBackend:
-    """`InferenceBackend` over asyncrl's inference HTTP API (ARCHITECTURE.md); one connection pool."""
+    """`InferenceBackend` over asyncrl's inference HTTP API (docs/architecture.md); one connection pool."""
 
     def __init__(
         self,

@@ -16,6 +16,9 @@ Example (TOML)::
     [sampling]                           # RL rollouts: temperature > 0, no top_p / top_k / min_p
     temperature = 1.0
     max_tokens = 32
+
+    [eval]                               # held-out evals while training (asyncrl.config.evaluation)
+    interval = 10
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import BaseConfig
 from asyncrl.config.envs import EnvsConfig
+from asyncrl.config.evaluation import EvalConfig
 from asyncrl.config.sampling import SamplingParams
 from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, SeqLen
 
@@ -57,6 +61,9 @@ class OrchestratorConfig(BaseConfig):
         default_factory=lambda: SamplingParams(max_tokens=64), description="sampling of every rollout request"
     )
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="held-out evals every N policy versions (off by default)"
+    )
     max_steps: int = Field(10, ge=1, description="last trainer step to produce a batch for")
     start_step: int = Field(1, ge=1, description="first batch to write (resume: the trainer's next step)")
     resume: bool = Field(
@@ -163,6 +170,8 @@ class OrchestratorConfig(BaseConfig):
                 "max_async_steps, or lower max_async_steps"
             )
         self._check_episode_budgets()
+        if self.eval.enabled:
+            self.eval.check(self.envs.envs, self.max_model_len)
         return self
 
     def _check_episode_budgets(self) -> None:

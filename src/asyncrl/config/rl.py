@@ -22,6 +22,8 @@ Shared keys are set once, at the top. `resolve()` derives each process's config 
 visible place; a section that sets a shared key itself is an error (not silently overwritten).
 Each section is typed (`InferenceSection`, ...: the process's keys less the shared ones), so an
 unknown or mistyped key fails as the file is read; checks across keys run in `resolve()`.
+The trainer publishes weights in the servers' format: `[trainer.publish] dtype`, `fp8` and
+`fp8_ignore` come from `[inference] dtype`, `fp8.enabled` and `fp8.ignore`.
 It also rejects combinations that the processes would accept one by one and then fail on or train
 badly with: an env's `max_total_tokens` above `seq_len` or above the servers' context limit,
 `max_async_steps` above `max_off_policy_steps` (checked by `OrchestratorConfig`), and
@@ -71,7 +73,16 @@ _SHARED = {
         "max_model_len",
         "trainer_dp_size",
     ),
-    "trainer": ("run_dir", "max_steps", "seq_len", "seed", "model.path"),
+    "trainer": (
+        "run_dir",
+        "max_steps",
+        "seq_len",
+        "seed",
+        "model.path",
+        "publish.dtype",
+        "publish.fp8",
+        "publish.fp8_ignore",
+    ),
 }
 # where a shared key comes from, when not from the top-level key of its name
 _SOURCE = {
@@ -82,6 +93,9 @@ _SOURCE = {
     "max_model_len": "from [inference] max_model_len",
     "trainer_dp_size": "from [trainer.parallel] and the trainer's world size ([deployment] trainer_nproc)",
     "model.path": "from the top-level model",
+    "publish.dtype": "from [inference] dtype",
+    "publish.fp8": "from [inference] fp8.enabled",
+    "publish.fp8_ignore": "from [inference] fp8.ignore",
 }
 
 InferenceSection = section_of(InferenceConfig, _SHARED["inference"])
@@ -224,6 +238,7 @@ class RLConfig(BaseConfig):
             trainer_keys
             | {
                 "model": trainer_keys.get("model", {}) | {"path": self.model},
+                "publish": trainer_keys.get("publish", {}) | _serving_format(inference[0]),
                 "run_dir": self.run_dir,
                 "max_steps": self.max_steps,
                 "seq_len": self.seq_len,
@@ -246,6 +261,12 @@ class RLConfig(BaseConfig):
                 "enable_return_routed_experts = true (a GPU build of vLLM)"
             )
         return {"return_routed_experts": False}
+
+
+def _serving_format(inference: InferenceConfig) -> dict[str, Any]:
+    """The trainer publishes what the servers serve: their dtype (float32 keeps a float32 run exactly
+    on-policy), in FP8 blocks when they run FP8."""
+    return {"dtype": inference.dtype, "fp8": inference.fp8.enabled, "fp8_ignore": inference.fp8.ignore}
 
 
 def _context_lens(inference: list[InferenceConfig]) -> list[int]:

@@ -4,7 +4,7 @@
     asyncrl sft @ sft.toml --data.path data/sft.jsonl --max-steps 200
 
 Both commands share the model, optimizer, schedule, checkpoint and publish sections, so an SFT
-run and an RL run write the same run-directory layout (ARCHITECTURE.md, "Run directory").
+run and an RL run write the same run-directory layout (docs/architecture.md, "Run directory").
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from asyncrl.config.mismatch import MismatchConfig
 from asyncrl.config.parallel import ParallelConfig
 from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, Device, SeqLen
 from asyncrl.config.sinks import SinksConfig
+from asyncrl.fp8_options import DEFAULT_FP8_IGNORE
+
+DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 
 __all__ = [
     "CheckpointConfig",
@@ -32,6 +35,7 @@ __all__ = [
     "RLTrainerConfig",
     "SFTConfig",
     "SFTDataConfig",
+    "SFTPublishConfig",
     "SFTStopConfig",
     "ScheduleConfig",
     "SequenceLossConfig",
@@ -161,10 +165,45 @@ class CheckpointConfig(BaseConfig):
 
 
 class PublishConfig(BaseConfig):
-    """How often each policy version is published to RUN/weights/step_n (HF safetensors)."""
+    """How each policy version is published to RUN/weights/step_n (HF safetensors), in the servers' format.
+
+    Under `asyncrl rl`, `dtype`, `fp8` and `fp8_ignore` come from `[inference]` (its `dtype`,
+    `fp8.enabled` and `fp8.ignore`), so the files are what the servers serve.
+    """
 
     keep_last: int = Field(3, ge=1, description="weights/step_n directories kept on disk")
     interval: int = Field(1, ge=1, description="publish every N steps (and at the last step)")
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16",
+        description="dtype of the published tensors: the servers' serving dtype (float32 for exact on-policy)",
+    )
+    fp8: bool = Field(
+        False,
+        description="servers run FP8: eligible linears as float8_e4m3fn + weight_scale_inv per 128x128 block "
+        "(DeepSeek-V3 / vLLM layout), the rest in dtype",
+    )
+    fp8_ignore: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_FP8_IGNORE),
+        description="with fp8: module names or fnmatch patterns kept in dtype (the servers' [fp8] ignore)",
+    )
+    overlap: bool = Field(
+        True,
+        description="write the files in a background thread while the next step computes (STABLE once "
+        "written; at most one publish in flight); false: the step waits for the write",
+    )
+    max_shard_bytes: int = Field(
+        DEFAULT_MAX_SHARD_BYTES,
+        ge=1,
+        description="size bound of one safetensors file; the files are shared out among the trainer ranks",
+    )
+
+
+class SFTPublishConfig(PublishConfig):
+    """An SFT run's weights/step_n is the model it produced (the start of an RL run): fp32 by default."""
+
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "float32", description="dtype of the published tensors (float32: the master weights, unrounded)"
+    )
 
 
 class CommonTrainConfig(BaseConfig):
@@ -255,3 +294,4 @@ class SFTConfig(CommonTrainConfig):
     sinks: SinksConfig = Field(
         default_factory=SinksConfig, description="W&B / TensorBoard mirrors of metrics.jsonl"
     )
+    publish: SFTPublishConfig = SFTPublishConfig()

@@ -22,7 +22,7 @@ from asyncrl.envs.base import (
     iter_reference_examples,
 )
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.policy import ChatPolicy, Policy, TokenPolicy, Turn
+from asyncrl.envs.policy import ChatPolicy, Policy, ReplayPolicy, TokenPolicy, Turn
 from asyncrl.envs.registry import EnvConfigError, EnvMixture, available_envs, build_env, register_env
 from asyncrl.envs.rollout import Episode, run_episode, sample_latency
 from asyncrl.envs.scripted import ScriptedClient
@@ -40,6 +40,7 @@ __all__ = [
     "EpisodeState",
     "Policy",
     "ReferenceExample",
+    "ReplayPolicy",
     "Reward",
     "Rubric",
     "ScriptedClient",

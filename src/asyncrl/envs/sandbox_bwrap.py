@@ -95,6 +95,8 @@ def bwrap_argv(
     if network:
         args.append("--share-net")
     args += _system_binds()
+    for path, size in tmpfs:  # first: a bind under a tmpfs path (a venv in /tmp) is mounted over it
+        args += ["--size", str(size), "--tmpfs", path]
     for root in _interpreter_roots():
         args += ["--ro-bind", root, root]
     for path in read_only_dirs:
@@ -103,8 +105,6 @@ def bwrap_argv(
         source, dest = (item, item) if isinstance(item, str) else item
         args += ["--ro-bind", source, dest]
     args += ["--proc", "/proc", "--dev", "/dev"]
-    for path, size in tmpfs:
-        args += ["--size", str(size), "--tmpfs", path]
     dest = workdir_dest or str(workdir)
     args += ["--bind", str(workdir), dest, "--remount-ro", "/", "--chdir", dest]
     return [*args, "--", *argv]

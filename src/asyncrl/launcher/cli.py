@@ -47,7 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "report": ("asyncrl.tools.report:main", "PNG plots and one HTML page of a run's metrics (matplotlib)"),
     "swe-tasks": (
-        "asyncrl.envs.swe_tasks.cli:main",
+        "asyncrl.tools.swe_tasks.cli:main",
         "SWE-bench-form tasks from a Python repository by mutation (--verify checks them)",
     ),
 }
@@ -114,7 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     if name in CONFIG_HELP and any(a in ("-h", "--help") for a in rest):
         print(config_command_help(name))
         return 0
-    return int(_resolve(COMMANDS[name][0])(rest) or 0)
+    return run_command(name, rest)
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    """Run one command; a config mistake is one message naming the command, exit code 2, no traceback."""
+    from asyncrl.config import ConfigError  # not at the top: `asyncrl --help` stays free of pydantic
+
+    try:
+        return int(_resolve(COMMANDS[name][0])(argv) or 0)
+    except ConfigError as e:
+        print(f"asyncrl {name}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

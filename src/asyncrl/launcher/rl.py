@@ -6,8 +6,10 @@ resolved config of every process written to RUN/configs/. On a terminal the cons
 live status line (step, reward, mismatch KL, staleness, tok/s, batch fill) and the children's
 warnings and errors; otherwise the orchestrator's and the trainer's progress lines are echoed
 (asyncrl.launcher.console). The `[sinks]` table mirrors RUN/metrics.jsonl to W&B / TensorBoard.
-When one process fails, or on Ctrl-C, everything is stopped and the exit code is non-zero, naming
-the failing process.
+Before any process starts, every input they will read is checked (asyncrl.launcher.preflight: the
+model directory, each environment and its task files, the vLLM interpreter). When one process
+fails, or on Ctrl-C, everything is stopped and the exit code is non-zero, naming the failing
+process.
 
 Top-level keys: model, run_dir, max_steps, seq_len, seed, and the tables [deployment],
 [inference], [orchestrator], [trainer] (see docs/configuration.md). Any key can be overridden on
@@ -18,7 +20,8 @@ Other flags:
                 checkpoint c, the orchestrator from the checkpoint stored with its newest batch,
                 the servers from the newest published weights up to v_c (those after c are
                 retracted and published again by the trainer; see asyncrl.launcher.resume)
-  --dry-run     resolve and write the configs, print the commands, start nothing
+  --dry-run     resolve and write the configs, print the commands, start nothing (and check no
+                input: the files may live where the processes will run)
   --slurm       render RUN/slurm.sbatch from the `[slurm]` table and submit it with sbatch
                 (with --dry-run: only write it); same as `asyncrl slurm`, see asyncrl.launcher.slurm
 
@@ -29,7 +32,6 @@ through to RUN/configs/trainer.toml; set `[deployment] trainer_nproc` (one node)
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
@@ -41,12 +43,14 @@ from asyncrl.config.rl import _SHARED, ResolvedRL, RLConfig
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.launcher.console import Console, LiveConsole, PlainConsole
 from asyncrl.launcher.parallel_check import check_trainer_parallel
+from asyncrl.launcher.preflight import check_inputs
 from asyncrl.launcher.resume import check_fresh_run_dir, plan_resume
 from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm import SlurmRLConfig
 from asyncrl.launcher.slurm import main as slurm_main
 from asyncrl.launcher.supervisor import ChildSpec, Supervisor
 from asyncrl.launcher.vllm import VLLMCommand, build_vllm_command, check_vllm, probe_vllm, resolve_vllm_python
+from asyncrl.orchestrator.evaluator import best_weights
 from asyncrl.run_dir import log_file, logs_dir
 from asyncrl.transport.sinks import build_sinks
 
@@ -82,6 +86,7 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
             log=log_file(cfg.run_dir, "orchestrator"),
             echo_prefixes=("[orchestrator]",),
             may_exit_ok=True,
+            done_ok=resolved.orchestrator.eval.enabled,  # it evaluates the final version after the trainer
         )
     )
     nproc = cfg.deployment.trainer_nproc
@@ -141,9 +146,10 @@ def keys_help() -> str:
 
 
 def _shell(child: ChildSpec) -> str:
-    """A child's command line; a vLLM server's with its environment, to start it by hand."""
-    env = {k: v for k, v in child.env.items() if k.startswith("VLLM_")}
-    return VLLMCommand(argv=child.argv, env=env).shell() if env else shlex.join(child.argv)
+    """A child's command line with the variables the launcher adds to its environment (a vLLM server's
+    PYTHONPATH to the worker extension, CUDA_VISIBLE_DEVICES, ...), to start it by hand; an API key in
+    the environment is masked."""
+    return VLLMCommand(argv=child.argv, env=child.env).shell()
 
 
 def _check_vllm(resolved: ResolvedRL, *, skip_probe: bool) -> int:
@@ -188,6 +194,8 @@ def main(argv: list[str]) -> int:
         check_trainer_parallel(
             resolved.trainer, world_size=nproc, where=f"deployment.trainer_nproc = {nproc}"
         )
+        if not dry_run:
+            check_inputs(resolved)
         if resume:
             plan = plan_resume(resolved, dry_run=dry_run)
             resolved = plan.resolved
@@ -215,4 +223,19 @@ def main(argv: list[str]) -> int:
         f"asyncrl rl: {'finished' if code == 0 else 'FAILED'} (exit {code})",
         file=sys.stderr if code else sys.stdout,
     )
+    if code == 0:
+        _print_best(resolved)
     return code
+
+
+def _print_best(resolved: ResolvedRL) -> None:
+    """The path of the best version by `[orchestrator.eval] keep_best`, kept from pruning."""
+    metric = resolved.orchestrator.eval.keep_best
+    if not resolved.orchestrator.eval.enabled or metric is None:
+        return
+    best = best_weights(resolved.orchestrator.run_dir, resolved.orchestrator.model, metric)
+    if best is None:
+        print(f"asyncrl rl: no evaluated version has {metric} and weights on disk")
+        return
+    version, value, path = best
+    print(f"asyncrl rl: best version by {metric}: v{version} ({value:.4f}), {path}")

@@ -55,6 +55,7 @@ __all__ = [
     "dequantize_activation",
     "dequantize_weight",
     "fp8_linear",
+    "plan_fp8",
     "quantize_activation",
     "quantize_weight",
 ]
@@ -248,6 +249,31 @@ def _why_not(name: str, dims: Sequence[int], ignore: Sequence[str]) -> str | Non
     return None
 
 
+def plan_fp8(model: nn.Module, ignore: Sequence[str] = DEFAULT_FP8_IGNORE) -> FP8Report:
+    """Which modules `apply_fp8` quantizes (`converted`) and which it keeps, and why; changes nothing.
+
+    An FP8Linear counts as converted; an nn.Linear or GroupedExperts stack is converted unless a
+    name in `ignore` matches it or its dims are not multiples of 128. Names are `named_modules()`'s.
+    """
+    converted, kept = [], {}
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            converted.append(name)
+            continue
+        if isinstance(module, nn.Linear):
+            dims: Sequence[int] = (module.out_features, module.in_features)
+        elif isinstance(module, GroupedExperts):
+            dims = tuple(module.gate_proj.shape[1:])  # [E, I, D] -> (I, D)
+        else:
+            continue
+        reason = _why_not(name, dims, ignore)
+        if reason is None:
+            converted.append(name)
+        else:
+            kept[name] = reason
+    return FP8Report(converted=tuple(converted), kept=kept)
+
+
 def apply_fp8(
     model: nn.Module, ignore: Sequence[str] = DEFAULT_FP8_IGNORE, backend: FP8Backend = "auto"
 ) -> FP8Report:
@@ -255,27 +281,17 @@ def apply_fp8(
 
     `ignore` holds module names or fnmatch patterns (e.g. "lm_head", "*.self_attn.o_proj",
     "model.layers.0.*"). A linear or expert stack whose dims are not multiples of 128 stays in
-    high precision. Norms, embeddings and routers are never nn.Linear and are never touched.
+    high precision (`plan_fp8` says which). Norms, embeddings and routers are never nn.Linear and
+    are never touched.
     """
     if backend not in get_args(FP8Backend):
         raise ValueError(f"fp8 backend must be one of {list(get_args(FP8Backend))}, got {backend!r}")
-    converted, kept = [], {}
-    for name, module in list(model.named_modules()):
-        if isinstance(module, FP8Linear):
-            converted.append(name)
-        elif isinstance(module, nn.Linear):
-            reason = _why_not(name, (module.out_features, module.in_features), ignore)
-            if reason is None:
-                parent_name, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(parent_name), attr, FP8Linear.from_linear(module, backend))
-                converted.append(name)
-            else:
-                kept[name] = reason
-        elif isinstance(module, GroupedExperts):
-            reason = _why_not(name, tuple(module.gate_proj.shape[1:]), ignore)  # [E, I, D] -> (I, D)
-            if reason is None:
-                module.expert_linear = functools.partial(fp8_linear, backend=backend)
-                converted.append(name)
-            else:
-                kept[name] = reason
-    return FP8Report(converted=tuple(converted), kept=kept)
+    report = plan_fp8(model, ignore)
+    for name in report.converted:
+        module = model.get_submodule(name)
+        if isinstance(module, GroupedExperts):
+            module.expert_linear = functools.partial(fp8_linear, backend=backend)
+        elif not isinstance(module, FP8Linear):
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, FP8Linear.from_linear(module, backend))
+    return report

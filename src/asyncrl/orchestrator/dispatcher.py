@@ -35,16 +35,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from asyncrl.client import InferenceError, ServerUnavailable
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
 from asyncrl.envs.base import Environment, Task
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.policy import TokenPolicy
-from asyncrl.envs.rollout import Episode, run_episode
+from asyncrl.envs.rollout import Episode
 from asyncrl.orchestrator.advantages import is_valid, valid_group_samples
 from asyncrl.orchestrator.buffer import Group, GroupBuffer, oldest_allowed_version
 from asyncrl.orchestrator.checkpoint import GroupRef, OrchestratorState, encode_state
+from asyncrl.orchestrator.episodes import EpisodeRunner
 from asyncrl.orchestrator.fill import FillTracker
 from asyncrl.orchestrator.metrics import Counters, StepMetrics, step_record
 from asyncrl.orchestrator.pool import ServerPool
@@ -92,6 +91,13 @@ class Dispatcher:
         self._consecutive_errors = 0
         self._redispatch: deque[GroupRef] = deque()  # in flight at the checkpoint we resumed from
         self._dropped: list[tuple[int, str]] = []  # (group index, reason) since the last batch
+        self.episodes = EpisodeRunner(
+            pool,
+            tokenizer,
+            cache_salt=self._cache_salt,
+            max_retries=cfg.max_episode_retries,
+            max_model_len=cfg.max_model_len,
+        )
 
     # -- checkpoint ----------------------------------------------------------------------------
     def restore(self, state: OrchestratorState) -> None:
@@ -188,28 +194,18 @@ class Dispatcher:
     async def _run_episode(
         self, env_cfg, env: Environment, task: Task, version: int, episode_id: str
     ) -> Episode:
-        for attempt in range(self.cfg.max_episode_retries + 1):
-            policy = TokenPolicy(
-                self.pool.session(episode_id, cache_salt=self._cache_salt),
-                self.tokenizer,
-                self.cfg.sampling,
-                config=env_cfg,
-                return_routed_experts=self.cfg.return_routed_experts,
-                max_model_len=self.cfg.max_model_len,
-            )
-            try:
-                return await run_episode(env, task, policy, config=env_cfg, episode_id=episode_id)
-            except ServerUnavailable as e:
-                error = e
-                self.counters.episodes_retried += attempt < self.cfg.max_episode_retries
-                log.warning("episode %s: %s (attempt %d)", episode_id, e, attempt + 1)
-                await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
-            except InferenceError as e:
-                error = e
-                break
-            finally:
-                self.pool.end_session(episode_id)
-        return _failed_episode(env_cfg.label or env_cfg.name, task, episode_id, error)
+        return await self.episodes.run(
+            env_cfg,
+            env,
+            task,
+            self.cfg.sampling,
+            episode_id,
+            return_routed_experts=self.cfg.return_routed_experts,
+            on_retry=self._count_retry,
+        )
+
+    def _count_retry(self) -> None:
+        self.counters.episodes_retried += 1
 
     def _make_group(
         self, env_name: str, task: Task, version: int, episodes: list[Episode], index: int = -1
@@ -234,7 +230,7 @@ class Dispatcher:
             dispatch_version=version,
             samples=samples,
             rewards=[e.reward for e in valid],
-            episode_metrics=[e.metrics | {"reward": e.reward} for e in episodes],
+            episode_metrics=[e.rewards | e.metrics | {"reward": e.reward} for e in episodes],
             index=index,
         )
 
@@ -367,17 +363,3 @@ class Dispatcher:
             self._consecutive_errors = 0
             groups.append(f.task.result())
         return groups
-
-
-def _failed_episode(env: str, task: Task, episode_id: str, error: Exception | None) -> Episode:
-    return Episode(
-        episode_id=episode_id,
-        env=env,
-        task_id=task.id,
-        reward=0.0,
-        rewards={},
-        samples=[],
-        metrics={"failed": 1.0, "num_turns": 0.0},
-        stop_reason="error",
-        error=f"{type(error).__name__}: {error}",
-    )

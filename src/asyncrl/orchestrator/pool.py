@@ -81,17 +81,22 @@ class ServerPool:
         self.stats = PoolStats()
 
     # -- routing -------------------------------------------------------------------------------
-    def session(self, session_id: str, *, cache_salt: Callable[[], str] | None = None) -> RequestClient:
+    def session(
+        self, session_id: str, *, cache_salt: Callable[[], str] | None = None, count: bool = True
+    ) -> RequestClient:
         """The `InferenceClient` of one episode: all its turns go to one server.
 
         `cache_salt`, when given, is called as each request is sent and its answer becomes the
         request's salt (the dispatcher's: the policy version the servers hold at that moment).
+        `count = False` leaves its tokens out of `stats` (an eval's requests: routed like the
+        others, but not part of the training metrics).
         """
         if cache_salt is None:
-            return RequestClient(functools.partial(self.generate, session_id))
+            return RequestClient(functools.partial(self.generate, session_id, count=count))
 
         async def send(request: GenerateRequest) -> GenerateResponse:
-            return await self.generate(session_id, request.model_copy(update={"cache_salt": cache_salt()}))
+            salted = request.model_copy(update={"cache_salt": cache_salt()})
+            return await self.generate(session_id, salted, count=count)
 
         return RequestClient(send)
 
@@ -122,7 +127,9 @@ class ServerPool:
         return [s for s in self.servers if s.healthy]
 
     # -- requests ------------------------------------------------------------------------------
-    async def generate(self, session_id: str, request: GenerateRequest) -> GenerateResponse:
+    async def generate(
+        self, session_id: str, request: GenerateRequest, *, count: bool = True
+    ) -> GenerateResponse:
         server = self._pick(session_id)
         server.in_flight += 1
         try:
@@ -132,6 +139,8 @@ class ServerPool:
             raise
         finally:
             server.in_flight -= 1
+        if not count:
+            return out
         self.stats.requests += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.stats.cached_tokens += out.num_cached_tokens

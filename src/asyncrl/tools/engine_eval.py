@@ -1,6 +1,6 @@
 """`asyncrl eval`: mean reward of a model on an environment's held-out tasks, in one process.
 
-    asyncrl eval --model outputs/reverse_text/sft --env reverse-text --num 128 \
+    asyncrl eval --model outputs/reverse_text/sft/final --env reverse-text --num 128 \
         --env-args '{"min_len": 3, "max_len": 6}' --temperature 0 --max-tokens 12
 
 The embedded engine (`asyncrl.inference.Engine`) runs in this process behind a local

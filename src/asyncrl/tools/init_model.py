@@ -4,17 +4,24 @@ The directory loads with `asyncrl.model.from_pretrained` and with transformers'
 `AutoModelForCausalLM` / `AutoTokenizer`.
 
 `--init-std S` sets the std of the normal init of every matrix (default 0.02).
+
+A preset with MTP layers (`num_nextn_predict_layers`, e.g. tiny-glm5) gets them random too, in
+DeepSeek-V3 / GLM-5's checkpoint layout, so every path that must carry them has some to carry.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from asyncrl.model import PRESETS, Transformer, preset_args, save_pretrained
+from asyncrl.model.hf import to_hf_tensors
+from asyncrl.model.mtp import num_mtp_layers
 from asyncrl.model.tokenizer import save_byte_tokenizer
+from asyncrl.model.transformer import DecoderLayer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,10 +50,44 @@ def init_model(
         raise ValueError(f"--init-std must be > 0, got {std}")
     model = Transformer(preset_args(preset))
     model.init_weights(seed=seed, std=std)
+    for hf_key, tensor in random_mtp_tensors(model, seed, std).items():
+        model.mtp.put(hf_key, tensor)
     model.to(dtype)
     save_pretrained(model, out)
     save_byte_tokenizer(out)
     return model
+
+
+def random_mtp_tensors(model: Transformer, seed: int, std: float) -> dict[str, torch.Tensor]:
+    """The MTP layers of `model.args`, by HF name: each a decoder layer (experts unstacked) plus
+    enorm, hnorm, eh_proj [D, 2D], shared_head.norm, and shared_head.head / embed_tokens, which
+    DeepSeek-V3 and GLM-5 checkpoints store as copies of the model's own."""
+    args, out = model.args, {}
+    gen = torch.Generator().manual_seed(seed + 1)
+    for i in range(num_mtp_layers(args)):
+        index = args.num_hidden_layers + i
+        types = (*args.indexer_types, *["full"] * (i + 1)) if args.uses_dsa else ()
+        layer = DecoderLayer(replace(args, num_hidden_layers=index + 1, indexer_types=types), index)
+        D = args.hidden_size
+        own = {
+            "enorm.weight": torch.ones(D),
+            "hnorm.weight": torch.ones(D),
+            "eh_proj.weight": torch.randn(D, 2 * D, generator=gen) * std,
+            "shared_head.norm.weight": torch.ones(D),
+            "shared_head.head.weight": model.lm_head.weight.detach().clone(),
+            "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
+        }
+        own |= {name: torch.zeros(b.shape) for name, b in layer.named_buffers()}
+        for name, p in layer.named_parameters():  # the rule of Transformer.init_weights
+            if name.endswith("norm.weight"):
+                own[name] = torch.ones(p.shape)
+            elif name.endswith(".bias"):
+                own[name] = torch.zeros(p.shape)
+            else:
+                own[name] = torch.randn(p.shape, generator=gen) * std
+        for name, t in own.items():
+            out |= {k: v.clone() for k, v in to_hf_tensors(f"model.layers.{index}.{name}", t)}
+    return out
 
 
 def main(argv: list[str]) -> int:

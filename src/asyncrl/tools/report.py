@@ -3,9 +3,9 @@
     asyncrl report outputs/reverse_text/rl --eval outputs/reverse_text/eval.jsonl
     # -> outputs/reverse_text/rl/report/index.html (+ one PNG per figure next to it)
 
-Reads RUN/metrics.jsonl (trainer and orchestrator lines; a line without `role` is the trainer's),
-the rollout batches under RUN/rollouts/ (token staleness) and, when given or present as
-RUN/eval.jsonl, the `asyncrl eval --json-out` results. A figure whose metrics the run did not log
+Reads RUN/metrics.jsonl (trainer, orchestrator and eval lines; a line without `role` is the
+trainer's), the rollout batches under RUN/rollouts/ (token staleness) and, when given or present
+as RUN/eval.jsonl, the `asyncrl eval --json-out` results. A figure whose metrics the run did not log
 is listed on the page with the keys it looked for, instead of being drawn empty.
 """
 
@@ -229,6 +229,18 @@ def _summary(records: Records) -> list[tuple[str, str]]:
                 f"{np.mean(rewards[:k]):.3f} / {np.mean(rewards[-k:]):.3f}",
             )
         )
+    return rows + _eval_summary(records.get("eval", []))
+
+
+def _eval_summary(evals: list[dict]) -> list[tuple[str, str]]:
+    """Per eval env: pass@1 at the first and the last version evaluated."""
+    evals = sorted(evals, key=lambda r: r["step"])
+    keys = dict.fromkeys(k for r in evals for k in r if k.startswith("eval/") and k.endswith("/pass@1"))
+    rows = []
+    for key in keys:
+        points = [(r["step"], r[key]) for r in evals if is_number(r.get(key))]
+        (v0, first), (v1, last) = points[0], points[-1]
+        rows.append((f"held-out {key.split('/')[1]} pass@1, v{v0} / v{v1}", f"{first:.3f} / {last:.3f}"))
     return rows
 
 

@@ -1,7 +1,8 @@
 """What `asyncrl report` plots: each figure's panels and the metrics.jsonl keys behind its curves.
 
-The keys are those the trainer (asyncrl.trainer.session / mismatch) and the orchestrator
-(asyncrl.orchestrator.metrics, `"role": "orchestrator"`) write. A curve whose key a run never
+The keys are those the trainer (asyncrl.trainer.session / mismatch), the orchestrator
+(asyncrl.orchestrator.metrics, `"role": "orchestrator"`) and its evals during training
+(asyncrl.orchestrator.eval_metrics, `"role": "eval"`, step = the version evaluated) write. A curve whose key a run never
 logged is left out; a panel with no curves is named on the page as not logged.
 """
 
@@ -43,6 +44,7 @@ class Panel:
     lines: Sequence[Line] | Callable[[Records], Sequence[Line]]
     ylim: tuple[float, float] | None = None
     counts: bool = False  # integer ticks from 0 (a flat zero line stays readable)
+    absent: str = "(none logged)"  # what the page says when `lines` finds no keys at all
 
     def curves(self, records: Records) -> list[tuple[Line, list[int], list[float]]]:
         lines = self.lines(records) if callable(self.lines) else self.lines
@@ -50,7 +52,7 @@ class Panel:
 
     def keys(self, records: Records) -> list[str]:
         lines = self.lines(records) if callable(self.lines) else self.lines
-        return [f"{ln.role}:{ln.key}" for ln in lines] or ["(none logged)"]
+        return [f"{ln.role}:{ln.key}" for ln in lines] or [self.absent]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +82,32 @@ def _per_env_rewards(records: Records) -> list[Line]:
     return [Line(role="orchestrator", key=k, label=f"env {k[7:]}") for k in envs] if len(envs) > 1 else []
 
 
+_EVAL_CURVES = {"reward": "sampled reward", "pass@1": "pass@1", "greedy_reward": "greedy reward"}
+
+
+def _eval_lines(records: Records) -> list[Line]:
+    """Per eval env: sampled reward, pass@1, pass@k and greedy reward (env named when several)."""
+    keys = sorted(
+        {k for r in records.get("eval", []) for k in r if k.startswith("eval/") and k.count("/") == 2}
+    )
+    envs = list(dict.fromkeys(k.split("/")[1] for k in keys))
+    lines = []
+    for env in envs:
+        names = [k.split("/")[2] for k in keys if k.startswith(f"eval/{env}/")]
+        pass_k = [n for n in names if n.startswith("pass@") and n != "pass@1"]
+        for name in [*_EVAL_CURVES, *pass_k]:
+            if name in names:
+                label = _EVAL_CURVES.get(name, name)
+                lines.append(
+                    Line(
+                        role="eval",
+                        key=f"eval/{env}/{name}",
+                        label=f"{env} {label}" if len(envs) > 1 else label,
+                    )
+                )
+    return lines
+
+
 def _routing_layers(records: Records) -> list[Line]:
     keys = {k for r in records.get("trainer", []) for k in r if k.startswith("routing_agreement/layer_")}
     ordered = sorted(keys, key=lambda k: int(k.rsplit("_", 1)[1]))
@@ -91,9 +119,12 @@ _ORCH, _TRAIN = "orchestrator", "trainer"
 FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec(
         name="reward",
-        title="Training reward",
-        caption="Mean reward per orchestrator step: of every episode finished since the last batch, "
-        "and of the samples in the trained batch.",
+        title="Training reward and held-out evals",
+        caption="Left: mean reward per orchestrator step, of every episode finished since the last batch "
+        "and of the samples in the trained batch. Right: the evals during training ([orchestrator.eval]) "
+        "on each env's held-out tasks, at the policy version evaluated (step n: the weights trainer "
+        "step n produced): reward and pass@1 of the samples at the training temperature, pass@k, and "
+        "the greedy reward.",
         panels=(
             Panel(
                 title="reward",
@@ -103,6 +134,12 @@ FIGURES: tuple[FigureSpec, ...] = (
                     Line(role=_ORCH, key="reward/batch_mean", label="trained batch"),
                     *_per_env_rewards(rec),
                 ],
+            ),
+            Panel(
+                title="held-out eval",
+                ylabel="reward / pass rate",
+                lines=_eval_lines,
+                absent="no eval lines: set [orchestrator.eval] interval",
             ),
         ),
     ),

@@ -9,6 +9,7 @@ session.close()
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -112,8 +113,7 @@ class TrainSession:
             info=info,
             model=model,
             step_runner=step_runner,
-            publisher=publisher
-            or FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish.keep_last, info),
+            publisher=publisher or FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish, info),
             logger=MetricsLogger(
                 cfg.run_dir,
                 enabled=info.is_main,
@@ -146,13 +146,23 @@ class TrainSession:
         last: bool = False,
     ) -> dict[str, Any]:
         """Publish v_step, checkpoint on the interval (and at the last step: max_steps, or `last`
-        for a run that stops early), log the metrics."""
+        for a run that stops early), log the metrics.
+
+        A publish may still be writing when this returns (`[publish] overlap`); a checkpoint waits
+        for it first, so the weights of every checkpointed step are published, and so does the last
+        step. `publish_s` is the time the step spent publishing (and waiting for a write).
+        """
         cfg = self.cfg
         last = last or step == cfg.max_steps
+        interval = cfg.checkpoint.interval
+        checkpoint = bool(interval) and (step % interval == 0 or last)
+        start = time.perf_counter()
         if step % cfg.publish.interval == 0 or last:
             self.publisher.publish(self.model, step)
-        interval = cfg.checkpoint.interval
-        if interval and (step % interval == 0 or last):
+        if checkpoint or last:
+            self.publisher.wait()
+        publish_s = time.perf_counter() - start
+        if checkpoint:
             save_checkpoint(
                 cfg.run_dir,
                 step,
@@ -162,13 +172,14 @@ class TrainSession:
                 self.info,
                 cfg.checkpoint.keep_last,
             )
-        record = self.step_metrics(step, result) | (extra or {})
+        record = self.step_metrics(step, result) | {"publish_s": publish_s} | (extra or {})
         for key in drop_keys:
             record.pop(key, None)
         self.logger.log(record)
         return record
 
     def close(self) -> None:
+        self.publisher.close()
         self.logger.close()
         if self.info.is_distributed and dist.is_initialized():
             dist.destroy_process_group()

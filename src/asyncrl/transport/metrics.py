@@ -4,9 +4,11 @@ Every line is one JSON object that starts with three keys, then the role's own m
 
     {"role": "trainer", "step": 3, "time": 1718000000.1, "loss": 0.41, ...}
     {"role": "orchestrator", "step": 3, "time": 1718000000.3, "reward/mean": 0.52, ...}
+    {"role": "eval", "step": 10, "time": 1718000009.7, "version": 10, "eval/reverse-text/pass@4": 0.61, ...}
 
-`role` names the process that wrote it, `step` the trainer step (the batch) it describes, and
-`time` the Unix time of the write. Several processes append to the same file: each line goes out
+`role` names what wrote it (the trainer, the orchestrator, or the orchestrator's evals during
+training), `step` the trainer step (the batch) it describes, or for an eval the policy version it
+evaluated (v_n is trainer step n's), and `time` the Unix time of the write. Several processes append to the same file: each line goes out
 in one `O_APPEND` write, so concurrent lines never interleave.
 
 On resume, `drop_metrics_after` removes the lines of steps that will be redone (a trainer that
@@ -28,7 +30,7 @@ from asyncrl.run_dir import metrics_file
 
 __all__ = ["HEADER_KEYS", "MetricsWriter", "Role", "append_jsonl", "drop_metrics_after", "read_metrics"]
 
-Role = Literal["trainer", "orchestrator"]
+Role = Literal["trainer", "orchestrator", "eval"]
 HEADER_KEYS = ("role", "step", "time")  # the writer's own keys, first in every line
 
 

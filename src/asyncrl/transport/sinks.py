@@ -4,7 +4,8 @@
     sinks.log({"role": "trainer", "step": 3, "time": ..., "loss": 0.41})
     sinks.close()
 
-Every numeric metric of a line becomes `<role>/<metric>` at x = `step`. The trainer and the
+Every numeric metric of a line becomes `<role>/<metric>` at x = `step` (an eval line's metrics
+are named `eval/...` already and keep their names). The trainer and the
 orchestrator write their lines out of step order relative to each other (the orchestrator runs
 ahead), so each role gets its own step axis in W&B (`<role>/step`). A sink never stops a run: the
 first error it raises is printed once, and that sink is switched off; metrics.jsonl is unaffected.
@@ -34,13 +35,14 @@ class MetricSink(Protocol):
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The record's finite numeric metrics as `<role>/<metric>` (booleans count as 0/1)."""
+    """The record's finite numeric metrics as `<role>/<metric>` (booleans count as 0/1); a metric
+    already under its role's name keeps it (`eval/reverse-text/pass@4`, not `eval/eval/...`)."""
     role = record["role"]
     out = {}
     for key, value in record.items():
         if key in HEADER_KEYS or not isinstance(value, int | float) or not math.isfinite(value):
             continue
-        out[f"{role}/{key}"] = float(value)
+        out[key if key.startswith(f"{role}/") else f"{role}/{key}"] = float(value)
     return out
 
 

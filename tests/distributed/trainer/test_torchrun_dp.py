@@ -26,6 +26,7 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int) -> Path:
     path.write_text(
         f'run_dir = "{run_dir}"\nmax_steps = {max_steps}\nseq_len = 64\npeak_flops = 1e11\n'
         f'[model]\npath = "{model_dir}"\n[optim]\nlr = 2e-3\n[checkpoint]\ninterval = 2\n'
+        '[publish]\ndtype = "float32"\n'  # the weights are compared at fp32 tolerances
     )
     return path
 

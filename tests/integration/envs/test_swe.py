@@ -16,6 +16,7 @@ from asyncrl.envs import ScriptedClient, TokenPolicy, build_env, iter_reference_
 from asyncrl.envs.builtin.swe.checkout import git
 from asyncrl.envs.builtin.swe.example import write_example
 from asyncrl.envs.sandbox_bwrap import probe_isolation
+from asyncrl.launcher.cli import main as cli_main
 from asyncrl.wire import SamplingParams
 
 pytestmark = pytest.mark.skipif(probe_isolation().mode != "bwrap", reason="the swe env needs bubblewrap")
@@ -237,3 +238,39 @@ def test_reference_examples_for_sft(env):
         example.completion == env.reference(env.task("eval", 0))
         and example.completion[-2]["content"] == SUBMIT
     )
+
+
+@pytest.mark.parametrize(("agent", "reward"), [("reference", 1.0), ("noop", 0.0)])
+def test_eval_env_scripted_agents_on_the_example(tasks_file, tmp_path, capsys, agent, reward):
+    args = {"tasks": str(tasks_file), "eval_tasks": str(tasks_file), "sandbox": {"root": str(tmp_path)}}
+    argv = ["eval-env", "--agent", agent, "--env", "swe", "--env-args", json.dumps(args), "--num", "2"]
+    assert cli_main(argv) == 0
+    rows = dict(line.split() for line in capsys.readouterr().out.splitlines()[1:])
+    assert float(rows["reward"]) == reward and float(rows["reward_min"]) == reward
+    assert float(rows["rewards/fail_to_pass"]) == reward and float(rows["rewards/pass_to_pass"]) == 1.0
+    assert float(rows["rewards/grading_error"]) == 0.0 and float(rows["metrics/failed"]) == 0.0
+
+
+def test_python_is_on_path_even_where_the_interpreters_bin_has_only_python3(
+    tasks_file, tmp_path, tokenizer, monkeypatch
+):
+    """Debian's /usr/bin has python3 but no python: test commands still find the interpreter running asyncrl."""
+    prefix = tmp_path / "prefix"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "python3").symlink_to(sys.executable)
+    monkeypatch.setattr(sys, "prefix", str(prefix))
+    env = _env(tasks_file, tmp_path)
+    try:
+        task = _task(env, "calclib-clamp")
+        replies = [m["content"] for m in env.reference(task) if m["role"] == "assistant"]
+        probe = _call(
+            "bash", command="command -v python; python -c 'import sys, pytest; print(sys.executable)'"
+        )
+        ep = _episode(env, task, [probe, *replies], tokenizer)
+    finally:
+        env.close()
+    assert (
+        ep.messages[len(task.prompt) + 1]["content"]
+        == f"exit code 0\n/opt/asyncrl/bin/python\n{sys.executable}\n"
+    )
+    assert ep.reward == 1.0 and ep.rewards["grading_error"] == 0.0

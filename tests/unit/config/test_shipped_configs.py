@@ -5,6 +5,7 @@ it passes when one command's schema accepts every key it sets, required keys lef
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -27,13 +28,20 @@ SCHEMAS: list[type[BaseModel]] = [
 BLOCK = re.compile(r"^```toml\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
+def _tracked(*patterns: str) -> list[Path]:
+    """The files git tracks that match `patterns`: what the repository ships, not what a set-up
+    script generated beside it (the task repositories under examples/swe/repos/, for example)."""
+    out = subprocess.run(
+        ["git", "ls-files", "--", *patterns], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    return sorted(REPO / line for line in out.stdout.splitlines())
+
+
 def _shipped() -> list[tuple[str, str]]:
     """(where, TOML text) of every TOML file under examples/ and docs/, and every ```toml block."""
-    files = sorted([*(REPO / "examples").rglob("*.toml"), *(REPO / "docs").rglob("*.toml")])
+    files = _tracked("examples/*.toml", "docs/*.toml")
     found = [(str(p.relative_to(REPO)), p.read_text()) for p in files]
-    pages = sorted(
-        [*(REPO / "docs").rglob("*.md"), *REPO.glob("README.md"), *(REPO / "examples").rglob("*.md")]
-    )
+    pages = _tracked("docs/*.md", "README.md", "examples/*.md")
     for page in pages:
         text = page.read_text()
         for m in BLOCK.finditer(text):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import tomllib
+from dataclasses import replace
 
 import pytest
 
 from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.launcher import rl
+from asyncrl.model import preset_args
 
 TOML = """
 model = "models/m"
@@ -101,7 +104,8 @@ def test_parallel_dims_that_do_not_fit_the_trainer_world_fail_before_launch(
 def test_expert_parallel_is_checked_against_the_model_config(tmp_path, capsys):
     model = tmp_path / "m"
     model.mkdir()
-    (model / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 6}')
+    config = replace(preset_args("tiny-moe"), num_experts=6).to_hf_config()
+    (model / "config.json").write_text(json.dumps(config))
     cfg = _write(tmp_path)
     cfg.write_text(cfg.read_text().replace('"models/m"', f'"{model}"').replace("ep = 2", "ep = 4"))
     assert rl.main(["@", str(cfg), "--dry-run"]) == 2

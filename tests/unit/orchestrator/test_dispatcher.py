@@ -175,3 +175,18 @@ def test_a_known_context_limit_caps_every_request(tmp_path, tokenizer_dir, serve
     assert [b.step for b in batches] == [1, 2]
     assert server.num_rejected == 0 and records[-1]["episodes/failed_total"] == 0
     assert all(s.num_tokens <= 38 for b in batches for s in b.samples)
+
+
+def test_each_envs_named_rewards_and_episode_metrics_reach_the_step_record(tmp_path, tokenizer_dir, servers):
+    (server,) = servers(1)
+    cfg = _cfg(tmp_path, tokenizer_dir, [server], max_steps=2)
+    _, records = asyncio.run(_run(cfg))
+    for r in records:
+        episodes = r["env/reverse-text/episodes"]
+        assert episodes >= cfg.group_size and episodes % cfg.group_size == 0
+        # lcs is the env's one weighted reward, exact a weight-0 metric: both are named rewards
+        assert r["env/reverse-text/lcs"] == pytest.approx(r["reward/reverse-text"])
+        assert 0.0 <= r["env/reverse-text/exact"] <= r["env/reverse-text/lcs"]
+        assert r["env/reverse-text/num_turns"] == 1.0 and r["env/reverse-text/num_tool_calls"] == 0.0
+        assert r["env/reverse-text/failed"] == 0.0
+        assert r["env/reverse-text/stop_done"] + r.get("env/reverse-text/stop_max_tokens", 0.0) == 1.0

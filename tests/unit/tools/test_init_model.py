@@ -19,6 +19,7 @@ def test_tiny_moe_preset_size():
     assert 1e6 <= a.num_params() <= 5e6
     assert a.num_experts == 8 and a.num_experts_per_tok == 2
     assert 40e6 <= PRESETS["moe-50m"].num_params() <= 60e6
+    assert 0.3e9 <= PRESETS["glm5-350m"].num_params() <= 0.5e9  # GLM-5-shaped, for scale-out benchmarks
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "tiny-dsv3", "tiny-glm5", "tiny-glm4moe"])
@@ -27,8 +28,13 @@ def test_init_model_writes_hf_model_and_tokenizer(tmp_path, preset, capsys):
     assert main(["init-model", "--preset", preset, "--out", str(out), "--seed", "3"]) == 0
     assert "parameters" in capsys.readouterr().out
     ours = from_pretrained(out)
-    held = [*ours.parameters(), *ours.buffers()]  # buffers: the routers' correction bias
+    held = [*ours.parameters(), *ours.model.buffers()]  # buffers: the routers' correction bias
     assert sum(t.numel() for t in held) == PRESETS[preset].num_params()
+    mtp = dict(ours.mtp.named_buffers())  # random MTP layers, for the presets that have them
+    if preset == "tiny-glm5":  # a whole decoder layer (8 experts unstacked) + enorm, hnorm, eh_proj, ...
+        assert len(mtp) == 49 and mtp["model:layers:4:eh_proj:weight"].shape == (128, 256)
+    else:
+        assert not mtp
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     text = tok.apply_chat_template(

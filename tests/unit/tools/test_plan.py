@@ -1,4 +1,4 @@
-"""`asyncrl plan`: the seed's all-gather figure, the documented GLM-5-scale layout, warnings and errors."""
+"""`asyncrl plan`: the all-gather figure of an 800B MoE, the documented GLM-5-scale layout, warnings and errors."""
 
 from __future__ import annotations
 

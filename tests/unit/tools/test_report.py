@@ -48,6 +48,17 @@ def orchestrator_record(step: int) -> dict:
     }  # fmt: skip
 
 
+def eval_record(version: int) -> dict:
+    """A line of an eval during training, as asyncrl.orchestrator.eval_metrics writes it."""
+    return {
+        "role": "eval", "step": version, "time": 1.7e9 + version, "version": version, "eval/episodes": 80,
+        "eval/seconds": 2.0, "eval/tokens_on_version": 1.0, "eval/reverse-text/reward": 0.5 + 0.05 * version,
+        "eval/reverse-text/pass@1": 0.1 * version, "eval/reverse-text/pass@4": 0.2 * version,
+        "eval/reverse-text/greedy_reward": 0.6, "eval/reverse-text/length": 5.0,
+        "eval/reverse-text/failed": 0.0, "eval/reverse-text/truncated": 0.0,
+    }  # fmt: skip
+
+
 def sample(versions: list[int]) -> RolloutSample:
     n = 2 + len(versions)
     return RolloutSample(
@@ -60,14 +71,16 @@ def sample(versions: list[int]) -> RolloutSample:
     )
 
 
-def write_run(run_dir, steps: int = 4, roles: tuple[str, ...] = ("trainer", "orchestrator")) -> None:
+def write_run(run_dir, steps: int = 4, roles: tuple[str, ...] = ("trainer", "orchestrator", "eval")) -> None:
     run_dir.mkdir(parents=True)
-    lines = []
+    lines = [eval_record(0)] if "eval" in roles else []
     for step in range(1, steps + 1):
         if "orchestrator" in roles:
             lines.append(orchestrator_record(step))
         if "trainer" in roles:
             lines.append(trainer_record(step))
+        if "eval" in roles and step % 2 == 0:
+            lines.append(eval_record(step))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
@@ -94,6 +107,23 @@ def test_report_draws_every_figure_from_the_logged_key_names(tmp_path, capsys):
     assert "Not in this run" not in page and "not logged" not in page
     assert "over 5 tokens of 1 of the 1 batches" in page
     assert "first / last 1 steps</td><td>0.100 / 0.400" in page
+    assert "held-out reverse-text pass@1, v0 / v4</td><td>0.000 / 0.400" in page
+
+
+def test_the_held_out_evals_are_drawn_next_to_the_training_reward(tmp_path):
+    from asyncrl.tools.report import load_metrics
+    from asyncrl.tools.report_figures import FIGURES
+
+    run = tmp_path / "run"
+    write_run(run)
+    records = load_metrics(run / "metrics.jsonl")
+    _, held_out = FIGURES[0].panels
+    curves = {line.label: (steps, values) for line, steps, values in held_out.curves(records)}
+    assert list(curves) == ["sampled reward", "pass@1", "greedy reward", "pass@4"]
+    assert curves["pass@4"] == ([0, 2, 4], [0.0, 0.4, 0.8])  # at the versions evaluated
+    write_run(tmp_path / "no-eval", roles=("trainer", "orchestrator"))
+    page = write_report(tmp_path / "no-eval").read_text()
+    assert "held-out eval: not logged (no eval lines: set [orchestrator.eval] interval)" in page
 
 
 def test_token_staleness_counts_each_loss_token_once(tmp_path):

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from asyncrl.envs.base import EnvConfigError, Environment, EpisodeState, Reward, Rubric, Split, Task
 from asyncrl.envs.builtin.swe.checkout import GitCheckout, GitSource
-from asyncrl.envs.builtin.swe.grading import Grade, grade_episode
+from asyncrl.envs.builtin.swe.grading import Grade, grade_episode, write_python_shim
 from asyncrl.envs.builtin.swe.reference import reference_messages
 from asyncrl.envs.builtin.swe.tasks import SweTask, resolve_commits
 from asyncrl.envs.builtin.swe.tools import make_tools
@@ -39,6 +39,7 @@ __all__ = ["SandboxSettings", "SweEnv"]
 log = logging.getLogger(__name__)
 
 MOUNT_POINT = "/repo"
+SHIM_DIR = "/opt/asyncrl/bin"  # where the `python` shim of the task's interpreter appears in the sandbox
 METRICS = (
     "fail_to_pass", "pass_to_pass", "submitted", "grading_error", "test_run_s", "sandbox_start_s", "sandbox_warm",
 )  # fmt: skip
@@ -106,9 +107,11 @@ def _load_tasks(
         path=tasks, eval_path=eval_tasks, prompt_field="problem_statement", answer_field="", shuffle=shuffle
     )
     table = TaskTable.load(data, seed=seed)
-    base_dirs: dict[Split, Path] = {"train": Path(tasks).parent, "eval": Path(eval_tasks or tasks).parent}
+    # a row's relative repo and venv paths are taken from the directory of its own tasks file
+    files: dict[Split, str] = {"train": tasks, "eval": eval_tasks or tasks}
+    base_dirs = {split: Path(path).expanduser().absolute().parent for split, path in files.items()}
     rows = {
-        (split, row.where): SweTask.from_row(row, base_dir=base_dirs[split])
+        (split, row.where): SweTask.from_row(row.row, where=row.where, base_dir=base_dirs[split])
         for split in base_dirs
         for row in (table.row(split, i) for i in range(table.size(split)))
     }
@@ -149,6 +152,14 @@ class SweEnv(Environment):
         except BaseException:
             self.pool.close()
             raise
+        venvs = sorted({t.venv for t in self._tasks.values()}, key=str)
+        self._shims = {
+            venv: write_python_shim(
+                self.pool.run_dir.path / "python" / str(i),
+                str(venv / "bin" / "python") if venv else sys.executable,
+            )
+            for i, venv in enumerate(venvs)
+        }
         isolation = "; ".join(f"{k}: {v}" for k, v in self.pool.isolation().items())
         log.info("swe: %d tasks; sandboxes: %s", len(self._tasks), isolation)
         reward = "partial" if partial_credit else "resolved"
@@ -212,14 +223,18 @@ class SweEnv(Environment):
         prefix = str(swe.venv.resolve()) if swe.venv else sys.prefix
         paths = [MOUNT_POINT, *([f"{MOUNT_POINT}/src"] if (box.work / "src").is_dir() else [])]
         return {
-            "PATH": f"{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
+            "PATH": f"{SHIM_DIR}:{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
             "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": ":".join(paths),
         }  # fmt: skip
+
+    def _read_only(self, swe: SweTask) -> tuple[tuple[str, str], ...]:
+        """What a command of the task's sandbox sees read-only: its Python environment and `python` shim."""
+        return (*_python_binds(swe.venv), (str(self._shims[swe.venv]), SHIM_DIR))
 
     def tools(self, state: EpisodeState) -> list[Tool]:
         """The episode's tools; without a sandbox (SFT export reads only their schemas) they refuse to run."""
         box: PooledSandbox | None = state.data.get("sandbox")
-        binds = _python_binds(self.swe_task(state.task).venv)
+        binds = self._read_only(self.swe_task(state.task))
 
         async def run(command: str) -> SandboxResult:
             if box is None:
@@ -245,7 +260,7 @@ class SweEnv(Environment):
             swe: SweTask = state.data["swe"]
             state.data["grade"] = await grade_episode(
                 state.data["sandbox"], state.data["checkout"], swe, env=self.sandbox_env(state),
-                timeout_s=self.test_timeout_s, read_only=_python_binds(swe.venv),
+                timeout_s=self.test_timeout_s, read_only=self._read_only(swe),
             )  # fmt: skip
             if state.data["grade"].error:
                 log.warning("swe %s: %s", swe.instance_id, state.data["grade"].error)

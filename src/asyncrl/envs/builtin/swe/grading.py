@@ -12,6 +12,8 @@ In the episode's own sandbox, once the agent is done (nothing of it runs any mor
    `pytest_plugin.py`, which writes each test's outcome with a per-run nonce to a report file.
 A test counts as passing when it passed or xfailed. The code under test runs in the same process as
 pytest, so determined code can still reach the plugin's state; the nonce defeats printed results.
+`write_python_shim`, `report_env`, `read_report` and `fraction_passing` are also how `asyncrl
+swe-tasks --verify` runs and reads a test command, so a verified row scores as the env grades it.
 """
 
 from __future__ import annotations
@@ -19,20 +21,32 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import secrets
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from asyncrl.envs.builtin.swe.checkout import CheckoutError, GitCheckout
 from asyncrl.envs.builtin.swe.patch import touched_paths
-from asyncrl.envs.builtin.swe.tasks import SweTask, test_file
+from asyncrl.envs.builtin.swe.tasks import SweTask, format_test_cmd, test_file
 from asyncrl.envs.sandbox_pool import PooledSandbox
 
-__all__ = ["PLUGIN", "Grade", "grade_episode", "is_protected", "protected_paths"]
+__all__ = [
+    "PASSING",
+    "PLUGIN",
+    "PLUGIN_MODULE",
+    "Grade",
+    "fraction_passing",
+    "grade_episode",
+    "is_protected",
+    "protected_paths",
+    "read_report",
+    "report_env",
+    "write_python_shim",
+]
 
 PLUGIN = Path(__file__).with_name("pytest_plugin.py")
+PLUGIN_MODULE = "asyncrl_swe_report"  # the name it is loaded under (`-p`)
 _PLUGIN_DIR = "/opt/asyncrl"
-_PASSING = ("passed", "xfailed")
+PASSING = ("passed", "xfailed")
 # Test files and what configures or hooks into pytest or the interpreter.
 TEST_DIRS = ("tests", "test", "testing")
 TEST_NAMES = (
@@ -94,15 +108,15 @@ async def grade_episode(
         return _score(task, {}, 0.0, f"restoring the tests failed: {e}")
     nonce = secrets.token_hex(16)
     report = f".asyncrl-swe-report-{nonce[:8]}"
-    run_env = env | {
-        "ASYNCRL_SWE_NONCE": nonce, "ASYNCRL_SWE_REPORT": f"{sandbox.mount_point}/{report}",
-        "PYTEST_ADDOPTS": "-p asyncrl_swe_report", "PYTHONPATH": f"{env.get('PYTHONPATH', '')}:{_PLUGIN_DIR}",
-    }  # fmt: skip
+    run_env = env | report_env(
+        nonce, f"{sandbox.mount_point}/{report}", _PLUGIN_DIR, env.get("PYTHONPATH", "")
+    )
+    ids = (*task.fail_to_pass, *task.pass_to_pass)
     result = await sandbox.run(
-        ["bash", "-c", test_command(task)], env=run_env, timeout_s=timeout_s,
-        read_only=(*read_only, (str(PLUGIN), f"{_PLUGIN_DIR}/asyncrl_swe_report.py")),
+        ["bash", "-c", format_test_cmd(task.test_cmd, ids)], env=run_env, timeout_s=timeout_s,
+        read_only=(*read_only, (str(PLUGIN), f"{_PLUGIN_DIR}/{PLUGIN_MODULE}.py")),
     )  # fmt: skip
-    outcomes = _read_report(work / report, nonce)
+    outcomes = read_report(work / report, nonce)
     error = None
     if result.timed_out:
         error = f"the test command timed out after {timeout_s:g} s"
@@ -112,12 +126,29 @@ async def grade_episode(
     return _score(task, outcomes, result.wall_s, error)
 
 
-def test_command(task: SweTask) -> str:
-    ids = " ".join(shlex.quote(t) for t in (*task.fail_to_pass, *task.pass_to_pass))
-    return task.test_cmd.replace("{tests}", ids)
+def report_env(nonce: str, report: str, plugin_dir: str, pythonpath: str) -> dict[str, str]:
+    """The variables that load the report plugin (a copy named `PLUGIN_MODULE`.py in `plugin_dir`)
+    into `test_cmd`'s pytest and have it write each outcome to the file `report`."""
+    return {
+        "ASYNCRL_SWE_NONCE": nonce, "ASYNCRL_SWE_REPORT": report, "PYTEST_ADDOPTS": f"-p {PLUGIN_MODULE}",
+        "PYTHONPATH": f"{pythonpath}:{plugin_dir}" if pythonpath else plugin_dir,
+    }  # fmt: skip
 
 
-def _read_report(path: Path, nonce: str) -> dict[str, str]:
+def write_python_shim(directory: Path, python: str) -> Path:
+    """`directory` (made) with `python` and `python3` scripts that start `python`: put first on a test
+    command's PATH, they give it the task's interpreter even where that interpreter's own bin has
+    only python3 (Debian's /usr/bin). Scripts, not symlinks: a venv's interpreter finds its venv only
+    when started by its own path."""
+    directory.mkdir(parents=True)
+    for name in ("python", "python3"):
+        (directory / name).write_text(f'#!/bin/sh\nexec "{python}" "$@"\n')
+        (directory / name).chmod(0o755)
+    return directory
+
+
+def read_report(path: Path, nonce: str) -> dict[str, str]:
+    """{test id: outcome} from the lines of `path` that carry `nonce`; the file is removed."""
     outcomes = {}
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -132,15 +163,16 @@ def _read_report(path: Path, nonce: str) -> dict[str, str]:
     return outcomes
 
 
-def _fraction(ids: tuple[str, ...], outcomes: dict[str, str]) -> float:
-    return sum(outcomes.get(t) in _PASSING for t in ids) / len(ids) if ids else 1.0
+def fraction_passing(ids: tuple[str, ...], outcomes: dict[str, str]) -> float:
+    """The share of `ids` that passed or xfailed (1.0 for none)."""
+    return sum(outcomes.get(t) in PASSING for t in ids) / len(ids) if ids else 1.0
 
 
 def _score(task: SweTask, outcomes: dict[str, str], run_s: float, error: str | None) -> Grade:
     return Grade(
         outcomes=outcomes,
-        fail_to_pass=_fraction(task.fail_to_pass, outcomes),
-        pass_to_pass=_fraction(task.pass_to_pass, outcomes),
+        fail_to_pass=fraction_passing(task.fail_to_pass, outcomes),
+        pass_to_pass=fraction_passing(task.pass_to_pass, outcomes),
         test_run_s=run_s,
         error=error,
     )

@@ -34,11 +34,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from asyncrl.envs.swe_tasks.mutate import OPERATORS, Mutation, find_functions, mutate_function
-from asyncrl.envs.swe_tasks.repo import build_task_repo, export_tree, snapshot, unified_diff
-from asyncrl.envs.swe_tasks.rows import DEFAULT_TEST_CMD, TESTS_PLACEHOLDER, SweTask
-from asyncrl.envs.swe_tasks.runner import ProbeRun, TestRunner
-from asyncrl.envs.swe_tasks.statement import leaks_fix, problem_statement
+from asyncrl.envs.builtin.swe.tasks import DEFAULT_TEST_CMD, TESTS_PLACEHOLDER, SweTask
+from asyncrl.tools.swe_tasks.mutate import OPERATORS, Mutation, find_functions, mutate_function
+from asyncrl.tools.swe_tasks.repo import build_task_repo, export_tree, snapshot, unified_diff
+from asyncrl.tools.swe_tasks.runner import ProbeRun, TestRunner
+from asyncrl.tools.swe_tasks.statement import leaks_fix, problem_statement
 
 __all__ = ["GenerateConfig", "GenerateError", "GenerateStats", "generate", "is_test_file"]
 
@@ -53,7 +53,7 @@ class GenerateError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class GenerateConfig:
     repo: Path  # the repository (or directory) to make tasks from; only read
-    repo_out: Path  # one task repository per task is made under it (written into rows as given)
+    repo_out: Path  # one task repository per task is made under it
     name: str  # instance ids start with it
     max_tasks: int = 30
     seed: int = 0
@@ -285,7 +285,7 @@ def _make_task(kill: _Kill, store: Path, tree: str, cfg: GenerateConfig) -> SweT
     instance_id = _instance_id(cfg.name, m, kill.patch)
     commit = build_task_repo(cfg.repo_out / instance_id, store, tree, kill.patch)
     return SweTask(
-        instance_id=instance_id, repo=str(cfg.repo_out / instance_id), base_commit=commit,
+        instance_id=instance_id, repo=(cfg.repo_out / instance_id).absolute(), base_commit=commit,
         problem_statement=kill.statement, patch=kill.patch, fail_to_pass=kill.failing,
         pass_to_pass=kill.still_passing, test_cmd=cfg.test_cmd,
         mutation={"file": m.path, "function": m.function, "line": m.lineno, "operator": m.operator},

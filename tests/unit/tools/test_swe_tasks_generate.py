@@ -5,21 +5,16 @@ run it starts costs about a second."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from asyncrl.envs.swe_tasks import (
-    GenerateConfig,
-    GenerateError,
-    generate,
-    read_tasks,
-    verify_task,
-    verify_tasks,
-)
-from asyncrl.envs.swe_tasks.cli import main
-from asyncrl.envs.swe_tasks.statement import fix_lines, leaks_fix
+from asyncrl.envs.builtin.swe.tasks import read_tasks
+from asyncrl.tools.swe_tasks import GenerateConfig, GenerateError, generate, verify_task, verify_tasks
+from asyncrl.tools.swe_tasks.cli import main
+from asyncrl.tools.swe_tasks.statement import fix_lines, leaks_fix
 
 OPS = '''"""Small helpers."""
 
@@ -133,8 +128,13 @@ def test_statements_show_the_symptom_not_the_fix(made: tuple[Path, Path]):
 
 def test_each_repository_holds_only_the_buggy_state(made: tuple[Path, Path]):
     repo, out = made
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["repo"] for r in rows] == [
+        f"tasks-repos/{r['instance_id']}" for r in rows
+    ]  # from OUT's directory
     for task in read_tasks(out):
-        checkout = Path(task.repo)
+        checkout = task.repo
+        assert checkout == out.parent / "tasks-repos" / task.instance_id
         commits = subprocess.run(["git", "rev-list", "--all"], cwd=checkout, capture_output=True, text=True)
         assert commits.stdout.split() == [task.base_commit]  # no history, no other task's files
         buggy = (checkout / "calc" / "ops.py").read_text()
@@ -172,8 +172,8 @@ def test_a_used_repo_out_is_refused_before_any_run(tmp_path: Path):
 
 
 def test_leaks_fix_catches_a_line_of_the_fix_and_statements_drop_addresses():
-    from asyncrl.envs.swe_tasks.runner import Failure
-    from asyncrl.envs.swe_tasks.statement import problem_statement
+    from asyncrl.tools.swe_tasks.runner import Failure
+    from asyncrl.tools.swe_tasks.statement import problem_statement
 
     patch = "--- a/m.py\n+++ b/m.py\n@@ -1,2 +1,2 @@\n def f(a, b):\n-    return a - b\n+    return a + b\n"
     assert leaks_fix("the code should say: return a + b", patch)
@@ -188,9 +188,9 @@ def test_leaks_fix_catches_a_line_of_the_fix_and_statements_drop_addresses():
 
 
 def test_a_mutant_is_kept_only_if_it_breaks_its_own_tests_and_nothing_else():
-    from asyncrl.envs.swe_tasks.generate import _Candidate, _classify
-    from asyncrl.envs.swe_tasks.mutate import find_mutations
-    from asyncrl.envs.swe_tasks.runner import CommandRun, ProbeRun
+    from asyncrl.tools.swe_tasks.generate import _Candidate, _classify
+    from asyncrl.tools.swe_tasks.mutate import find_mutations
+    from asyncrl.tools.swe_tasks.runner import CommandRun, ProbeRun
 
     (mutation,) = find_mutations(OPS, "calc/ops.py", ("swap-arguments",))[:1]
     cand = _Candidate(path="calc/ops.py", function="chunks", original=OPS, mutations=(mutation,),

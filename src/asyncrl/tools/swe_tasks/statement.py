@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from asyncrl.envs.swe_tasks.rows import format_test_cmd
-from asyncrl.envs.swe_tasks.runner import Failure
+from asyncrl.envs.builtin.swe.tasks import format_test_cmd
+from asyncrl.tools.swe_tasks.runner import Failure
 
 __all__ = ["fix_lines", "leaks_fix", "problem_statement"]
 

@@ -6,9 +6,10 @@ the repositories a committed task file names.
     asyncrl swe-tasks --rebuild TASKS.jsonl --repo DIR [--name NAME]   # only the rows NAME__...
 
 Making tasks runs DIR's test suite, mutates the functions that passing tests run and keeps the
-mutants that make some of them fail (docs/envs.md, "Making SWE tasks"). Each task's repository is
-written to `--repo-out` (default: `<OUT's directory>/<OUT's stem>-repos/<instance_id>`), and rows
-name it as written there: a relative path is taken from the working directory.
+mutants that make some of them fail (docs/envs.md, "SWE tasks"). Each task's repository is
+written to `--repo-out` (default: `<OUT's directory>/<OUT's stem>-repos/<instance_id>`); rows name
+it relative to OUT's directory when it lies under it (the rule of every task file: relative paths
+are taken from the file's directory), else by its absolute path.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.envs.swe_tasks.generate import GenerateConfig, GenerateError, GenerateStats, generate
-from asyncrl.envs.swe_tasks.mutate import OPERATORS
-from asyncrl.envs.swe_tasks.repo import GitError, rebuild_task_repos
-from asyncrl.envs.swe_tasks.rows import DEFAULT_TEST_CMD, SweTask, SweTaskError, read_tasks, write_tasks
-from asyncrl.envs.swe_tasks.verify import verify_report, verify_tasks
+from asyncrl.envs.builtin.swe.tasks import DEFAULT_TEST_CMD, SweTask, SweTaskError, read_tasks, write_tasks
+from asyncrl.tools.swe_tasks.generate import GenerateConfig, GenerateError, GenerateStats, generate
+from asyncrl.tools.swe_tasks.mutate import OPERATORS
+from asyncrl.tools.swe_tasks.repo import GitError, rebuild_task_repos
+from asyncrl.tools.swe_tasks.verify import verify_report, verify_tasks
 
 __all__ = ["main"]
 

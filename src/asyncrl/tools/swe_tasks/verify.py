@@ -1,10 +1,11 @@
-"""Checking task rows the way an environment scores them: the buggy state must score 0 on
+"""Checking task rows the way the `swe` env scores them: the buggy state must score 0 on
 FAIL_TO_PASS and the reference patch 1.0 on FAIL_TO_PASS and PASS_TO_PASS.
 
 For each row: a fresh checkout of `base_commit`, `test_patch` applied, the row's `test_cmd` on
-FAIL_TO_PASS + PASS_TO_PASS (outcomes read from pytest's -rA summary); then `patch` applied and the
-same tests again. A row passes when no FAIL_TO_PASS test passes before, every PASS_TO_PASS test
-passes before, and every test passes after.
+FAIL_TO_PASS + PASS_TO_PASS (each outcome from the env's report plugin: passed or xfailed counts
+as passing); then `patch` applied and the same tests again. A row passes when no FAIL_TO_PASS test
+passes before, every PASS_TO_PASS test passes before, and every test passes after. The tests run
+on the host (no sandbox) with the row's venv, or the interpreter running asyncrl.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.envs.swe_tasks.repo import GitError, checkout, git
-from asyncrl.envs.swe_tasks.rows import SweTask, parse_test_outcomes, resolve_repo
-from asyncrl.envs.swe_tasks.runner import TestRunner
+from asyncrl.envs.builtin.swe.grading import PASSING, fraction_passing
+from asyncrl.envs.builtin.swe.tasks import SweTask
+from asyncrl.tools.swe_tasks.repo import GitError, checkout, git
+from asyncrl.tools.swe_tasks.runner import TestRunner
 
 __all__ = ["Verdict", "verify_report", "verify_task", "verify_tasks"]
 
@@ -39,10 +41,6 @@ class Verdict:
         return not self.problems
 
 
-def _fraction(outcomes: dict[str, str], ids: Sequence[str]) -> float:
-    return sum(outcomes[t] == "passed" for t in ids) / len(ids) if ids else 1.0
-
-
 def _apply(work: Path, diff: str, what: str) -> str | None:
     if not diff.strip():
         return None
@@ -53,28 +51,28 @@ def _apply(work: Path, diff: str, what: str) -> str | None:
     return None
 
 
-def verify_task(task: SweTask, *, timeout_s: float = 300.0, base: Path | None = None) -> Verdict:
-    """Score the row's buggy state and its reference fix (`base`: where relative repos are taken from)."""
-    runner = TestRunner(task.test_cmd, timeout_s=timeout_s)
+def verify_task(task: SweTask, *, timeout_s: float = 300.0) -> Verdict:
+    """Score the row's buggy state and its reference fix."""
+    python = task.venv / "bin" / "python" if task.venv else None
+    runner = TestRunner(task.test_cmd, timeout_s=timeout_s, python=python)
     try:
         with tempfile.TemporaryDirectory(prefix="asyncrl-swe-verify-") as tmp:
-            return _verify_in(Path(tmp) / "checkout", task, runner, base)
+            return _verify_in(Path(tmp) / "checkout", task, runner)
     finally:
         runner.close()
 
 
-def _verify_in(work: Path, task: SweTask, runner: TestRunner, base: Path | None) -> Verdict:
+def _verify_in(work: Path, task: SweTask, runner: TestRunner) -> Verdict:
     ids = [*task.fail_to_pass, *task.pass_to_pass]
     verdict = Verdict(instance_id=task.instance_id, problems=(), f2p_before=0.0, f2p_after=0.0,
                       p2p_before=0.0, p2p_after=0.0, run_s=())  # fmt: skip
-    repo = resolve_repo(task.repo, base)
-    if not repo.exists():
+    if not task.repo.exists():
         return _with(
             verdict,
-            f"repo {task.repo} does not exist (resolved to {repo}; a relative repo is taken from the working directory)",
+            f"repo {task.repo} does not exist (a relative repo is taken from the tasks file's directory)",
         )
     try:
-        checkout(repo, task.base_commit, work)
+        checkout(task.repo, task.base_commit, work)
     except (GitError, OSError) as e:
         return _with(verdict, f"cannot check out {task.base_commit} of {task.repo}: {e}")
     problem = _apply(work, task.test_patch, "test_patch")
@@ -85,19 +83,20 @@ def _verify_in(work: Path, task: SweTask, runner: TestRunner, base: Path | None)
     if problem:
         return _with(verdict, problem)
     after = runner.run(work, ids)
-    b, a = parse_test_outcomes(before.output, ids), parse_test_outcomes(after.output, ids)
+    b = dict.fromkeys(ids, "missing") | before.outcomes
+    a = dict.fromkeys(ids, "missing") | after.outcomes
     verdict = Verdict(
-        instance_id=task.instance_id, problems=(), f2p_before=_fraction(b, task.fail_to_pass),
-        f2p_after=_fraction(a, task.fail_to_pass), p2p_before=_fraction(b, task.pass_to_pass),
-        p2p_after=_fraction(a, task.pass_to_pass), run_s=(before.wall_s, after.wall_s),
+        instance_id=task.instance_id, problems=(), f2p_before=fraction_passing(task.fail_to_pass, b),
+        f2p_after=fraction_passing(task.fail_to_pass, a), p2p_before=fraction_passing(task.pass_to_pass, b),
+        p2p_after=fraction_passing(task.pass_to_pass, a), run_s=(before.run.wall_s, after.run.wall_s),
     )  # fmt: skip
-    problems = [f"FAIL_TO_PASS {t} passes before the patch" for t in task.fail_to_pass if b[t] == "passed"]
+    problems = [f"FAIL_TO_PASS {t} passes before the patch" for t in task.fail_to_pass if b[t] in PASSING]
     problems += [
-        f"PASS_TO_PASS {t} is {b[t]} before the patch" for t in task.pass_to_pass if b[t] != "passed"
+        f"PASS_TO_PASS {t} is {b[t]} before the patch" for t in task.pass_to_pass if b[t] not in PASSING
     ]
-    problems += [f"{t} is {a[t]} after the patch" for t in ids if a[t] != "passed"]
+    problems += [f"{t} is {a[t]} after the patch" for t in ids if a[t] not in PASSING]
     problems += [
-        f"a test run timed out after {runner.timeout_s:.0f} s" for r in (before, after) if r.timed_out
+        f"a test run timed out after {runner.timeout_s:.0f} s" for r in (before, after) if r.run.timed_out
     ]
     return _with(verdict, *problems)
 

@@ -7,7 +7,7 @@ import difflib
 
 import pytest
 
-from asyncrl.envs.swe_tasks.mutate import OPERATORS, find_functions, find_mutations
+from asyncrl.tools.swe_tasks.mutate import OPERATORS, find_functions, find_mutations
 
 
 def changes(source: str, operator: str) -> set[tuple[tuple[str, ...], tuple[str, ...]]]:

@@ -1,9 +1,10 @@
-"""Running a repository's tests in a checkout: a row's `test_cmd` as an environment would, or
-with the probe plugin the generator reads (outcomes, failures, and which functions each test ran).
+"""Running a repository's tests in a checkout: a row's `test_cmd` as the `swe` env grades it (its
+report plugin gives each test's outcome), or with the probe plugin the generator reads (outcomes,
+failures, and which functions each test ran).
 
-Every run gets `python` = the interpreter running asyncrl (a shim first on PATH) and
-PYTHONDONTWRITEBYTECODE=1: a mutant and its fix can have the same size and modification second,
-and a cached .pyc keyed by those would hide the change.
+Every run gets `python` = the task's venv's interpreter, or the one running asyncrl (a shim first
+on PATH), and PYTHONDONTWRITEBYTECODE=1: a mutant and its fix can have the same size and
+modification second, and a cached .pyc keyed by those would hide the change.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -21,9 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.envs.swe_tasks.rows import format_test_cmd
+from asyncrl.envs.builtin.swe.grading import PLUGIN, PLUGIN_MODULE, read_report, report_env, write_python_shim
+from asyncrl.envs.builtin.swe.tasks import format_test_cmd
 
-__all__ = ["CommandRun", "Failure", "ProbeRun", "TestRunner"]
+__all__ = ["CommandRun", "Failure", "ProbeRun", "TestRun", "TestRunner"]
 
 _PROBE_MODULE = "asyncrl_swe_probe"
 _PROBE_SOURCE = Path(__file__).with_name("probe_plugin.py")
@@ -46,6 +49,14 @@ class Failure:
     when: str  # "setup", "call" or "teardown"
     error: str
     frames: tuple[tuple[str, int, str], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TestRun:
+    __test__ = False  # not a pytest test class
+
+    outcomes: dict[str, str]  # test id -> passed, failed, skipped, xfailed or xpassed (the env's report)
+    run: CommandRun
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,21 +99,19 @@ def run_shell(cmd: str, cwd: Path, *, env: dict[str, str], timeout_s: float) -> 
 
 
 class TestRunner:
-    """Runs a `test_cmd` template in checkouts. Owns a scratch directory (the probe plugin, the
-    `python` shim, the probe's reports); `close()` removes it."""
+    """Runs a `test_cmd` template in checkouts with `python` (default: this interpreter). Owns a
+    scratch directory (both plugins, the `python` shim, the reports); `close()` removes it."""
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, test_cmd: str, *, timeout_s: float) -> None:
+    def __init__(self, test_cmd: str, *, timeout_s: float, python: Path | None = None) -> None:
         self.test_cmd = test_cmd
         self.timeout_s = timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="asyncrl-swe-runner-"))
-        (self._dir / "bin").mkdir()
-        for name in ("python", "python3"):
-            shim = self._dir / "bin" / name
-            shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-            shim.chmod(0o755)
+        write_python_shim(self._dir / "bin", str(python or sys.executable))
         shutil.copyfile(_PROBE_SOURCE, self._dir / f"{_PROBE_MODULE}.py")
+        (self._dir / "report").mkdir()
+        shutil.copyfile(PLUGIN, self._dir / "report" / f"{PLUGIN_MODULE}.py")
 
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -115,10 +124,15 @@ class TestRunner:
             env.pop(key, None)
         return env | extra
 
-    def run(self, checkout: Path, test_ids: Sequence[str], *, timeout_s: float | None = None) -> CommandRun:
-        """`test_cmd` with `test_ids` (none: the whole suite), as an environment runs it."""
+    def run(self, checkout: Path, test_ids: Sequence[str], *, timeout_s: float | None = None) -> TestRun:
+        """`test_cmd` with `test_ids` (none: the whole suite), each outcome read as the `swe` env reads it."""
+        nonce = secrets.token_hex(16)
+        report = self._dir / f"report-{nonce[:8]}.txt"  # a name of its own per run, from any thread
+        env = self._env()
+        env |= report_env(nonce, str(report), str(self._dir / "report"), env.get("PYTHONPATH", ""))
         cmd = format_test_cmd(self.test_cmd, test_ids)
-        return run_shell(cmd, checkout, env=self._env(), timeout_s=timeout_s or self.timeout_s)
+        run = run_shell(cmd, checkout, env=env, timeout_s=timeout_s or self.timeout_s)
+        return TestRun(outcomes=read_report(report, nonce), run=run)
 
     def probe(
         self, checkout: Path, test_ids: Sequence[str], *, trace: bool = False, timeout_s: float | None = None

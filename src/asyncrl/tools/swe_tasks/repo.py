@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from asyncrl.envs.swe_tasks.rows import SweTask, SweTaskError, resolve_repo
+from asyncrl.envs.builtin.swe.tasks import SweTask, SweTaskError
 
 __all__ = [
     "GitError",
@@ -136,9 +136,7 @@ def _head(repo: Path) -> str | None:
         return None
 
 
-def rebuild_task_repos(
-    tasks: Sequence[SweTask], source: Path, *, base: Path | None = None, log: Callable[[str], None] = print
-) -> int:
+def rebuild_task_repos(tasks: Sequence[SweTask], source: Path, *, log: Callable[[str], None] = print) -> int:
     """Recreate each row's repository from the original files at `source` and the row's patch,
     checking that the commit is the row's `base_commit`; returns how many were made (rows whose
     repository is already at its base_commit are left as they are)."""
@@ -147,7 +145,7 @@ def rebuild_task_repos(
         store = Path(tmp) / "store"
         tree = snapshot(source.resolve(), store)
         for task in tasks:
-            dest = resolve_repo(task.repo, base)
+            dest = task.repo
             if _head(dest) == task.base_commit:
                 continue
             if dest.exists():
