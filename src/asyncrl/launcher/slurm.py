@@ -15,8 +15,10 @@ The job runs in the directory it was rendered from (`#SBATCH --chdir`), so every
 configs means on the nodes what it means here; it needs them on a filesystem shared by every node
 at the same path and `gpus_per_node` GPUs per node, and checks both on every node before it starts
 anything (asyncrl.launcher.slurm_checks). Then, on its head node, `asyncrl slurm --job-start`
-checks that the run is new, or with `--resume` applies the resume plan (asyncrl.launcher.resume)
-to what the run directory holds when the job starts, which may be hours after it was rendered.
+checks the run's inputs where the processes will read them (asyncrl.launcher.preflight: a render
+away from the cluster cannot), and that the run is new, or with `--resume` applies the resume plan
+(asyncrl.launcher.resume) to what the run directory holds when the job starts, which may be hours
+after it was rendered.
 
 Per-process configs are resolved exactly as `asyncrl rl` resolves them and written to
 RUN/configs/; the script goes to RUN/slurm.sbatch and logs to RUN/logs/ (appended to, so a resumed
@@ -45,6 +47,7 @@ from asyncrl.config.base import config_help
 from asyncrl.config.rl import ResolvedRL, RLConfig
 from asyncrl.config.vllm import DEFAULT_VLLM_PYTHON
 from asyncrl.launcher.parallel_check import check_trainer_parallel
+from asyncrl.launcher.preflight import check_inputs
 from asyncrl.launcher.resume import check_fresh_run_dir, plan_resume
 from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm_checks import cluster_check_lines, requirements_comment
@@ -296,17 +299,20 @@ def _resolve(cfg: SlurmRLConfig, model_config: Path | None) -> ResolvedRL:
 def job_start(argv: list[str], *, resume: bool) -> int:
     """What the rendered job runs on its head node before any process of the run (`--job-start`).
 
-    A new run: check that the run directory holds none. `--resume`: plan the resume from what the
-    run directory holds now (asyncrl.launcher.resume), apply it, and rewrite RUN/configs/ with it.
-    `argv` names RUN/configs/rl.toml, the config the job was rendered from.
+    First every input the processes read (asyncrl.launcher.preflight), here where they will read
+    them. Then, for a new run: check that the run directory holds none. `--resume`: plan the resume
+    from what the run directory holds now (asyncrl.launcher.resume), apply it, and rewrite
+    RUN/configs/ with it. `argv` names RUN/configs/rl.toml, the config the job was rendered from.
     """
     try:
         cfg = load_config(SlurmRLConfig, argv)
+        s = cfg.slurm
+        resolved = cfg.resolve(trainer_world_size=s.trainer_nodes * s.gpus_per_node)
+        check_inputs(resolved)
         if not resume:
             check_fresh_run_dir(cfg.run_dir)
             return 0
-        s = cfg.slurm
-        plan = plan_resume(cfg.resolve(trainer_world_size=s.trainer_nodes * s.gpus_per_node))
+        plan = plan_resume(resolved)
     except ConfigError as e:
         print(f"asyncrl slurm: {e}", file=sys.stderr)
         return 2

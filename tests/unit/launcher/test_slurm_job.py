@@ -7,11 +7,13 @@ The job's interpreter is a stand-in: asyncrl's own checks (`-c 'import asyncrl'`
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from asyncrl.launcher import slurm
+from asyncrl.tools.init_model import init_model
 from fake_slurm import FakeSlurm
 from helpers import child_env
 
@@ -56,7 +58,7 @@ def _render(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
     python.parent.mkdir()
     python.write_text(_INTERPRETER.format(python=sys.executable, log=log))
     python.chmod(0o755)
-    (tmp_path / "models" / "m").mkdir(parents=True)
+    init_model("tiny-moe", tmp_path / "models" / "m", seed=0)
     (tmp_path / "rl.toml").write_text(TOML.format(python=python))
     monkeypatch.chdir(tmp_path)
     assert slurm.main(["@", "rl.toml", "--dry-run"]) == 0
@@ -119,8 +121,18 @@ def test_a_node_with_fewer_gpus_than_gpus_per_node_stops_the_job(tmp_path, monke
 
 def test_a_missing_model_path_stops_the_job(tmp_path, monkeypatch):
     script, log = _render(tmp_path, monkeypatch)
-    (tmp_path / "models" / "m").rmdir()
+    shutil.rmtree(tmp_path / "models" / "m")
     assert _submit(FakeSlurm(tmp_path / "slurm", NODES, node_env=GPUS), script) == 1
     out = (tmp_path / "run" / "logs" / "slurm-1.out").read_text()
     assert "models/m not found: it must be at the same path on every node" in out
+    assert not log.exists()
+
+
+def test_the_head_node_checks_the_runs_inputs_before_it_starts_a_process(tmp_path, monkeypatch):
+    # the render cannot (the files may live on the cluster only); the job's head node does
+    script, log = _render(tmp_path, monkeypatch)
+    (tmp_path / "models" / "m" / "config.json").unlink()
+    assert _submit(FakeSlurm(tmp_path / "slurm", NODES, node_env=GPUS), script) == 2
+    out = (tmp_path / "run" / "logs" / "slurm-1.out").read_text()
+    assert "asyncrl slurm: model = 'models/m': models/m has no config.json" in out
     assert not log.exists()
