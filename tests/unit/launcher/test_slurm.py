@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from asyncrl.launcher import slurm
+from asyncrl.launcher import rl, slurm
 
 TOML = """
 model = "models/m"
@@ -81,3 +82,34 @@ def test_server_count_must_match_the_slurm_layout(tmp_path, capsys):
     assert "deployment.num_inference_servers (3) must equal" in err and "2 * 2 = 4" in err
     assert slurm.main(["@", str(_write(tmp_path, servers=6, per=3)), "--dry-run"]) == 2
     assert "servers_per_inference_node (3) must divide slurm.gpus_per_node (8)" in capsys.readouterr().err
+
+
+SEED = Path(__file__).resolve().parents[3] / "docs" / "configs" / "glm5-seed.toml"
+GLM5 = SEED.with_name("glm5.json")
+
+
+def test_the_reference_glm5_job_renders_where_the_model_is_not(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # its run_dir is relative: outputs/glm5-seed here
+    assert rl.main(["@", str(SEED), "--slurm", "--dry-run"]) == 0
+    assert "/models/GLM-5/config.json is not readable here" in capsys.readouterr().out
+    run = tmp_path / "outputs" / "glm5-seed"
+    script = (run / "slurm.sbatch").read_text()
+    assert "#SBATCH --nodes=28" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "--nnodes=20 --nproc-per-node=8" in script and "--data-parallel-size 8" in script
+    assert "for path in /models/GLM-5 .venv-vllm/bin/python" in script  # checked on every node
+    trainer = tomllib.loads((run / "configs" / "trainer.toml").read_text())
+    inference = tomllib.loads((run / "configs" / "inference-7.toml").read_text())
+    assert trainer["model"]["device"] == "auto" and inference["device"] == "auto"
+    assert (trainer["parallel"]["ep"], trainer["parallel"]["cp"]) == (8, 16)
+    orchestrator = tomllib.loads((run / "configs" / "orchestrator.toml").read_text())
+    assert orchestrator["batch_size"] == 256 and orchestrator["trainer_dp_size"] == 10
+
+
+def test_the_reference_job_checks_expert_parallel_against_a_given_model_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["@", str(SEED), "--slurm", "--dry-run", "--model-config", str(GLM5)]
+    assert rl.main(argv) == 0
+    assert "not readable here" not in capsys.readouterr().out
+    # 256 experts: ep = 512 divides neither them nor 160 GPUs; the render says so at once
+    assert rl.main([*argv, "--trainer.parallel.ep", "512"]) == 2
+    assert "[trainer.parallel] with slurm.trainer_nodes * gpus_per_node = 20 * 8" in capsys.readouterr().err
