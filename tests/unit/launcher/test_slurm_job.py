@@ -7,7 +7,6 @@ The job's interpreter is a stand-in: asyncrl's own checks (`-c 'import asyncrl'`
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,14 +50,20 @@ exec sleep 60
 """
 
 
-def _render(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
-    """Render the job in tmp_path (its working directory); the job script and the processes' log."""
+def _render(tmp_path: Path, monkeypatch, *, model: bool = False) -> tuple[Path, Path]:
+    """Render the job in tmp_path (its working directory); the job script and the processes' log.
+
+    `model`: a real model at models/m, which the head node's input check reads; otherwise an empty
+    directory, enough for a job that stops before."""
     log = tmp_path / "processes.log"
     python = tmp_path / "bin" / "python"
     python.parent.mkdir()
     python.write_text(_INTERPRETER.format(python=sys.executable, log=log))
     python.chmod(0o755)
-    init_model("tiny-moe", tmp_path / "models" / "m", seed=0)
+    if model:
+        init_model("tiny-moe", tmp_path / "models" / "m", seed=0)
+    else:
+        (tmp_path / "models" / "m").mkdir(parents=True)
     (tmp_path / "rl.toml").write_text(TOML.format(python=python))
     monkeypatch.chdir(tmp_path)
     assert slurm.main(["@", "rl.toml", "--dry-run"]) == 0
@@ -74,7 +79,7 @@ def _submit(cluster: FakeSlurm, script: Path) -> int:
 
 
 def test_each_server_gets_its_node_its_gpus_and_its_port(tmp_path, monkeypatch):
-    script, log = _render(tmp_path, monkeypatch)
+    script, log = _render(tmp_path, monkeypatch, model=True)
     cluster = FakeSlurm(tmp_path / "slurm", NODES, node_env=GPUS)
     assert _submit(cluster, script) == 0, (tmp_path / "run" / "logs" / "slurm-1.out").read_text()
     lines = [line.split("|") for line in log.read_text().splitlines()]
@@ -121,7 +126,7 @@ def test_a_node_with_fewer_gpus_than_gpus_per_node_stops_the_job(tmp_path, monke
 
 def test_a_missing_model_path_stops_the_job(tmp_path, monkeypatch):
     script, log = _render(tmp_path, monkeypatch)
-    shutil.rmtree(tmp_path / "models" / "m")
+    (tmp_path / "models" / "m").rmdir()
     assert _submit(FakeSlurm(tmp_path / "slurm", NODES, node_env=GPUS), script) == 1
     out = (tmp_path / "run" / "logs" / "slurm-1.out").read_text()
     assert "models/m not found: it must be at the same path on every node" in out
@@ -130,8 +135,7 @@ def test_a_missing_model_path_stops_the_job(tmp_path, monkeypatch):
 
 def test_the_head_node_checks_the_runs_inputs_before_it_starts_a_process(tmp_path, monkeypatch):
     # the render cannot (the files may live on the cluster only); the job's head node does
-    script, log = _render(tmp_path, monkeypatch)
-    (tmp_path / "models" / "m" / "config.json").unlink()
+    script, log = _render(tmp_path, monkeypatch)  # models/m is there, but holds no model
     assert _submit(FakeSlurm(tmp_path / "slurm", NODES, node_env=GPUS), script) == 2
     out = (tmp_path / "run" / "logs" / "slurm-1.out").read_text()
     assert "asyncrl slurm: model = 'models/m': models/m has no config.json" in out
