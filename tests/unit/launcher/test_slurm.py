@@ -6,9 +6,12 @@ import subprocess
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from asyncrl.launcher import rl, slurm
+from asyncrl.transport.rollouts import write_batch
+from asyncrl.wire import RolloutBatch, RolloutSample
 
 TOML = """
 model = "models/m"
@@ -29,6 +32,14 @@ time = "12:00:00"
 setup = ["source /opt/venv/bin/activate"]
 env = {{ NCCL_DEBUG = "WARN", HF_HUB_OFFLINE = "1" }}
 """
+
+
+def _batch(step: int) -> RolloutBatch:
+    n = 4
+    sample = RolloutSample(token_ids=np.ones(n, np.int32), loss_mask=np.ones(n, bool),
+                           inference_logprobs=np.zeros(n, np.float32), advantages=np.zeros(n, np.float32),
+                           temperatures=np.ones(n, np.float32), policy_versions=np.zeros(n, np.int32))  # fmt: skip
+    return RolloutBatch(step=step, samples=[sample])
 
 
 def _write(tmp_path, servers=4, per=2):
@@ -113,3 +124,30 @@ def test_the_reference_job_checks_expert_parallel_against_a_given_model_config(t
     # 256 experts: ep = 512 divides neither them nor 160 GPUs; the render says so at once
     assert rl.main([*argv, "--trainer.parallel.ep", "512"]) == 2
     assert "[trainer.parallel] with slurm.trainer_nodes * gpus_per_node = 20 * 8" in capsys.readouterr().err
+
+
+def test_resume_renders_a_job_that_applies_the_plan_when_it_starts(tmp_path, monkeypatch, capsys):
+    # an earlier job wrote batches 1..3 and checkpoint 2, then was killed
+    monkeypatch.setattr(slurm, "check_inputs", lambda resolved: None)  # the job start's, on the cluster
+    for step in (1, 2, 3):
+        write_batch(tmp_path / "run", _batch(step))
+    (tmp_path / "run" / "checkpoints" / "step_2").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_2" / ".metadata").write_bytes(b"")
+    toml = _write(tmp_path)
+    assert rl.main(["@", str(toml), "--slurm", "--dry-run"]) == 2  # a new run may not start over it
+    assert "already holds a run" in capsys.readouterr().err
+
+    assert rl.main(["@", str(toml), "--slurm", "--dry-run", "--resume"]) == 0
+    assert "resuming: trainer from checkpoint step 2, retraining batches 3..3" in capsys.readouterr().out
+    script = (tmp_path / "run" / "slurm.sbatch").read_text()
+    rl_toml = tmp_path / "run" / "configs" / "rl.toml"
+    assert f'-m asyncrl slurm --job-start --resume @ "{rl_toml}"' in script
+    # the job's head node plans again from what the run directory holds then, and applies it
+    (tmp_path / "run" / "configs" / "trainer.toml").unlink()
+    assert slurm.main(["--job-start", "--resume", "@", str(rl_toml)]) == 0
+    trainer = tomllib.loads((tmp_path / "run" / "configs" / "trainer.toml").read_text())
+    orchestrator = tomllib.loads((tmp_path / "run" / "configs" / "orchestrator.toml").read_text())
+    assert trainer["resume_step"] == 2 and orchestrator["resume"] is True
+    # the job of a new run refuses to start over it
+    assert slurm.main(["--job-start", "@", str(rl_toml)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
