@@ -105,7 +105,7 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: YarnScaling | None = None
+    rope_scaling: YarnScaling | None = None  # None: plain RoPE
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     attention_bias: bool = False
