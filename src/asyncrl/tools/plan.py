@@ -320,9 +320,8 @@ def load_model_config(path: str | Path) -> ModelArgs:
 def read_model_config(path: str | Path) -> tuple[ModelArgs, list[str]]:
     """ModelArgs from a config.json for planning, and notes on what was read differently.
 
-    The plan depends on shapes only, so two things the model loader refuses are accepted here
-    and named in the notes: `model_type: kimi_k2` with the DeepseekV3ForCausalLM architecture
-    (Moonshot's name for the DeepSeek-V3 layout) and RoPE scaling (YaRN), which changes no shape.
+    The plan depends on shapes only: a checkpoint's `quantization_config` (FP8 weights, which
+    loading dequantises) is named in the notes and planned as fp32 master weights.
     """
     path = Path(path)
     if path.is_dir():
@@ -339,16 +338,6 @@ def read_model_config(path: str | Path) -> tuple[ModelArgs, list[str]]:
 
 def _shapes_only(cfg: dict) -> tuple[dict, list[str]]:
     cfg, notes = dict(cfg), []
-    if cfg.get("model_type") == "kimi_k2" and "DeepseekV3ForCausalLM" in (cfg.get("architectures") or []):
-        cfg["model_type"] = "deepseek_v3"
-        notes.append("model_type kimi_k2 (architecture DeepseekV3ForCausalLM) planned as deepseek_v3")
-    scaling = cfg.pop("rope_scaling", None)
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        notes.append(
-            f"rope_scaling ({kind}) ignored: it changes no shape; asyncrl.model refuses it, so "
-            "training this config needs RoPE scaling implemented first"
-        )
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
         notes.append(

@@ -93,7 +93,8 @@ def test_published_glm5_and_kimi_k2_parameter_counts_match_the_announced_figures
     assert kimi_plan.total_params == pytest.approx(1.04e12, rel=0.02)
     assert kimi_plan.active_params == pytest.approx(32.6e9, rel=0.02)
     assert glm5.uses_dsa and kimi.uses_mla and not glm5_notes
-    assert any("kimi_k2" in n for n in kimi_notes) and any("rope_scaling (yarn)" in n for n in kimi_notes)
+    assert kimi.model_type == "deepseek_v3" and kimi.rope_scaling.factor == 32.0
+    assert len(kimi_notes) == 1 and "quantization_config (fp8)" in kimi_notes[0]
     # the planner's per-layer FSDP units (MLA, indexer, router + bias, shared expert, experts) add
     # up to the model's parameter count
     for args in (glm5, kimi):
@@ -151,3 +152,13 @@ def test_mla_attention_activation_estimate_is_close_to_what_autograd_keeps():
     measured = sum(saved.values()) / 4 / T
     local, row = _attention_elements(args, cp=1)
     assert row == 0 and 0.8 < measured / local < 1.25
+
+
+def test_published_deepseek_v3_config_is_read_with_its_yarn_and_counts_671b():
+    """DeepSeek-V3: 671B total, 37B active (DeepSeek's report; its MTP layer not counted)."""
+    args, notes = read_model_config(DOCS / "deepseek-v3.json")
+    assert args.rope_scaling.factor == 40.0 and args.rope_scaling.mscale_all_dim == 1.0
+    assert notes == ["quantization_config (fp8) ignored: the plan assumes fp32 master weights and compute in "
+                     "--param-dtype"]  # fmt: skip
+    assert args.num_params() == pytest.approx(671e9, rel=0.01)
+    assert args.num_params(active=True) == pytest.approx(37e9, rel=0.02)
