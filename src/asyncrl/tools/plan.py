@@ -48,6 +48,7 @@ class Layout:
     nodes: int
     gpus_per_node: int
     seq_len: int  # tokens per packed row (one micro-batch), before CP splits it
+    seq_tokens: int | None = None  # tokens per packed sequence (causal attention's span); None: seq_len
     dp_replicate: int = 1
     dp_shard: int = -1
     ep: int = 1
@@ -59,9 +60,14 @@ class Layout:
     gpu_mem_gb: float = 141.0  # H200
     reserve_gb: float = 8.0  # CUDA context, NCCL buffers, allocator fragmentation
     peak_tflops: float = 989.0  # H200 dense bf16
+    fp32_tflops: float = 67.0  # H200 fp32 (CUDA cores): DSA's indexer and latent attention
     mfu: float = 0.35
     a2a_gbps: float = 50.0  # per-GPU all_to_all GB/s across nodes (400 Gb/s NIC)
     nvlink_gbps: float = 400.0  # per-GPU all_to_all GB/s when an EP group fits in one node
+
+    @property
+    def sequence_tokens(self) -> int:
+        return self.seq_len if self.seq_tokens is None else min(self.seq_tokens, self.seq_len)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +89,8 @@ class MemoryPlan:
     activations_ac: float
     activations_no_ac: float
     all_to_all_bytes: float  # sent per GPU per step
-    step_flops: float
+    step_flops: float  # in the compute dtype
+    fp32_flops: float  # DSA's indexer scores and latent attention
     reserve: float
     gpu_mem: float
     activation_checkpointing: bool
@@ -120,12 +127,47 @@ def _layer_unit_params(args: ModelArgs, layer: int, ep: int) -> int:
     return dense + 3 * d * args.intermediate_size
 
 
+def attention_path(args: ModelArgs, cp: int) -> str:
+    """How the trainer's attention runs, which decides what it costs:
+
+    - "sparse": DSA; each query attends over its `index_topk` selected keys only, in MLA's latent
+      space (work and memory linear in the row for a fixed top-k);
+    - "dense": context parallel; local queries over the whole gathered row with a boolean mask, so
+      SDPA computes every (query, key) pair: no causal saving;
+    - "causal": SDPA `is_causal` per packed sequence (a flash kernel skips the masked half).
+    """
+    if args.uses_dsa:
+        return "sparse"
+    return "dense" if cp > 1 else "causal"
+
+
+def _causal_sum(n: int, seq_tokens: int) -> int:
+    """Keys seen by the first n tokens of a row packed with sequences of seq_tokens: sum (p mod l) + 1."""
+    q, r = divmod(n, seq_tokens)
+    return q * seq_tokens * (seq_tokens + 1) // 2 + r * (r + 1) // 2
+
+
+def causal_keys(seq_tokens: int, row: int, cp: int) -> float:
+    """Mean keys per query, causal within packed sequences, on the last CP rank's chunk of the row:
+    the rank with the most causal work (CP chunks are contiguous), which every other rank waits for."""
+    chunk = row // cp
+    return (_causal_sum(row, seq_tokens) - _causal_sum(row - chunk, seq_tokens)) / chunk
+
+
+def _indexer_params(args: ModelArgs) -> int:
+    """One DSA indexer: wq_b, wk, k_norm (LayerNorm), weights_proj."""
+    ih, idim, d = args.index_n_heads, args.index_head_dim, args.hidden_size
+    return (args.q_lora_rank or 0) * ih * idim + d * idim + 2 * idim + d * ih
+
+
 def _attention_elements(args: ModelArgs, cp: int) -> tuple[int, int]:
     """Elements one attention block keeps for backward: (per local token, per token of the row).
 
     The second applies to every token of the row under CP (keys and values are gathered) and is
     folded into the first without CP. MLA keeps the projected latent per local token, and per key
-    token the latent, its kv_b_proj expansion and the per-head keys and values built from it.
+    token the latent, its kv_b_proj expansion and the per-head keys and values built from it. DSA
+    never expands: it keeps the latent-space queries and outputs per local token and the (gathered)
+    latent per key token; its fp32 and int32 tensors are in `_sparse_attention_bytes`.
     """
     d, H = args.hidden_size, args.num_attention_heads
     if not args.uses_mla:
@@ -136,8 +178,18 @@ def _attention_elements(args: ModelArgs, cp: int) -> tuple[int, int]:
     Q, qk = args.q_lora_rank or 0, n + r
     # norm in/out, q latent + its norm, q before/after rope, kv_a out + latent norm + state, output
     local = 2 * d + 2 * Q + 2 * H * qk + 3 * (R + r) + H * v
+    if args.uses_dsa:  # + absorbed queries [H, R + r] and latent outputs [H, R] for project_out
+        return local + H * (R + r) + H * R, (R + r) if cp > 1 else 0
     row = (R + r) + H * (n + v) + H * qk + H * v  # state, kv_b_proj out, keys, contiguous values
     return (local, row) if cp > 1 else (local + row, 0)
+
+
+def _sparse_attention_bytes(args: ModelArgs, seq_len: int) -> int:
+    """Bytes per local token a DSA layer keeps besides `_attention_elements`: the latent-space
+    outputs in fp32 [H, R] and the selected key positions, int32 [index_topk]."""
+    if not args.uses_dsa:
+        return 0
+    return 4 * args.num_attention_heads * args.kv_lora_rank + 4 * min(args.index_topk, seq_len)
 
 
 def _mlp_elements(args: ModelArgs, layer: int) -> tuple[int, int]:
@@ -157,20 +209,27 @@ def _layer_activations(args: ModelArgs, layout: Layout, layer: int, act_bytes: i
     tokens, S = layout.seq_len // layout.cp, layout.seq_len
     local, row = _attention_elements(args, layout.cp)
     mlp, fp32_bytes = _mlp_elements(args, layer)
+    fp32_bytes += _sparse_attention_bytes(args, S)
     out = tokens * ((local + mlp) * act_bytes + fp32_bytes) + S * row * act_bytes
-    if layout.cp > 1 or args.uses_dsa:
-        # SDPA turns an explicit mask (CP's, DSA's selection) into an additive [S/cp, S] tensor
-        # in the compute dtype and keeps it for backward
+    if attention_path(args, layout.cp) == "dense":
+        # SDPA turns CP's boolean mask into an additive [S/cp, S] tensor in the compute dtype and
+        # keeps it for backward
         out += tokens * S * act_bytes
-    if args.uses_dsa and args.indexer_types[layer] == "full":
-        out += tokens * S  # the selection, bool [S/cp, S]
     return out
 
 
+# fp32 elements of latent rows one chunk of sparse attention gathers (asyncrl.model.latent_attention)
+_GATHER_ELEMENTS = 2**24
+
+
 def _dsa_transient(args: ModelArgs) -> float:
-    """The indexer's scratch while it ranks keys (it keeps nothing for backward): one chunk of fp32
-    scores and its relu (asyncrl.model.sparse_index.MAX_SCORE_ELEMENTS)."""
-    return 2 * MAX_SCORE_ELEMENTS * 4 if args.uses_dsa else 0.0
+    """DSA's scratch (nothing kept for backward): the indexer's chunk of fp32 scores and one head's
+    scores (asyncrl.model.sparse_index.MAX_SCORE_ELEMENTS), and sparse attention's chunk of gathered
+    latent rows with its scores and probabilities [queries, H, K]."""
+    if not args.uses_dsa:
+        return 0.0
+    H, c = args.num_attention_heads, args.kv_lora_rank + args.qk_rope_head_dim
+    return 2 * MAX_SCORE_ELEMENTS * 4 + _GATHER_ELEMENTS * 4 * (1 + 2 * H / c)
 
 
 def _activations(args: ModelArgs, layout: Layout, act_bytes: int) -> tuple[float, float]:
@@ -178,15 +237,15 @@ def _activations(args: ModelArgs, layout: Layout, act_bytes: int) -> tuple[float
     tokens = layout.seq_len // layout.cp
     per_layer = [_layer_activations(args, layout, i, act_bytes) for i in range(args.num_hidden_layers)]
     head = tokens * args.hidden_size * act_bytes + 3 * 1024 * args.vocab_size * 4  # hidden + one logits chunk
-    # packed-row attention mask, bool [S/cp, S]: held all step under CP, built per layer for DSA
-    mask = tokens * layout.seq_len
-    if args.uses_dsa:  # selections a later "shared" layer reuses stay for the whole step
+    # CP's boolean mask rows, [S/cp, S], held all step (DSA layers never build them)
+    mask = tokens * layout.seq_len if attention_path(args, layout.cp) == "dense" else 0
+    if args.uses_dsa:  # selections a later "shared" layer reuses stay for the whole step: int32 [S/cp, K]
         reused = sum(
             1
             for a, b in zip(args.indexer_types, args.indexer_types[1:], strict=False)
             if (a, b) == ("full", "shared")
         )
-        mask += reused * tokens * layout.seq_len
+        mask += reused * tokens * 4 * min(args.index_topk, layout.seq_len)
     transient = _dsa_transient(args)
     no_ac = sum(per_layer) + head + mask + transient
     ac = (
@@ -199,26 +258,65 @@ def _activations(args: ModelArgs, layout: Layout, act_bytes: int) -> tuple[float
     return ac, no_ac
 
 
-def _step_flops(args: ModelArgs, layout: Layout) -> float:
-    """6 * active params per token (8 with recompute) + causal attention, for this GPU's tokens;
-    MLA under CP also expands the whole row's latent on every rank; the DSA indexer scores every
-    visible key, forward only (no gradient)."""
+def _attention_flops(args: ModelArgs, layout: Layout) -> float:
+    """One layer's attention FLOPs for this GPU's tokens: forward (twice with recompute) + backward.
+
+    Expanded attention (SDPA) costs 2 * H * (qk + v) per (query, key) forward and 2.5x that
+    backward (flash and memory-efficient kernels recompute the scores). DSA's latent attention
+    scores each query against its K selected latent rows (width c = R + r) and sums R-wide values:
+    2 * H * K * (c + R) forward; its backward recomputes the scores, then dp, dq, drows, dvalues.
+    """
+    tokens = layout.seq_len // layout.cp * layout.micro_batches
+    H, S = args.num_attention_heads, layout.seq_len
+    forwards = 2 if layout.activation_checkpointing else 1
+    path = attention_path(args, layout.cp)
+    if path == "sparse":
+        K, R = min(args.index_topk, S), args.kv_lora_rank
+        c = R + args.qk_rope_head_dim
+        fwd, bwd = 2 * H * K * (c + R), 2 * H * K * (3 * c + 2 * R)
+    else:
+        keys = S if path == "dense" else causal_keys(layout.sequence_tokens, S, 1)
+        qk_v = args.qk_head_dim + args.v_head_dim if args.uses_mla else 2 * args.head_dim
+        fwd = 2 * H * qk_v * keys
+        bwd = 2.5 * fwd
+    return (forwards * fwd + bwd) * tokens
+
+
+def _indexer_flops(args: ModelArgs, layout: Layout) -> float:
+    """The DSA indexer's scores for this GPU's tokens (no gradient; again in the recompute): every
+    key a query may see, causal within its sequence, on the busiest CP rank."""
+    if not args.uses_dsa:
+        return 0.0
+    tokens = layout.seq_len // layout.cp * layout.micro_batches
+    keys = causal_keys(layout.sequence_tokens, layout.seq_len, layout.cp)
+    fwd = 2 * args.index_n_heads * (args.index_head_dim + 1) * keys * tokens
+    return (2 if layout.activation_checkpointing else 1) * fwd * args.indexer_types.count("full")
+
+
+def _step_flops(args: ModelArgs, layout: Layout) -> tuple[float, float]:
+    """(compute-dtype FLOPs, fp32 FLOPs) for this GPU's tokens, as the trainer runs them.
+
+    Matmuls: 6 FLOPs per active parameter per token (8 with recompute), except the embedding (a
+    lookup), the LM head (8: chunked logprobs recompute it) and the DSA indexer's projections (no
+    gradient: 2, or 4 with recompute). MLA under CP (without DSA) also expands the whole row's
+    latent on every rank. DSA's indexer scores and latent attention run in fp32 (their kernels
+    upcast; TF32 is not enabled), so they are the second figure.
+    """
     tokens = layout.seq_len // layout.cp * layout.micro_batches
     S, H, L = layout.seq_len, args.num_attention_heads, args.num_hidden_layers
-    passes = 4 if layout.activation_checkpointing else 3  # forward, backward (2x), recompute
-    matmul = (8 if layout.activation_checkpointing else 6) * args.num_params(active=True) * tokens
-    qk_v = args.qk_head_dim + args.v_head_dim if args.uses_mla else 2 * args.head_dim
-    attn_fwd = 2 * H * qk_v * (S / 2) * tokens
-    extra_fwd = 0.0
-    if args.uses_mla and layout.cp > 1:
+    ac = layout.activation_checkpointing
+    embed = args.vocab_size * args.hidden_size
+    head = 0 if args.tie_word_embeddings else embed
+    indexer = _indexer_params(args) * args.indexer_types.count("full") if args.uses_dsa else 0
+    trained = args.num_params(active=True) - embed - head - indexer
+    matmul = ((8 if ac else 6) * trained + 8 * embed + (4 if ac else 2) * indexer) * tokens
+    attention = _attention_flops(args, layout) * L
+    if args.uses_mla and attention_path(args, layout.cp) == "dense":
         kv_b = 2 * args.kv_lora_rank * H * (args.qk_nope_head_dim + args.v_head_dim)
-        extra_fwd += kv_b * (S - layout.seq_len // layout.cp) * layout.micro_batches
-    total = matmul + passes * (attn_fwd + extra_fwd) * L
+        matmul += (4 if ac else 3) * kv_b * (S - layout.seq_len // layout.cp) * layout.micro_batches * L
     if args.uses_dsa:
-        full = args.indexer_types.count("full")
-        index_fwd = 2 * args.index_n_heads * (args.index_head_dim + 1) * S * tokens
-        total += (2 if layout.activation_checkpointing else 1) * index_fwd * full
-    return total
+        return matmul, attention + _indexer_flops(args, layout)
+    return matmul + attention, 0.0
 
 
 def _kv_cache_elements_per_token(args: ModelArgs) -> int:
@@ -256,7 +354,9 @@ def build_plan(args: ModelArgs, layout: Layout) -> MemoryPlan:
     passes = 6 if layout.activation_checkpointing else 4  # dispatch+combine: fwd, bwd (+ recompute)
     remote = (dims.ep - 1) / dims.ep
     a2a = tokens * moe_layers * args.num_experts_per_tok * args.hidden_size * p_bytes * passes * remote
-    flops = _step_flops(args, layout)
+    flops, fp32_flops = _step_flops(args, layout)
+    compute_s = flops / (layout.peak_tflops * 1e12 * layout.mfu)
+    compute_s += fp32_flops / (layout.fp32_tflops * 1e12 * layout.mfu)
     return MemoryPlan(
         dims=dims, total_params=total, active_params=args.num_params(active=True),
         active_params_no_embedding=args.num_params(active=True) - root,
@@ -264,9 +364,9 @@ def build_plan(args: ModelArgs, layout: Layout) -> MemoryPlan:
         params=total * 4 / shard, grads=total * 4 / shard, optimizer=total * 8 / shard,
         gathered_layer=unit * p_bytes, gathered_with_prefetch=unit * p_bytes * (1 + layout.prefetch),
         layer_grads=unit * 4, root=root * p_bytes, activations_ac=ac, activations_no_ac=no_ac,
-        all_to_all_bytes=a2a, step_flops=flops, reserve=layout.reserve_gb * GB,
+        all_to_all_bytes=a2a, step_flops=flops, fp32_flops=fp32_flops, reserve=layout.reserve_gb * GB,
         gpu_mem=layout.gpu_mem_gb * GB, activation_checkpointing=layout.activation_checkpointing,
-        compute_seconds=flops / (layout.peak_tflops * 1e12 * layout.mfu),
+        compute_seconds=compute_s,
         all_to_all_seconds=a2a / (_a2a_bandwidth(layout, dims.ep) * GB),
     )  # fmt: skip
 
@@ -296,8 +396,7 @@ def format_plan(plan: MemoryPlan, layout: Layout) -> str:
         "",
         f"all_to_all sent per GPU per step: {plan.all_to_all_bytes / GB:.2f} GB "
         f"(~{plan.all_to_all_seconds:.2f} s at {_a2a_bandwidth(layout, d.ep):g} GB/s)",
-        f"compute per GPU per step: {plan.step_flops / 1e15:.1f} PFLOP "
-        f"(~{plan.compute_seconds:.1f} s at {layout.mfu:.0%} of {layout.peak_tflops:g} TFLOPS)",
+        _compute_line(plan, layout),
         f"inference KV cache ({layout.param_dtype}): {plan.kv_cache_bytes_per_token / 1e3:.1f} KB per token, "
         f"{plan.kv_cache_bytes_per_token * layout.seq_len / GB:.1f} GB per {layout.seq_len}-token sequence",
     ]
@@ -310,6 +409,17 @@ def format_plan(plan: MemoryPlan, layout: Layout) -> str:
     else:
         rows.append(f"fits: {plan.gpu_mem / GB - plan.total / GB:.1f} GB headroom per GPU")
     return "\n".join(rows)
+
+
+def _compute_line(plan: MemoryPlan, layout: Layout) -> str:
+    at = f"{layout.mfu:.0%} of {layout.peak_tflops:g} TFLOPS"
+    if not plan.fp32_flops:
+        return f"compute per GPU per step: {plan.step_flops / 1e15:.1f} PFLOP (~{plan.compute_seconds:.1f} s at {at})"
+    return (
+        f"compute per GPU per step: {plan.step_flops / 1e15:.1f} PFLOP + {plan.fp32_flops / 1e15:.1f} PFLOP "
+        f"fp32 (DSA indexer and attention) (~{plan.compute_seconds:.1f} s at {at}, "
+        f"fp32 at {layout.fp32_tflops:g})"
+    )
 
 
 def load_model_config(path: str | Path) -> ModelArgs:
