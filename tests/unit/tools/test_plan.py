@@ -12,16 +12,8 @@ from asyncrl.distributed import ParallelDimsError
 from asyncrl.inference.kv_cache import KVCache
 from asyncrl.model import Transformer, preset_args
 from asyncrl.model.layers import PackedCausalAttention
-from asyncrl.tools.plan import (
-    GB,
-    Layout,
-    _attention_elements,
-    _layer_unit_params,
-    build_plan,
-    load_model_config,
-    main,
-    read_model_config,
-)
+from asyncrl.tools.plan import GB, Layout, build_plan, load_model_config, main, read_model_config
+from asyncrl.tools.plan_trainer import _attention_elements, _layer_unit_params
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "configs"
 SEED = DOCS / "seed-800b-78l.json"
