@@ -111,6 +111,11 @@ def _parser() -> argparse.ArgumentParser:
         "--reserve-gb", type=float, default=8.0, help="CUDA context, NCCL buffers, allocator fragmentation"
     )
     p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation for step time")
+    p.add_argument(
+        "--dsa-bf16",
+        action="store_true",
+        help="what-if: DSA's indexer and latent attention on bf16 tensor cores (the code runs them in fp32)",
+    )
     p.add_argument("--a2a-gbps", type=float, default=50.0, help="per-GPU all_to_all GB/s across nodes")
     p.add_argument("--nvlink-gbps", type=float, default=400.0, help="per-GPU all_to_all GB/s within a node")
     _step_arguments(p.add_argument_group("RL step (with --inference-nodes)"))
@@ -166,7 +171,7 @@ def _layout(ns: argparse.Namespace) -> Layout:
         activation_checkpointing=not ns.no_activation_checkpointing, param_dtype=ns.param_dtype,
         prefetch=ns.prefetch, gpu_mem_gb=ns.gpu_mem_gb or gpu.mem_gb, reserve_gb=ns.reserve_gb,
         peak_tflops=gpu.bf16_tflops, fp32_tflops=gpu.fp32_tflops, mfu=ns.mfu, a2a_gbps=ns.a2a_gbps,
-        nvlink_gbps=ns.nvlink_gbps,
+        nvlink_gbps=ns.nvlink_gbps, dsa_bf16=ns.dsa_bf16,
     )  # fmt: skip
 
 

@@ -119,7 +119,7 @@ class Inference:
 class StepPlan:
     """The whole RL step in seconds, and what bounds it."""
 
-    trainer: MemoryPlan
+    trainer: MemoryPlan  # its compute: rows as packed for this step (memory: the seq_len plan)
     micro_batches: int
     inference: Inference
     version_bytes: float
@@ -273,13 +273,16 @@ def _inference(args: ModelArgs, layout: Layout, inputs: RLInputs, weights: float
 
 
 def _trainer(args: ModelArgs, layout: Layout, inputs: RLInputs) -> tuple[MemoryPlan, int]:
-    """The trainer's plan with the step's rollouts packed whole into rows of seq_len, the rows
-    shared among the data ranks (CP ranks of a group share theirs): micro-batches per GPU."""
+    """The trainer's compute for the step, as `asyncrl.trainer.packing` lays it out: each data rank
+    (CP ranks of a group share one) gets its share of the rollouts, packed whole into rows of at
+    most seq_len tokens (padded to a multiple of cp); every rank runs the largest count of rows."""
     dims = build_plan(args, layout).dims
     per_row = layout.seq_len // inputs.rollout_tokens
-    rows = math.ceil(inputs.rollouts / per_row)
-    micro = math.ceil(rows / (dims.dp_replicate * dims.dp_shard))
-    step_layout = replace(layout, micro_batches=micro, seq_tokens=inputs.rollout_tokens)
+    per_rank = math.ceil(inputs.rollouts / (dims.dp_replicate * dims.dp_shard))
+    micro = math.ceil(per_rank / per_row)
+    row = min(per_rank, per_row) * inputs.rollout_tokens
+    row += -row % layout.cp
+    step_layout = replace(layout, seq_len=row, micro_batches=micro, seq_tokens=inputs.rollout_tokens)
     return build_plan(args, step_layout), micro
 
 

@@ -54,6 +54,7 @@ class Layout:
     reserve_gb: float = 8.0  # CUDA context, NCCL buffers, allocator fragmentation
     peak_tflops: float = 989.0  # H200 dense bf16
     fp32_tflops: float = 67.0  # H200 fp32 (CUDA cores): DSA's indexer and latent attention
+    dsa_bf16: bool = False  # what-if: DSA's fp32 work on bf16 tensor cores instead
     mfu: float = 0.35
     a2a_gbps: float = 50.0  # per-GPU all_to_all GB/s across nodes (400 Gb/s NIC)
     nvlink_gbps: float = 400.0  # per-GPU all_to_all GB/s when an EP group fits in one node
@@ -349,7 +350,8 @@ def build_plan(args: ModelArgs, layout: Layout) -> MemoryPlan:
     a2a = tokens * moe_layers * args.num_experts_per_tok * args.hidden_size * p_bytes * passes * remote
     flops, fp32_flops = _step_flops(args, layout)
     compute_s = flops / (layout.peak_tflops * 1e12 * layout.mfu)
-    compute_s += fp32_flops / (layout.fp32_tflops * 1e12 * layout.mfu)
+    fp32_peak = layout.peak_tflops if layout.dsa_bf16 else layout.fp32_tflops
+    compute_s += fp32_flops / (fp32_peak * 1e12 * layout.mfu)
     return MemoryPlan(
         dims=dims, total_params=total, active_params=args.num_params(active=True),
         active_params_no_embedding=args.num_params(active=True) - root,
@@ -406,10 +408,11 @@ def format_plan(plan: MemoryPlan, layout: Layout) -> str:
 
 def _compute_line(plan: MemoryPlan, layout: Layout) -> str:
     at = f"{layout.mfu:.0%} of {layout.peak_tflops:g} TFLOPS"
+    flops = f"{plan.step_flops / 1e15:.1f} PFLOP"
     if not plan.fp32_flops:
-        return f"compute per GPU per step: {plan.step_flops / 1e15:.1f} PFLOP (~{plan.compute_seconds:.1f} s at {at})"
+        return f"compute per GPU per step: {flops} (~{plan.compute_seconds:.1f} s at {at})"
+    fp32 = "on bf16 tensor cores (--dsa-bf16)" if layout.dsa_bf16 else f"at {layout.fp32_tflops:g} TFLOPS"
     return (
-        f"compute per GPU per step: {plan.step_flops / 1e15:.1f} PFLOP + {plan.fp32_flops / 1e15:.1f} PFLOP "
-        f"fp32 (DSA indexer and attention) (~{plan.compute_seconds:.1f} s at {at}, "
-        f"fp32 at {layout.fp32_tflops:g})"
+        f"compute per GPU per step: {flops} + {plan.fp32_flops / 1e15:.1f} PFLOP fp32 (DSA indexer and "
+        f"attention) (~{plan.compute_seconds:.1f} s at {at}, the fp32 part {fp32})"
     )
