@@ -23,7 +23,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
+from pydantic import Field
+
+from asyncrl.config import ConfigError, SlurmConfig, load_config
+from asyncrl.config.rl import RLConfig
 from asyncrl.distributed.dims import ParallelDimsError
 from asyncrl.model.args import ModelArgs, ModelConfigError
 from asyncrl.tools.plan_step import GPUS, RLInputs, RLStepError, build_step, format_step
@@ -34,6 +39,7 @@ __all__ = [
     "Layout",
     "MemoryPlan",
     "build_plan",
+    "config_defaults",
     "format_plan",
     "load_model_config",
     "main",
@@ -89,10 +95,13 @@ def _shapes_only(cfg: dict) -> tuple[dict, list[str]]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="Hugging Face config.json (or its directory)")
-    p.add_argument("--nodes", type=int, required=True, help="trainer nodes")
+    p.add_argument(
+        "--config", help="an `asyncrl rl` TOML (with [slurm]): its layout and RL-step keys; flags override"
+    )
+    p.add_argument("--model", help="Hugging Face config.json (or its directory); default: the config's model")
+    p.add_argument("--nodes", type=int, help="trainer nodes")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (trainer and inference)")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
+    p.add_argument("--seq-len", type=int, help="tokens per packed row")
     p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas")
     p.add_argument("--dp-shard", type=int, default=-1, help="-1 = auto")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
@@ -200,8 +209,53 @@ def _rl_inputs(ns: argparse.Namespace) -> RLInputs | None:
     )  # fmt: skip
 
 
+class _PlannedRL(RLConfig):
+    """`asyncrl rl`'s config with its `[slurm]` table, as `asyncrl slurm` reads it."""
+
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+
+def config_defaults(path: str) -> dict[str, Any]:
+    """The plan's flags (argparse dests) that an `asyncrl rl` TOML sets, validated as `asyncrl rl`
+    validates it: the nodes and servers of `[slurm]`, `seq_len`, `[trainer.parallel]`, the batch
+    and asynchrony of `[orchestrator]`, the servers' batch and dtype, and publishing's overlap."""
+    cfg = load_config(_PlannedRL, ["@", path])
+    s, par, inf = cfg.slurm, cfg.trainer.parallel, cfg.inference
+    serve = "fp8" if inf.fp8.enabled else {"float32": "fp32", "bfloat16": "bf16"}[inf.dtype]
+    model = Path(cfg.model) / "config.json"
+    return {
+        "model": str(model) if model.is_file() else None, "nodes": s.trainer_nodes,
+        "inference_nodes": s.inference_nodes, "gpus_per_node": s.gpus_per_node,
+        "servers_per_node": s.servers_per_inference_node, "seq_len": cfg.seq_len,
+        "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "ep": par.ep, "cp": par.cp,
+        "no_activation_checkpointing": not par.activation_checkpointing,
+        "rollouts": cfg.orchestrator.batch_size, "max_async_steps": cfg.orchestrator.max_async_steps,
+        "max_num_seqs": inf.max_num_seqs, "serve_dtype": serve,
+        "no_publish_overlap": not cfg.trainer.publish.overlap,
+    }  # fmt: skip
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Flags over the --config's keys over the defaults; --model, --nodes and --seq-len are needed."""
+    parser = _parser()
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        parser.set_defaults(**config_defaults(first.config))
+    ns = parser.parse_args(argv)
+    missing = [f"--{k.replace('_', '-')}" for k in ("model", "nodes", "seq_len") if getattr(ns, k) is None]
+    if missing:
+        parser.error(
+            f"the following arguments are required: {', '.join(missing)} (or a --config that sets them)"
+        )
+    return ns
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
+    try:
+        ns = _parse(argv)
+    except ConfigError as e:
+        print(f"asyncrl plan: --config: {e}", file=sys.stderr)
+        return 2
     layout = _layout(ns)
     try:
         inputs = _rl_inputs(ns)

@@ -118,3 +118,30 @@ def test_cli_plans_the_reference_step_and_names_bad_flags(capsys):
     assert "--rollouts belong to the RL step: give --inference-nodes too" in capsys.readouterr().err
     assert main([*at, "--inference-nodes", "8", "--rollouts", "256"]) == 2
     assert "needs --prompt-tokens, --completion-tokens" in capsys.readouterr().err
+
+
+def test_an_rl_config_gives_the_same_step_as_its_flags(tmp_path, capsys):
+    model = tmp_path / "glm5"
+    model.mkdir()
+    (model / "config.json").write_text(GLM5.read_text())
+    toml = tmp_path / "rl.toml"
+    toml.write_text(
+        f'model = "{model}"\nseq_len = 131072\n'
+        '[inference]\ndtype = "bfloat16"\nfp8 = { enabled = true }\n'
+        "[orchestrator]\nbatch_size = 256\ngroup_size = 8\n"
+        "[trainer.parallel]\nep = 8\ncp = 8\nactivation_checkpointing = true\n"
+        "[slurm]\ninference_nodes = 8\ntrainer_nodes = 20\n"
+    )
+    tokens = ["--prompt-tokens", "40960", "--completion-tokens", "8192"]
+    assert main(["--config", str(toml), *tokens]) == 0
+    from_config = capsys.readouterr().out
+    at = ["--model", str(GLM5), "--nodes", "20", "--seq-len", "131072", "--ep", "8", "--cp", "8"]
+    rl = ["--inference-nodes", "8", "--rollouts", "256", "--serve-dtype", "fp8"]
+    assert main([*at, *rl, *tokens]) == 0
+    assert from_config == capsys.readouterr().out
+    # a flag overrides the file; a key the file must not have is named
+    assert main(["--config", str(toml), *tokens, "--inference-nodes", "4"]) == 0
+    assert "20 trainer + 4 inference nodes" in capsys.readouterr().out
+    toml.write_text(toml.read_text() + "[orchestrator.nope]\n")
+    assert main(["--config", str(toml), *tokens]) == 2
+    assert "nope" in capsys.readouterr().err
