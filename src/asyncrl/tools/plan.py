@@ -10,7 +10,8 @@ The first prints the trainer's plan (`asyncrl.tools.plan_trainer`): per-GPU memo
 volume, compute. It warns, and exits with status 1, when the layout does not fit in GPU memory.
 With `--inference-nodes` it adds the RL step (`asyncrl.tools.plan_step`): the trainer's time
 for the step's rollouts, the bytes and seconds of publishing one version, the rollouts' time on
-the inference nodes, and the step time with what bounds it. Bad values exit with status 2.
+the inference nodes, and the step time with what bounds it. `--config rl.toml` reads the layout
+and RL-step keys of an `asyncrl rl` TOML (flags override). Bad values exit with status 2.
 
 The model is a Hugging Face config.json of any family asyncrl.model runs (GQA or MLA, DSA, shared
 experts), read for its shapes (`read_model_config`). docs/scaling.md explains every formula and
