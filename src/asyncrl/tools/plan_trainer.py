@@ -161,7 +161,7 @@ def _attention_elements(args: ModelArgs, cp: int) -> tuple[int, int]:
     folded into the first without CP. MLA keeps the projected latent per local token, and per key
     token the latent, its kv_b_proj expansion and the per-head keys and values built from it. DSA
     never expands: it keeps the latent-space queries and outputs per local token and the (gathered)
-    latent per key token; its fp32 and int32 tensors are in `_sparse_attention_bytes`.
+    latent per key token; its fp32 and integer tensors are in `_sparse_attention_bytes`.
     """
     d, H = args.hidden_size, args.num_attention_heads
     if not args.uses_mla:
@@ -180,10 +180,11 @@ def _attention_elements(args: ModelArgs, cp: int) -> tuple[int, int]:
 
 def _sparse_attention_bytes(args: ModelArgs, seq_len: int) -> int:
     """Bytes per local token a DSA layer keeps besides `_attention_elements`: the latent-space
-    outputs in fp32 [H, R] and the selected key positions, int32 [index_topk]."""
+    outputs in fp32 [H, R] and the rows of its selected keys, int64 [index_topk] (the int32
+    selection offset into the flattened batch)."""
     if not args.uses_dsa:
         return 0
-    return 4 * args.num_attention_heads * args.kv_lora_rank + 4 * min(args.index_topk, seq_len)
+    return 4 * args.num_attention_heads * args.kv_lora_rank + 8 * min(args.index_topk, seq_len)
 
 
 def _mlp_elements(args: ModelArgs, layer: int) -> tuple[int, int]:
