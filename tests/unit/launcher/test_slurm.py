@@ -102,18 +102,19 @@ GLM5 = SEED.with_name("glm5.json")
 def test_the_reference_glm5_job_renders_where_the_model_is_not(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # its run_dir is relative: outputs/glm5-seed here
     assert rl.main(["@", str(SEED), "--slurm", "--dry-run"]) == 0
-    assert "/models/GLM-5/config.json is not readable here" in capsys.readouterr().out
+    assert "/models/GLM-5-FP8/config.json is not readable here" in capsys.readouterr().out
     run = tmp_path / "outputs" / "glm5-seed"
     script = (run / "slurm.sbatch").read_text()
     assert "#SBATCH --nodes=28" in script and "#SBATCH --gpus-per-node=8" in script
     assert "--nnodes=20 --nproc-per-node=8" in script and "--data-parallel-size 8" in script
-    assert "for path in /models/GLM-5 .venv-vllm/bin/python" in script  # checked on every node
+    assert "for path in /models/GLM-5-FP8 .venv-vllm/bin/python" in script  # checked on every node
     trainer = tomllib.loads((run / "configs" / "trainer.toml").read_text())
     inference = tomllib.loads((run / "configs" / "inference-7.toml").read_text())
     assert trainer["model"]["device"] == "auto" and inference["device"] == "auto"
-    assert (trainer["parallel"]["ep"], trainer["parallel"]["cp"]) == (8, 16)
+    assert (trainer["parallel"]["ep"], trainer["parallel"]["cp"]) == (8, 8)
+    assert trainer["publish"]["fp8"] is True and trainer["publish"]["dtype"] == "bfloat16"  # as served
     orchestrator = tomllib.loads((run / "configs" / "orchestrator.toml").read_text())
-    assert orchestrator["batch_size"] == 256 and orchestrator["trainer_dp_size"] == 10
+    assert orchestrator["batch_size"] == 256 and orchestrator["trainer_dp_size"] == 20
 
 
 def test_the_reference_job_checks_expert_parallel_against_a_given_model_config(tmp_path, monkeypatch, capsys):
