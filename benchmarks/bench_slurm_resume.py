@@ -13,9 +13,9 @@ then audited as the fault suite audits it (tests/integration/faults/audit.py): e
 once, none skipped, no rollout group lost; the script fails if not.
 
 Its phases' seconds go to BENCHMARKS.md under "## Slurm: kill and resume through a stand-in srun".
-The whole takes about 4 minutes on 2 busy cores, mostly the start-up of 7 processes per job, too
+The whole takes 3 to 3.5 minutes on 2 busy cores, mostly the start-up of 7 processes per job, too
 long for the test suite; tests/unit/launcher/test_slurm_job.py checks the same job's mechanics
-(placement, GPU slices, ports, the cluster check) in seconds.
+(placement, GPU slices, ports, the cluster check, the head node's input check) in under a minute.
 """
 
 from __future__ import annotations
