@@ -34,7 +34,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from asyncrl.inference.request import Request
 from asyncrl.model.compute import sdpa
-from asyncrl.model.latent_attention import LatentProjections, attend_masked, attend_selected
+from asyncrl.model.latent_attention import LatentProjections, attend_masked, attend_selected, latent_attention
 from asyncrl.model.sparse_index import IndexQuery, select_topk, selection_mask
 
 __all__ = ["AttentionPaths", "KVCache", "PagedAttention", "SeqSlice"]
@@ -218,18 +218,19 @@ class PagedAttention:
         self, q_SHd: torch.Tensor, mla: LatentProjections, layer_idx: int, index: IndexQuery | None
     ) -> torch.Tensor:
         """[S, H, v]: each decode query over its whole context (MLA) or its selected keys (DSA)."""
+        latent_Pc = self.cache.latent_LPc[layer_idx]
         if index is None:
-            return self._attend_rows(q_SHd, self._decode_context(self.cache.latent_LPc[layer_idx]),
-                                     self.decode_mask_S11C, mla)  # fmt: skip
+            keep_SC = None if self.decode_mask_S11C is None else self.decode_mask_S11C[:, 0, 0]
+            return self._attend_rows(q_SHd, self._decode_context(latent_Pc), keep_SC, mla)
         idx_S1K = self._decode_selection(layer_idx, index)
         if self.paths.sparse:
             bs = self.cache.block_size
             pos_SK = idx_S1K[:, 0].long().clamp(min=0)
             slots_SK = self.decode_blocks_SB.gather(1, pos_SK // bs) * bs + pos_SK % bs
-            rows_SKc = self.cache.latent_LPc[layer_idx][slots_SK]
-            return self._attend_rows(q_SHd, rows_SKc, (idx_S1K >= 0)[:, None], mla)
-        rows_SCc = self._decode_context(self.cache.latent_LPc[layer_idx])
-        return self._attend_rows(q_SHd, rows_SCc, selection_mask(idx_S1K, rows_SCc.shape[1])[:, None], mla)
+            rows_SKc = latent_Pc.index_select(0, slots_SK.flatten()).view(*slots_SK.shape, -1)
+            return self._attend_rows(q_SHd, rows_SKc, idx_S1K[:, 0] >= 0, mla)
+        rows_SCc = self._decode_context(latent_Pc)
+        return self._attend_rows(q_SHd, rows_SCc, selection_mask(idx_S1K, rows_SCc.shape[1])[:, 0], mla)
 
     def _decode_context(self, buf_PX: torch.Tensor) -> torch.Tensor:
         """[S, C, X]: the decode sequences' whole blocks of a per-slot buffer (padding past each
@@ -253,19 +254,23 @@ class PagedAttention:
         return idx_S1K
 
     def _attend_rows(
-        self, q_SHd: torch.Tensor, rows_SJc: torch.Tensor, keep: torch.Tensor | None, mla: LatentProjections
+        self,
+        q_SHd: torch.Tensor,
+        rows_SJc: torch.Tensor,
+        keep_SJ: torch.Tensor | None,
+        mla: LatentProjections,
     ) -> torch.Tensor:
-        """[S, H, v]: one query per sequence over J latent rows (`keep` [S, 1, 1, J] masks some):
-        in the latent space with the projections absorbed (MQA: the H heads are H queries of one
-        shared key/value head), or expanded to per-head K/V."""
+        """[S, H, v]: one query per sequence over J latent rows (`keep_SJ` masks some): in the
+        latent space with the projections absorbed (MQA: the H heads are H queries of one shared
+        key/value head), or expanded to per-head K/V."""
         if not self.paths.latent_decode:
             k_SHJd, v_SHJv = mla.expand(rows_SJc)
+            keep = None if keep_SJ is None else keep_SJ[:, None, None, :]
             return sdpa(q_SHd.unsqueeze(2), k_SHJd, v_SHJv, attn_mask=keep).squeeze(2)
-        kv_S1Jc = mla.latent(rows_SJc).unsqueeze(1)
-        q_S1Hc = mla.absorb(q_SHd.unsqueeze(2)).transpose(1, 2).to(kv_S1Jc.dtype)
-        o_S1HR = sdpa(q_S1Hc, kv_S1Jc, kv_S1Jc[..., : mla.kv_lora_rank], attn_mask=keep,
-                      scale=mla.softmax_scale)  # fmt: skip
-        return mla.project_out(o_S1HR.transpose(1, 2).to(q_SHd.dtype)).squeeze(2)
+        q_SHc = mla.absorb(q_SHd.unsqueeze(2)).squeeze(2)
+        o_SHR = latent_attention(q_SHc, mla.latent(rows_SJc), keep_SJ, value_dim=mla.kv_lora_rank,
+                                 scale=mla.softmax_scale)  # fmt: skip
+        return mla.project_out(o_SHR.unsqueeze(2)).squeeze(2)
 
     def _prefill_latent(
         self, q_1HTd: torch.Tensor, i: int, s: SeqSlice, mla: LatentProjections, layer_idx: int,

@@ -11,8 +11,7 @@ DSA (asyncrl.model.dsa) gives each query its own K selected keys (asyncrl.model.
 `sparse_latent_attention` gathers, a chunk of queries at a time, each query's selected latent rows
 and attends over those only, so memory and work are linear in T for a fixed top-k; no [T, S] mask
 or score matrix exists. Its backward recomputes the gathered rows and the probabilities chunk by
-chunk from the saved log-sum-exp (as flash attention does), so autograd keeps only the inputs,
-the output and one fp32 value per query and head. Queries, rows and probabilities are fp32
+chunk, so autograd keeps only the inputs and the output. Queries, rows and probabilities are fp32
 inside the kernel (fp64 for an fp64 model), whatever the model dtype.
 
 `attend_selected` runs one DSA layer this way; `attend_masked` is the dense reference (expanded
@@ -34,16 +33,20 @@ from asyncrl.model.compute import sdpa
 from asyncrl.model.sparse_index import selection_mask
 
 __all__ = [
+    "CPU_GATHER_ELEMENTS",
     "MAX_GATHER_ELEMENTS",
     "LatentProjections",
     "attend_masked",
     "attend_selected",
+    "latent_attention",
     "sparse_latent_attention",
 ]
 
-# fp32 elements of gathered latent rows [queries, K, c] per chunk (64 MiB); the scores and
-# probabilities of a chunk are H / c times that.
+# fp32 elements of gathered latent rows [queries, K, c] per chunk (64 MiB; 4 MiB on a CPU, where
+# passes over fresh buffers much larger than that page-fault); the scores and probabilities of a
+# chunk are H / c times that.
 MAX_GATHER_ELEMENTS = 2**24
+CPU_GATHER_ELEMENTS = 2**20
 
 
 class LatentProjections(Protocol):
@@ -70,9 +73,10 @@ class LatentProjections(Protocol):
         ...
 
 
-def _chunk_len(K: int, c: int) -> int:
-    """Queries per chunk (read at call time, so a test can shrink the budget)."""
-    return max(1, MAX_GATHER_ELEMENTS // max(1, K * c))
+def _chunk_len(kv_Pc: torch.Tensor, K: int) -> int:
+    """Queries per chunk (the budgets are read at call time, so a test can shrink them)."""
+    budget = CPU_GATHER_ELEMENTS if kv_Pc.device.type == "cpu" else MAX_GATHER_ELEMENTS
+    return max(1, budget // max(1, K * kv_Pc.shape[1]))
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -80,53 +84,62 @@ def _acc(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _scores(q_nHc, kv_Pc, rows_nK, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gathered rows [n, K, c] and masked scores [n, H, K] of one chunk of queries, in fp32."""
+def _probabilities(
+    qs_nHc: torch.Tensor, kv_Pc: torch.Tensor, rows_nK: torch.Tensor, buf_Xc: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered rows [n, K, c] and attention probabilities [n, H, K] of one chunk of queries
+    (already scaled), in the compute dtype; the rows are gathered into `buf_Xc`, reused by every
+    chunk of a call."""
     n, K = rows_nK.shape
-    rows_nKc = kv_Pc.index_select(0, rows_nK.clamp(min=0).flatten().long()).view(n, K, -1).to(_acc(kv_Pc))
-    s_nHK = torch.bmm(q_nHc.to(rows_nKc.dtype), rows_nKc.transpose(1, 2)).mul_(scale)
-    return rows_nKc, s_nHK.masked_fill_((rows_nK < 0)[:, None, :], float("-inf"))
+    gathered = torch.index_select(kv_Pc, 0, rows_nK.clamp(min=0).flatten(), out=buf_Xc[: n * K])
+    rows_nKc = gathered.view(n, K, -1).to(qs_nHc.dtype)
+    s_nHK = torch.bmm(qs_nHc, rows_nKc.transpose(1, 2))
+    missing_nK = rows_nK < 0
+    if bool(missing_nK.any()):
+        s_nHK.masked_fill_(missing_nK[:, None, :], float("-inf"))
+    return rows_nKc, torch.softmax(s_nHK, dim=-1)
 
 
 class _SparseLatentAttention(torch.autograd.Function):
+    """Forward a chunk of queries at a time; backward recomputes each chunk's rows and
+    probabilities (nothing of size [N, K] but the row indices is kept)."""
+
     @staticmethod
     def forward(ctx, q_NHc, kv_Pc, rows_NK, value_dim: int, scale: float):
-        N, H, _ = q_NHc.shape
-        step = _chunk_len(rows_NK.shape[1], kv_Pc.shape[1])
-        o_NHR = torch.empty(N, H, value_dim, dtype=_acc(kv_Pc), device=q_NHc.device)
-        lse_NH = torch.empty(N, H, dtype=_acc(kv_Pc), device=q_NHc.device)
+        (N, H, c), K, acc = q_NHc.shape, rows_NK.shape[1], _acc(kv_Pc)
+        step = _chunk_len(kv_Pc, K)
+        buf_Xc = kv_Pc.new_empty(min(N, step) * K, c)
+        o_NHR = torch.empty(N, H, value_dim, dtype=acc, device=q_NHc.device)
         for n0 in range(0, N, step):
             part = slice(n0, n0 + step)
-            rows_nKc, s_nHK = _scores(q_NHc[part], kv_Pc, rows_NK[part], scale)
-            lse_NH[part] = s_nHK.logsumexp(-1)
-            p_nHK = s_nHK.sub_(lse_NH[part, :, None]).exp_()
-            o_NHR[part] = torch.bmm(p_nHK, rows_nKc[..., :value_dim])
-        ctx.save_for_backward(q_NHc, kv_Pc, rows_NK, o_NHR, lse_NH)
+            rows_nKc, p_nHK = _probabilities(q_NHc[part].to(acc) * scale, kv_Pc, rows_NK[part], buf_Xc)
+            torch.bmm(p_nHK, rows_nKc[..., :value_dim], out=o_NHR[part])
+        ctx.save_for_backward(q_NHc, kv_Pc, rows_NK, o_NHR)
         ctx.value_dim, ctx.scale = value_dim, scale
         return o_NHR.to(q_NHc.dtype)
 
     @staticmethod
     def backward(ctx, grad_NHR):
-        q_NHc, kv_Pc, rows_NK, o_NHR, lse_NH = ctx.saved_tensors
-        R, scale = ctx.value_dim, ctx.scale
-        acc = o_NHR.dtype
+        q_NHc, kv_Pc, rows_NK, o_NHR = ctx.saved_tensors
+        R, scale, acc = ctx.value_dim, ctx.scale, o_NHR.dtype
+        (N, _, c), K = q_NHc.shape, rows_NK.shape[1]
+        step = _chunk_len(kv_Pc, K)
+        buf_Xc = kv_Pc.new_empty(min(N, step) * K, c)
         grad_q = torch.empty(q_NHc.shape, dtype=acc, device=q_NHc.device)
         grad_kv = torch.zeros(kv_Pc.shape, dtype=acc, device=kv_Pc.device)
         delta_NH = (grad_NHR.to(acc) * o_NHR).sum(-1)
-        step = _chunk_len(rows_NK.shape[1], kv_Pc.shape[1])
-        for n0 in range(0, q_NHc.shape[0], step):
+        for n0 in range(0, N, step):
             part = slice(n0, n0 + step)
-            q_nHc, do_nHR = q_NHc[part].to(acc), grad_NHR[part].to(acc)
-            rows_nKc, s_nHK = _scores(q_nHc, kv_Pc, rows_NK[part], scale)
-            p_nHK = s_nHK.sub_(lse_NH[part, :, None]).exp_()
+            qs_nHc, do_nHR = q_NHc[part].to(acc) * scale, grad_NHR[part].to(acc)
+            rows_nKc, p_nHK = _probabilities(qs_nHc, kv_Pc, rows_NK[part], buf_Xc)
             dp_nHK = torch.bmm(do_nHR, rows_nKc[..., :R].transpose(1, 2))
-            ds_nHK = p_nHK * (dp_nHK - delta_NH[part, :, None]) * scale
-            grad_q[part] = torch.bmm(ds_nHK, rows_nKc)
-            drows_nKc = torch.bmm(ds_nHK.transpose(1, 2), q_nHc)
+            ds_nHK = dp_nHK.sub_(delta_NH[part, :, None]).mul_(p_nHK)  # d(loss)/d(scaled scores)
+            torch.bmm(ds_nHK, rows_nKc, out=grad_q[part])
+            drows_nKc = torch.bmm(ds_nHK.transpose(1, 2), qs_nHc)
             drows_nKc[..., :R] += torch.bmm(p_nHK.transpose(1, 2), do_nHR)
             # a -1 place has p = 0, so its gradient is exactly 0: adding it to row 0 changes nothing
-            grad_kv.index_add_(0, rows_NK[part].clamp(min=0).flatten().long(), drows_nKc.flatten(0, 1))
-        return grad_q.to(q_NHc.dtype), grad_kv.to(kv_Pc.dtype), None, None, None
+            grad_kv.index_add_(0, rows_NK[part].clamp(min=0).flatten(), drows_nKc.view(-1, c))
+        return grad_q.mul_(scale).to(q_NHc.dtype), grad_kv.to(kv_Pc.dtype), None, None, None
 
 
 def sparse_latent_attention(
@@ -135,6 +148,19 @@ def sparse_latent_attention(
     """[N, H, value_dim]: query n attends over rows kv[rows[n, k]] (-1: no row; every query needs one),
     keys the whole row, values its first `value_dim` entries. Differentiable in q and kv."""
     return _SparseLatentAttention.apply(q_NHc, kv_Pc, rows_NK, value_dim, scale)
+
+
+def latent_attention(
+    q_NHc: torch.Tensor, rows_NJc: torch.Tensor, keep_NJ: torch.Tensor | None, *, value_dim: int, scale: float
+) -> torch.Tensor:
+    """[N, H, value_dim] in q's dtype: query n attends over its own rows [J, c] (`keep` masks some
+    out; each query keeps one at least), as `sparse_latent_attention` does, without the gather
+    and without gradient (the engine's decode, whose rows come from its paged cache)."""
+    acc = _acc(rows_NJc)
+    s_NHJ = torch.bmm(q_NHc.to(acc) * scale, rows_NJc.to(acc).transpose(1, 2))
+    if keep_NJ is not None:
+        s_NHJ.masked_fill_(~keep_NJ[:, None, :], float("-inf"))
+    return torch.bmm(torch.softmax(s_NHJ, dim=-1), rows_NJc[..., :value_dim].to(acc)).to(q_NHc.dtype)
 
 
 def attend_selected(

@@ -17,15 +17,24 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["MAX_SCORE_ELEMENTS", "IndexQuery", "causal_key_ranges", "select_topk", "selection_mask"]
+__all__ = [
+    "CPU_SCORE_ELEMENTS",
+    "MAX_SCORE_ELEMENTS",
+    "IndexQuery",
+    "causal_key_ranges",
+    "select_topk",
+    "selection_mask",
+]
 
 
 # Elements of the fp32 [B, H, queries, W] score block scored at once (512 MiB). At long context
 # the whole block does not fit (GLM-5, 131k tokens: 32 heads x 131k x 131k x 4 bytes = 2.2 TB), so
-# select_topk ranks the queries in chunks of this size; the result does not depend on it.
+# select_topk ranks the queries in chunks of this size; the result does not depend on it. On a CPU
+# the chunks are smaller (4 MiB): each pass over a fresh buffer of hundreds of MiB page-faults
+# (the allocator maps and unmaps blocks that large), so big chunks run several times slower there.
 MAX_SCORE_ELEMENTS = 2**27
+CPU_SCORE_ELEMENTS = 2**20
 
 
 class IndexQuery(NamedTuple):
@@ -77,29 +86,44 @@ def select_topk(
     of a query that sees fewer than K keys.
 
     Queries are scored a chunk at a time against only the keys their ranges reach (at least K),
-    at most `max_score_elements` (default MAX_SCORE_ELEMENTS) fp32 scores per chunk, so the
-    transient memory stays bounded however long the context is.
+    at most `max_score_elements` (default MAX_SCORE_ELEMENTS, CPU_SCORE_ELEMENTS on a CPU) fp32
+    scores per chunk, so the transient memory stays bounded however long the context is.
     """
-    B, H, T, d = q_BHTd.shape
+    B, H, T, _ = q_BHTd.shape
     S = keys_BSd.shape[1]
     K = min(topk, S)
     out_BTK = torch.empty(B, T, K, dtype=torch.int32, device=q_BHTd.device)
-    budget = MAX_SCORE_ELEMENTS if max_score_elements is None else max_score_elements
+    budget = max_score_elements or (CPU_SCORE_ELEMENTS if q_BHTd.device.type == "cpu" else MAX_SCORE_ELEMENTS)
     for rows, queries in _chunks(B, T, H * S, budget):
         first, last = first_BT[rows, queries], last_BT[rows, queries]
         hi = int(last.max()) + 1
         lo = max(0, min(int(first.min()), hi - K))
         hi = max(hi, lo + K)
-        keys_b1dW = keys_BSd[rows, lo:hi].float().transpose(-1, -2).unsqueeze(1)
-        scores_bHtW = F.relu(q_BHTd[rows, :, queries].float() @ keys_b1dW) * d**-0.5
-        index_btW = torch.einsum("bth,bhtw->btw", w_BTH[rows, queries].float(), scores_bHtW)
-        del scores_bHtW
         pos_W = torch.arange(lo, hi, device=q_BHTd.device)
         visible_btW = (pos_W >= first[..., None]) & (pos_W <= last[..., None])
-        index_btW.masked_fill_(~visible_btW, float("-inf"))
-        cols_btK = _top_positions(index_btW, K)
+        if hi - lo == K:  # the window holds K keys: all of them are kept, no need to rank
+            cols_btK = pos_W.expand(*visible_btW.shape[:2], K) - lo
+        else:
+            index_btW = _index_scores(q_BHTd[rows, :, queries], w_BTH[rows, queries], keys_BSd[rows, lo:hi])
+            cols_btK = _top_positions(index_btW.masked_fill_(~visible_btW, float("-inf")), K)
         out_BTK[rows, queries] = _fill_last(cols_btK + lo, visible_btW.gather(-1, cols_btK), S)
     return out_BTK
+
+
+def _index_scores(q_bHtd: torch.Tensor, w_btH: torch.Tensor, keys_bWd: torch.Tensor) -> torch.Tensor:
+    """fp32 [b, t, W]: sum_h w_h relu(q_h . k) / sqrt(d), accumulated one head at a time (fewer
+    passes over the block than scoring every head first)."""
+    H, d = q_bHtd.shape[1], q_bHtd.shape[-1]
+    keys_bdW = keys_bWd.float().transpose(1, 2)
+    w_btH = w_btH.float() * d**-0.5
+    index_btW = None
+    for h in range(H):
+        head_btW = torch.bmm(q_bHtd[:, h].float(), keys_bdW).relu_()
+        if index_btW is None:
+            index_btW = head_btW.mul_(w_btH[..., h, None])
+        else:
+            index_btW.addcmul_(head_btW, w_btH[..., h, None])
+    return index_btW
 
 
 def _fill_last(pos_btK: torch.Tensor, valid_btK: torch.Tensor, S: int) -> torch.Tensor:
@@ -114,12 +138,14 @@ def _top_positions(index_btW: torch.Tensor, K: int) -> torch.Tensor:
     """Column positions [b, t, K] of each row's K largest scores, ascending. Ties at the K-th
     score go to the earliest positions (relu makes exact zeros common), so the trainer (whole row),
     context parallel (gathered keys) and the engine (cached context) pick the same keys."""
-    W = index_btW.shape[-1]
-    kth_bt1 = index_btW.kthvalue(W - K + 1, dim=-1, keepdim=True).values
+    kth_bt1 = index_btW.topk(K, dim=-1, sorted=False).values.amin(-1, keepdim=True)
     above_btW = index_btW > kth_bt1
     tied_btW = index_btW == kth_bt1
     room_bt1 = K - above_btW.sum(-1, keepdim=True)
-    keep_btW = above_btW | (tied_btW & (tied_btW.cumsum(-1) <= room_bt1))
+    if bool((tied_btW.sum(-1, keepdim=True) == room_bt1).all()):  # no tie straddles the K-th place
+        keep_btW = above_btW.logical_or_(tied_btW)
+    else:
+        keep_btW = above_btW.logical_or_(tied_btW.logical_and_(tied_btW.cumsum(-1) <= room_bt1))
     b, t = keep_btW.shape[:2]
     return keep_btW.nonzero()[:, -1].view(b, t, K)
 

@@ -29,7 +29,7 @@ def _reference(q_NHc, kv_Pc, rows_NK, value_dim, scale):
 
 
 def test_sparse_kernel_values_and_gradients_equal_plain_autograd(monkeypatch):
-    monkeypatch.setattr(latent_attention, "MAX_GATHER_ELEMENTS", 5 * 6 * 10)  # chunks of 5 queries
+    monkeypatch.setattr(latent_attention, "CPU_GATHER_ELEMENTS", 5 * 6 * 10)  # chunks of 5 queries
     gen = torch.Generator().manual_seed(0)
     N, H, P, K, c, R = 23, 3, 40, 6, 10, 7
     q = torch.randn(N, H, c, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -109,8 +109,8 @@ def test_sparse_training_step_never_builds_a_query_by_key_tensor(monkeypatch):
     """Forward and backward at 1024 tokens: nothing of [T, S] size (a bool mask would be 1 MiB),
     while the dense reference does build one. The chunk budgets are lowered to 128 KiB and 64 KiB,
     below the largest per-token tensors (the MoE's [T * top_k, D], 256 KiB)."""
-    monkeypatch.setattr(sparse_index, "MAX_SCORE_ELEMENTS", 2**15)
-    monkeypatch.setattr(latent_attention, "MAX_GATHER_ELEMENTS", 2**14)
+    monkeypatch.setattr(sparse_index, "CPU_SCORE_ELEMENTS", 2**15)
+    monkeypatch.setattr(latent_attention, "CPU_GATHER_ELEMENTS", 2**14)
     args = replace(
         GLM5, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, head_dim=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
