@@ -2,7 +2,7 @@
 on the latent against the expanded one; engine prefill and decode, trainer step time and memory.
 
     python benchmarks/bench_long_context.py [--lengths 4096 16384 32768] [--topk 512]
-        [--decode-tokens 8] [--mem-cap-gb 8] [--skip-engine] [--skip-trainer] [--write]
+        [--decode-tokens 8] [--mem-cap-gb 8] [--threads N] [--skip-engine] [--skip-trainer] [--write]
 
 The model is tiny-glm5 widened so that attention matters (`bench_args`: hidden 256, 2 layers, 8
 heads, latent 128 + rope 32, an indexer of 4 heads x 32 in every layer, `--topk` selected keys),
@@ -20,11 +20,13 @@ are switched between steps of the same request, after one untimed step each).
 Trainer: one row of L tokens, forward and backward of the LM head's log-sum-exp, one timed step
 in a child process per (length, path), so that the peak RSS growth over the step is its own.
 A child runs under an address-space cap (`--mem-cap-gb`): a dense step that does not fit stops
-at its first failed allocation instead of exhausting a shared machine, and the table gives the
-room it had as a lower bound of what it needs ("out of room").
+at its first failed allocation instead of exhausting a shared machine ("not run"), and the table
+gives a lower bound of what it needs: the room it had, or the fp32 attention probabilities
+[heads, T, T] it keeps for backward, whichever is larger.
 
-Times are "wall (cpu)": wall seconds, then process CPU seconds (both threads summed), which a
-shared machine's load moves less; decode rates are tokens per wall second (per CPU second).
+Times are "wall (cpu)": wall seconds, then process CPU seconds (all threads summed); decode rates
+are tokens per wall second (per CPU second). On a shared, loaded machine run it with --threads 1:
+waiting intra-op threads spin, which inflates both figures by an amount that depends on the load.
 
 It prints one table per part; `--write` also replaces its section of BENCHMARKS.md. No
 assertions: the ratios are read in the table, measured in the same run.
@@ -87,8 +89,7 @@ def _engine(model: Transformer, length: int, extra: int, chunk: int, paths: Atte
 
 
 class _Clock:
-    """Wall and process CPU seconds since construction. On a shared machine the CPU time (both
-    threads summed) moves less with other processes' load than the wall time does."""
+    """Wall and process CPU seconds (all threads summed) since construction."""
 
     def __init__(self) -> None:
         self.wall, self.cpu = time.perf_counter(), time.process_time()
@@ -213,7 +214,8 @@ def _run_child(topk: int, length: int, sparse: bool, cap_gb: float) -> dict | No
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
-    cmd = [sys.executable, __file__, "--trainer-child", str(length), str(int(sparse)), "--topk", str(topk)]
+    cmd = [sys.executable, __file__, "--trainer-child", str(length), str(int(sparse)), "--topk", str(topk),
+           "--threads", str(torch.get_num_threads())]  # fmt: skip
     done = subprocess.run(cmd, preexec_fn=limit, capture_output=True, text=True)
     if done.returncode != 0:
         print(f"trainer {length} {'sparse' if sparse else 'dense'}: failed ({done.stderr.strip()[-200:]})")
@@ -232,6 +234,12 @@ def trainer_rows(topk: int, lengths: list[int], cap_gb: float) -> list[dict]:
     return rows
 
 
+def _dense_floor(length: int) -> int:
+    """Bytes a dense step cannot do without: SDPA's math path (the only one that takes the mask
+    with MLA's unequal key and value widths) keeps the fp32 probabilities [heads, T, T] for backward."""
+    return bench_args(1, 1).num_attention_heads * length**2 * 4
+
+
 def trainer_table(rows: list[dict]) -> str:
     lines = [
         "| context | step sparse (s) | step dense (s) | peak sparse (GiB) | peak dense (GiB) | dense / sparse peak |",
@@ -239,19 +247,21 @@ def trainer_table(rows: list[dict]) -> str:
     ]
     for r in rows:
         s, d = r["sparse"], r["dense"]
-        cells = []
-        for run in (s, d):
-            cells.append("failed" if run is None else _pair(run.get("seconds")))
-        for run in (s, d):
-            if run is None:
+        cells = ["failed" if run is None else _pair(run.get("seconds")) for run in (s, d)]
+        need = (
+            None
+            if d is None
+            else d.get("peak_bytes", max(d.get("headroom_bytes", 0), _dense_floor(r["length"])))
+        )
+        for run, peak in ((s, None if s is None else s.get("peak_bytes")), (d, need)):
+            if run is None or peak is None:
                 cells.append("failed")
-            elif "peak_bytes" in run:
-                cells.append(f"{run['peak_bytes'] / 2**30:.2f}")
             else:
-                cells.append(f"> {run['headroom_bytes'] / 2**30:.1f} (out of room)")
+                cells.append(
+                    f"{peak / 2**30:.2f}" if "peak_bytes" in run else f"> {peak / 2**30:.1f} (not run)"
+                )
         ratio = "-"
-        if s is not None and d is not None and "peak_bytes" in s:
-            need = d.get("peak_bytes", d.get("headroom_bytes"))
+        if s is not None and need is not None and "peak_bytes" in s:
             ratio = ("" if "peak_bytes" in d else "> ") + f"{need / max(s['peak_bytes'], 1):.1f}x"
         lines.append(f"| {r['length']} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines)
@@ -265,12 +275,14 @@ def main() -> None:
     p.add_argument("--prefill-chunk", type=int, default=2048, help="engine max_num_batched_tokens")
     p.add_argument("--dense-prefill-max", type=int, default=16384, help="longest dense engine prefill")
     p.add_argument("--mem-cap-gb", type=float, default=8.0, help="address-space cap of a trainer step")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-trainer", action="store_true")
     p.add_argument("--write", action="store_true", help="replace this section of BENCHMARKS.md")
     p.add_argument("--trainer-child", type=int, nargs=2, metavar=("LENGTH", "SPARSE"), help=argparse.SUPPRESS)
     a = p.parse_args()
     torch.manual_seed(0)
+    torch.set_num_threads(a.threads)
     if a.trainer_child:
         print(json.dumps(trainer_step(a.topk, a.trainer_child[0], bool(a.trainer_child[1]))))
         return
