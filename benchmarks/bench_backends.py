@@ -37,11 +37,10 @@ from pathlib import Path
 
 import httpx
 
+from asyncrl.client import HttpBackend, VLLMBackend
 from asyncrl.config import InferenceConfig
-from asyncrl.envs.backend import HttpBackend
-from asyncrl.envs.vllm_backend import VLLMBackend
-from asyncrl.launcher.init_model import init_model
 from asyncrl.launcher.vllm import build_vllm_command
+from asyncrl.tools.init_model import init_model
 from asyncrl.wire import GenerateRequest, UpdateWeightsRequest
 
 SECTION = "## Backends: embedded vs vLLM"

@@ -27,8 +27,8 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model import from_pretrained, torch_dtype
+from asyncrl.tools.init_model import init_model
 
 SECTION = "## Inference engine"
 

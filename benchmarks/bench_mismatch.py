@@ -29,19 +29,19 @@ import numpy as np
 import torch
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.config.trainer import LossConfig, OptimConfig, ScheduleConfig
+from asyncrl.config.trainer import OptimConfig, ScheduleConfig, TrustRegionLossConfig
 from asyncrl.distributed import DistInfo
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.request import SamplingOptions
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model import Transformer, from_pretrained, save_pretrained
 from asyncrl.model.fp8 import apply_fp8
-from asyncrl.trainer.engine import StepEngine
+from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.logprobs import chunked_logprobs
 from asyncrl.trainer.loss import rl_loss
 from asyncrl.trainer.mismatch import MismatchSums, mismatch_sums, routing_agreement
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.packing import pack_samples
+from asyncrl.trainer.step import StepRunner
 from asyncrl.wire import RolloutSample
 from report import write_section
 
@@ -220,9 +220,9 @@ def rl_curve(model_dir: Path, replay: bool, steps: int, num_prompts: int, group:
     optimizer = build_optimizer(trainer, OptimConfig(lr=lr))
     scheduler = build_scheduler(optimizer, ScheduleConfig(), max_steps=steps)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    stepper = StepEngine(trainer, optimizer, scheduler, info, max_grad_norm=1.0, chunk_size=512)
+    stepper = StepRunner(trainer, optimizer, scheduler, info, max_grad_norm=1.0, chunk_size=512)
     engine = build_engine(model_dir, "bf16", num_prompts * group, max_tokens)
-    gen, loss_cfg, curve = torch.Generator().manual_seed(seed), LossConfig(), []
+    gen, loss_cfg, curve = torch.Generator().manual_seed(seed), TrustRegionLossConfig(), []
     for n in range(1, steps + 1):
         prompts = [torch.randint(0, 256, (16,), generator=gen).tolist() for _ in range(num_prompts)]
         batch = generate(engine, [p for p in prompts for _ in range(group)], max_tokens, tag=f"s{n}-")

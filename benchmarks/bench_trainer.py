@@ -22,24 +22,24 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from asyncrl.config.trainer import LossConfig, OptimConfig, ScheduleConfig
+from asyncrl.config.trainer import OptimConfig, ScheduleConfig, TrustRegionLossConfig
 from asyncrl.distributed import DistInfo
 from asyncrl.model import Transformer, preset_args
-from asyncrl.trainer.engine import StepEngine
 from asyncrl.trainer.loss import rl_loss
 from asyncrl.trainer.metrics import flops_per_token, measure_matmul_peak
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.packing import MicroBatch, pack_samples
+from asyncrl.trainer.step import StepRunner
 from asyncrl.trainer.synthetic import synthetic_batch
 from report import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _engine(model: Transformer, device: torch.device) -> StepEngine:
+def _step_runner(model: Transformer, device: torch.device) -> StepRunner:
     opt = build_optimizer(model, OptimConfig(lr=1e-5))
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
-    return StepEngine(
+    return StepRunner(
         model, opt, build_scheduler(opt, ScheduleConfig(), 100), info, max_grad_norm=1.0, chunk_size=1024
     )
 
@@ -49,19 +49,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_rl_step(engine: StepEngine, mbs: list[MicroBatch], steps: int) -> float:
-    cfg = LossConfig()
+def time_rl_step(runner: StepRunner, mbs: list[MicroBatch], steps: int) -> float:
+    cfg = TrustRegionLossConfig()
 
     def loss_fn(inputs, n):
         return rl_loss(inputs, cfg, n)
 
-    engine.step(mbs, loss_fn, trained_version=1)  # warm-up
+    runner.step(mbs, loss_fn, trained_version=1)  # warm-up
     times = []
     for i in range(steps):
-        _sync(engine.info.device)
+        _sync(runner.info.device)
         start = time.perf_counter()
-        engine.step(mbs, loss_fn, trained_version=2 + i)
-        _sync(engine.info.device)
+        runner.step(mbs, loss_fn, trained_version=2 + i)
+        _sync(runner.info.device)
         times.append(time.perf_counter() - start)
     return min(times)  # best of N: the least disturbed by other processes on a shared machine
 
@@ -104,7 +104,7 @@ def bench_preset(preset: str, args: argparse.Namespace, peak: float) -> dict[str
     for replay in (True, False):
         mbs = pack_samples(batch.samples, args.seq_len, replay=replay)
         num_tokens = sum(mb.num_tokens for mb in mbs)
-        seconds = time_rl_step(_engine(model, device), mbs, args.steps)
+        seconds = time_rl_step(_step_runner(model, device), mbs, args.steps)
         mean_context = sum(float((mb.position_ids + 1).sum()) for mb in mbs) / num_tokens
         tps = num_tokens / seconds
         key = "replay" if replay else "no_replay"

@@ -3,7 +3,7 @@
 # exact mode on one GPU, in under 5 minutes on an H200, with the machine's own PyTorch.
 #
 # Usage, from anywhere: bash scripts/gpu_check.sh [extra arguments of benchmarks/gpu_check.py]
-#   Writes gpu_check.json and gpu_check.md to $GPU_CHECK_OUT, else $OUT (the device tool's folder),
+#   Writes gpu_check.json and gpu_check.md to $GPU_CHECK_OUT, else $OUT,
 #   else outputs/gpu_check. Exit status 1 if a check failed or a section raised.
 #   Where the interpreter lacks pydantic (the GPU image does) and .whl/ holds wheels
 #   (scripts/gpu_check_wheels.sh), they are unpacked into a temporary folder put on PYTHONPATH;

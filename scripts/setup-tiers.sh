@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The optional tiers the test suite exercises, installed where this machine allows:
 #   - bubblewrap (Debian package): the sandbox's OS boundary (docs/envs.md);
-#   - the vLLM tier in its own venv, .venv-vllm (scripts/setup-vllm.sh; docs/inference.md).
-# Python extras (verifiers, data, sinks) come from `pip install -e ".[dev,verifiers]"`.
+#   - the vLLM tier in its own venv, .venv-vllm (scripts/setup-vllm.sh; docs/inference.md);
+#   - the shipped SWE task set's repositories, from PyPI sdists (scripts/setup-swe-tasks.sh; docs/envs.md),
+#     rebuilt by asyncrl itself: run `pip install -e ".[dev,verifiers]"` (the Python extras) first.
 # A tier that cannot be installed is reported and its tests skip, saying why; this script never fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,5 +19,9 @@ fi
 
 if ! bash scripts/setup-vllm.sh; then
   echo "setup-tiers: warning: could not set up the vLLM tier; tests marked vllm will skip" >&2
+fi
+
+if ! bash scripts/setup-swe-tasks.sh; then
+  echo "setup-tiers: warning: could not build the SWE task set (examples/swe); its repository tests will skip" >&2
 fi
 exit 0

@@ -8,9 +8,12 @@
 # SEED (default 0) seeds the model init, the SFT data, SFT and RL. The eval keeps seed 0, so every
 # seed's models are scored on the same 128 held-out tasks.
 #
-# Every stage prints progress; the last lines compare the SFT and RL models on held-out tasks and
-# give the path of the run's report (plots of the RL run and both evals: open it in a browser).
+# Every stage prints progress; the RL stage evaluates on held-out tasks every 10 steps and names its
+# best version; the last lines compare the SFT and RL models on held-out tasks and give the path of
+# the run's report (plots of the RL run, its eval curve and both evals: open it in a browser).
 # Re-running overwrites the previous run's stages (only the directories this script writes).
+# SFT stops at a loss, so its last step varies; $OUT/sft/final links to its weights, the RL start point
+# that rl.toml names.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,7 +36,7 @@ esac
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 stage() { printf '\n=== [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
-last_weights() { ls -d "$1"/weights/step_* | sort -V | tail -1; }
+last_weights() { ls -d "$1"/weights/step_* | sort -V | tail -1; }  # $1/weights/step_N, N the largest
 
 t0=$SECONDS
 rm -rf "$OUT/base" "$OUT/data" "$OUT/sft" "$OUT/rl" "$OUT/eval.jsonl"
@@ -49,7 +52,8 @@ $ASYNCRL sft-data --env reverse-text --num "$SFT_ROWS" --out "$OUT/data/sft.json
 stage "3/6 sft: imperfect demonstrations -> the RL start point"
 $ASYNCRL sft @ "$HERE/sft.toml" --model.path "$OUT/base" --data.path "$OUT/data/sft.jsonl" \
     --run-dir "$OUT/sft" --seed "$SEED"
-SFT_MODEL="$(last_weights "$OUT/sft")"
+ln -sfn "weights/$(basename "$(last_weights "$OUT/sft")")" "$OUT/sft/final"
+SFT_MODEL="$OUT/sft/final"
 
 evaluate() {  # $1 label, $2 model
     $ASYNCRL eval --model "$2" --label "$1" --env reverse-text --env-args "$ENV_ARGS" \
@@ -71,7 +75,9 @@ stage "done in $((SECONDS - t0)) s"
 python - "$OUT" <<'PY'
 import json, sys
 rows = {(r["label"], r["temperature"]): r for r in map(json.loads, open(f"{sys.argv[1]}/eval.jsonl"))}
-orch = [r for r in map(json.loads, open(f"{sys.argv[1]}/rl/metrics.jsonl")) if r.get("role") == "orchestrator"]
+lines = [json.loads(line) for line in open(f"{sys.argv[1]}/rl/metrics.jsonl")]
+orch = [r for r in lines if r.get("role") == "orchestrator"]
+evals = [r for r in lines if r.get("role") == "eval"]  # [orchestrator.eval] in rl.toml
 sft = [json.loads(line) for line in open(f"{sys.argv[1]}/sft/metrics.jsonl")]
 tail = [r["loss"] for r in sft[-25:]]
 print(f"SFT: {len(sft)} steps, mean loss of the last {len(tail)} {sum(tail) / len(tail):.3f}")
@@ -84,5 +90,7 @@ for t, name in ((0.0, "greedy"), (1.0, "sampled, temperature 1")):
     print(f"eval reward ({name}, {sft['num_tasks']} held-out tasks): SFT {sft['reward']:.3f} -> RL {rl['reward']:.3f}"
           f"  (exact match {sft['rewards'].get('exact', 0):.3f} -> {rl['rewards'].get('exact', 0):.3f})")
 print(f"training reward (sampled, steps where episodes finished): first {k} {first:.3f} -> last {k} {last:.3f}")
+if evals:
+    print("held-out pass@1 during RL: " + ", ".join(f"v{r['version']} {r['eval/reverse-text/pass@1']:.3f}" for r in evals))
 PY
 $ASYNCRL report "$OUT/rl" --eval "$OUT/eval.jsonl"  # prints "report: $OUT/rl/report/index.html"

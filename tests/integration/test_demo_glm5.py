@@ -17,8 +17,8 @@ import tomli_w
 from test_demo import ENV_ARGS, child_env, free_port
 from transformers import AutoModelForCausalLM
 
-from asyncrl.launcher.init_model import init_model
-from asyncrl.transport import weights_dir
+from asyncrl.run_dir import weights_dir
+from asyncrl.tools.init_model import init_model
 from asyncrl.transport.rollouts import read_batch
 
 RL_STEPS = 3

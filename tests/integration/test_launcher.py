@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.launcher.init_model import init_model
+from asyncrl.tools.init_model import init_model
 from helpers import child_env, free_port
 
 pytestmark = pytest.mark.skipif(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.launcher.init_model import init_model
+from asyncrl.tools.init_model import init_model
 from asyncrl.transport.rollouts import read_batch
 from helpers import free_port_run
 

@@ -9,8 +9,9 @@ from asyncrl.config.base import (
     parse_cli_overrides,
 )
 from asyncrl.config.envs import EnvConfig, EnvsConfig, LatencyConfig
+from asyncrl.config.fp8 import FP8Config
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.config.mismatch import FP8Config, MismatchConfig
+from asyncrl.config.mismatch import MismatchConfig
 from asyncrl.config.parallel import ParallelConfig, SlurmConfig
 from asyncrl.config.trainer import RLTrainerConfig, SFTConfig
 

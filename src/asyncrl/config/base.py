@@ -12,6 +12,8 @@ strings. Unknown keys are errors that name the key and the nearest valid name.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import difflib
 import json
 import textwrap
@@ -21,10 +23,19 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-__all__ = ["BaseConfig", "ConfigError", "config_help", "load_config", "merge_dicts", "parse_cli_overrides"]
+__all__ = [
+    "BaseConfig",
+    "ConfigError",
+    "config_help",
+    "load_config",
+    "merge_dicts",
+    "parse_cli_overrides",
+    "section_of",
+]
 
 
 class ConfigError(ValueError):
@@ -122,19 +133,60 @@ def _nearest(name: str, candidates: list[str]) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
-def _fields_at(cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """Valid field names of the (nested) model at `loc`, for "did you mean" hints."""
-    model: Any = cls
-    for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if (
-            field is None
-            or not isinstance(field.annotation, type)
-            or not issubclass(field.annotation, BaseModel)
-        ):
-            return list(model.model_fields)
-        model = field.annotation
-    return list(model.model_fields)
+def _variants(info: FieldInfo) -> dict[str, type[BaseModel]]:
+    """tag -> config class of a discriminated-union field (empty for any other field)."""
+    key = info.discriminator
+    if not isinstance(key, str):
+        return {}
+    members = [m for m in typing.get_args(info.annotation) if _config_class(m)]
+    return {typing.get_args(m.model_fields[key].annotation)[0]: m for m in members}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Table:
+    """Where an error location points, as the user writes it."""
+
+    key: str  # dotted, union tags left out
+    model: type[BaseModel] | None  # the config class there (None past a plain value)
+    union_key: str = ""  # when it is one variant of a union: the key that picks it ("variant")
+    variants: dict[str, type[BaseModel]] = dataclasses.field(default_factory=dict)  # and all of them, by tag
+
+
+def _locate(cls: type[BaseModel], loc: tuple[Any, ...]) -> _Table:
+    model: type[BaseModel] | None = cls
+    union_key, variants, parts = "", {}, []
+    rest = list(loc)
+    while rest:
+        part = rest.pop(0)
+        parts.append(str(part))
+        info = model.model_fields.get(part) if model is not None and isinstance(part, str) else None
+        model, union_key, variants = None, "", {}
+        if info is None:
+            continue
+        if (variants := _variants(info)) and rest and rest[0] in variants:
+            model, union_key = variants[rest.pop(0)], str(info.discriminator)
+        elif (item := _list_item_class(info.annotation)) and rest and isinstance(rest[0], int):
+            parts.append(str(rest.pop(0)))
+            model = item
+        else:
+            model = _config_class(info.annotation)
+    return _Table(".".join(parts), model, union_key, variants)
+
+
+def _unknown_key(cls: type[BaseModel], loc: tuple[Any, ...], prefix: str) -> str:
+    """`unknown key 'a.b'` with the nearest valid name, or the variant the key belongs to."""
+    table, name = _locate(cls, loc[:-1]), str(loc[-1])
+    key = prefix + ".".join(p for p in (table.key, name) if p)
+    if table.model is None:
+        return f"unknown key '{key}'"
+    owners = [repr(tag) for tag, m in table.variants.items() if name in m.model_fields]
+    if owners:
+        this = table.model.model_fields[table.union_key].default
+        return (
+            f"unknown key '{key}': it belongs to {table.union_key} = {' or '.join(owners)}, and this "
+            f"table's {table.union_key} is {this!r}"
+        )
+    return f"unknown key '{key}'{_nearest(name, list(table.model.model_fields))}"
 
 
 def format_validation_error(cls: type[BaseModel], err: ValidationError, prefix: str = "") -> str:
@@ -142,16 +194,47 @@ def format_validation_error(cls: type[BaseModel], err: ValidationError, prefix: 
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
-        key = prefix + ".".join(str(p) for p in loc)
+        key = prefix + _locate(cls, loc).key
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            hint = _nearest(str(loc[-1]), _fields_at(cls, loc[:-1]))
-            lines.append(f"unknown key '{key}'{hint}")
+            lines.append(_unknown_key(cls, loc, prefix))
+        elif e["type"] == "union_tag_invalid":
+            union_key = e["ctx"]["discriminator"].strip("'")
+            tag, expected = e["ctx"]["tag"], e["ctx"]["expected_tags"]
+            lines.append(f"'{key}.{union_key}': {tag!r} is not one of {expected}")
         elif loc:
             lines.append(f"'{key}': {msg}")
         else:
             lines.append(f"{prefix.rstrip('.') or cls.__name__}: {msg}")
     return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def section_of(cls: type[BaseModel], exclude: Collection[str]) -> type[BaseConfig]:
+    """The keys of `cls` less `exclude` (dotted for nested ones: "model.path"), as a class of their own.
+
+    It is the table of a larger config that fills in the excluded keys itself: each key keeps its
+    type, bounds, default and description, so a mistyped or unknown key fails as the table is read.
+    Checks across keys stay with `cls`, which reads the table again once the excluded keys are known.
+    """
+    fields: dict[str, Any] = {}
+    for name, info in cls.model_fields.items():
+        if name in exclude:
+            continue
+        inner = [e.removeprefix(f"{name}.") for e in exclude if e.startswith(f"{name}.")]
+        if inner:
+            table = _config_class(info.annotation)
+            assert table is not None, f"{cls.__name__}.{name} is not a table"
+            section = section_of(table, inner)
+            fields[name] = (section, Field(default_factory=section, description=info.description))
+        else:
+            fields[name] = (info.annotation, copy.copy(info))
+    return create_model(
+        f"{cls.__name__}Section",
+        __base__=BaseConfig,
+        __doc__=cls.__doc__,
+        __module__=cls.__module__,
+        **fields,
+    )
 
 
 def load_config(cls: type[C], argv: list[str] | dict[str, Any], prefix: str = "") -> C:
@@ -239,6 +322,9 @@ def config_help(
             )
             nested.append((sub_section, text))
             continue
+        if _variants(field):
+            nested.append((sub_section, _variants_help(field, sub_section, value, width)))
+            continue
         if item := _list_item_class(field.annotation):
             item_help = config_help(item, sub_section, width=width).split("\n", 1)[1]
             nested.append((sub_section, f"[[{sub_section}]]  (a list; one table per item)\n{item_help}"))
@@ -249,6 +335,22 @@ def config_help(
     about = about or (cls.__doc__ or "").strip().split("\n")[0]
     title = (f"[{section}]" if section else "(top level)") + (f"  {about}" if about else "")
     return "\n\n".join(["\n".join([title, *_table(rows, width)]), *(text for _, text in nested)])
+
+
+def _variants_help(info: FieldInfo, section: str, value: Any, width: int) -> str:
+    """A union's table: the key that picks the variant, then each variant's keys under its own title."""
+    key, variants = str(info.discriminator), _variants(info)
+    default = getattr(value, key, None)
+    choices = " | ".join(json.dumps(tag) for tag in variants)
+    row = (f"{key} = {json.dumps(default)}" if default else f"{key} (required)", f"one of {choices}")
+    title = f"[{section}]  {info.description or ''}".rstrip()
+    blocks = ["\n".join([title, *_table([row], width)])]
+    for tag, member in variants.items():
+        doc = (member.__doc__ or "").strip().split("\n")[0]
+        shown = value if isinstance(value, member) else None
+        about = f"{key} = {json.dumps(tag)}: {doc}"
+        blocks.append(config_help(member, section, exclude=(key,), width=width, defaults=shown, about=about))
+    return "\n\n".join(blocks)
 
 
 def _table(rows: list[tuple[str, str]], width: int) -> list[str]:

@@ -19,7 +19,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
-from asyncrl.config.mismatch import FP8Config
+from asyncrl.config.fp8 import FP8Config
+from asyncrl.config.shared import Device
 from asyncrl.config.vllm import VLLMConfig
 
 __all__ = ["InferenceConfig", "is_loopback"]
@@ -58,7 +59,7 @@ class InferenceConfig(BaseConfig):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="weights and compute; float32 with a float32 trainer is exactly on-policy"
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    device: Device = Field("auto", description="auto = cuda when available, else cpu")
     max_num_seqs: int = Field(64, ge=1, description="most sequences in the running batch")
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")

@@ -1,17 +1,12 @@
-"""Trainer-inference mismatch settings: the FP8 block-scale switch and the mismatch gate.
+"""Trainer-inference mismatch settings: the per-step metrics' outlier bounds and the mismatch gate.
 
-Example (a trainer or inference TOML)::
-
-    [fp8]
-    enabled = true                      # quantize eligible linears and expert stacks (e4m3, 128 blocks)
-    ignore = ["lm_head", "*.mlp.gate", "model.layers.0.*"]
+Example (a trainer TOML)::
 
     [mismatch]
     max_mismatch_kl = 1e-3              # mean k3 KL over a step's current-version tokens
     gate = "fail"                       # "warn": log and continue; "fail": stop the run
 
-The same `[fp8]` section goes to the inference server (FP8 inference) and the trainer (FP8
-training): set both to match precision, or only one to study the mismatch it causes.
+FP8, one source of mismatch, has its own section (asyncrl.config.fp8).
 """
 
 from __future__ import annotations
@@ -22,24 +17,7 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
 
-__all__ = ["DEFAULT_FP8_IGNORE", "FP8Config", "MismatchConfig"]
-
-# Mirrors asyncrl.model.fp8.DEFAULT_FP8_IGNORE (config stays torch-free; a unit test keeps them equal).
-DEFAULT_FP8_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate")
-
-
-class FP8Config(BaseConfig):
-    """FP8 block-scale linears (DeepSeek-V3 recipe); see docs/mismatch.md."""
-
-    enabled: bool = Field(False, description="quantize eligible linears and expert stacks (e4m3, 128 blocks)")
-    ignore: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_FP8_IGNORE),
-        description="module names or fnmatch patterns kept in high precision (dims not multiple of 128 always are)",
-    )
-    backend: Literal["auto", "emulated", "scaled_mm"] = Field(
-        "auto",
-        description="scaled_mm: blockwise F.scaled_mm (CUDA); emulated: dequantize, fp32 matmul; auto: scaled_mm where a probe shows it works",
-    )
+__all__ = ["MismatchConfig"]
 
 
 class MismatchConfig(BaseConfig):

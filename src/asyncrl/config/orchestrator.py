@@ -16,6 +16,9 @@ Example (TOML)::
     [sampling]                           # RL rollouts: temperature > 0, no top_p / top_k / min_p
     temperature = 1.0
     max_tokens = 32
+
+    [eval]                               # held-out evals while training (asyncrl.config.evaluation)
+    interval = 10
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import BaseConfig
 from asyncrl.config.envs import EnvsConfig
+from asyncrl.config.evaluation import EvalConfig
 from asyncrl.config.sampling import SamplingParams
+from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, SeqLen
 
 __all__ = ["AdvantageConfig", "OrchestratorConfig"]
 
@@ -40,7 +45,7 @@ class AdvantageConfig(BaseConfig):
 
 
 class OrchestratorConfig(BaseConfig):
-    run_dir: str = Field("outputs/run", description="run directory shared with the trainer")
+    run_dir: str = Field(DEFAULT_RUN_DIR, description="run directory shared with the trainer")
     model: str = Field(description="model directory whose tokenizer and chat template render prompts")
     servers: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1:8000"],
@@ -56,6 +61,9 @@ class OrchestratorConfig(BaseConfig):
         default_factory=lambda: SamplingParams(max_tokens=64), description="sampling of every rollout request"
     )
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="held-out evals every N policy versions (off by default)"
+    )
     max_steps: int = Field(10, ge=1, description="last trainer step to produce a batch for")
     start_step: int = Field(1, ge=1, description="first batch to write (resume: the trainer's next step)")
     resume: bool = Field(
@@ -76,18 +84,19 @@ class OrchestratorConfig(BaseConfig):
     max_off_policy_steps: int = Field(
         1, ge=0, description="k: at step n, drop samples with a token older than version n-1-k"
     )
-    seq_len: int = Field(
-        2048,
-        gt=0,
-        description="the trainer's seq_len (tokens of one packed row): no sample may be longer; every "
-        "env's max_total_tokens must fit it",
-    )
+    seq_len: SeqLen = DEFAULT_SEQ_LEN  # the trainer's
     max_model_len: int | None = Field(
         None,
         ge=2,
         description="the servers' context limit (prompt + completion tokens): requests are capped to "
         "fit it, and every env's max_total_tokens must fit it; None: unknown (a request the servers "
         "refuse for its length then ends the episode as a length stop)",
+    )
+    trainer_dp_size: int = Field(
+        1,
+        ge=1,
+        description="the trainer's data-parallel ranks (dp_replicate * dp_shard): each batch is written in "
+        "this many token-balanced parts, one per rank, so each rank reads only its own",
     )
     return_routed_experts: bool = Field(True, description="ask inference for routing (router replay)")
     max_episode_retries: int = Field(3, ge=0, description="re-runs of an episode whose server failed")
@@ -161,6 +170,8 @@ class OrchestratorConfig(BaseConfig):
                 "max_async_steps, or lower max_async_steps"
             )
         self._check_episode_budgets()
+        if self.eval.enabled:
+            self.eval.check(self.envs.envs, self.max_model_len)
         return self
 
     def _check_episode_budgets(self) -> None:

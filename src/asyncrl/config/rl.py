@@ -20,32 +20,47 @@
 
 Shared keys are set once, at the top. `resolve()` derives each process's config from them, in one
 visible place; a section that sets a shared key itself is an error (not silently overwritten).
+Each section is typed (`InferenceSection`, ...: the process's keys less the shared ones), so an
+unknown or mistyped key fails as the file is read; checks across keys run in `resolve()`.
+The trainer publishes weights in the servers' format: `[trainer.publish] dtype`, `fp8` and
+`fp8_ignore` come from `[inference] dtype`, `fp8.enabled` and `fp8.ignore`.
 It also rejects combinations that the processes would accept one by one and then fail on or train
 badly with: an env's `max_total_tokens` above `seq_len` or above the servers' context limit,
 `max_async_steps` above `max_off_policy_steps` (checked by `OrchestratorConfig`), and
-`[trainer.publish] interval` above `max_async_steps + 1` (checked here).
+`[trainer.publish] interval` above `max_async_steps + 1` (checked here). The orchestrator's
+`trainer_dp_size` (the parts each batch is written in) comes from `[trainer.parallel]` and the
+trainer's world size.
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from asyncrl.config.base import BaseConfig, ConfigError, load_config
+from asyncrl.config.base import BaseConfig, ConfigError, load_config, section_of
 from asyncrl.config.inference import InferenceConfig, is_loopback
 from asyncrl.config.orchestrator import OrchestratorConfig
+from asyncrl.config.parallel import ParallelConfig
+from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, SeqLen
 from asyncrl.config.sinks import SinksConfig
 from asyncrl.config.trainer import RLTrainerConfig
+from asyncrl.run_dir import weights_root
 
-__all__ = ["DeploymentConfig", "RLConfig", "ResolvedRL"]
+__all__ = [
+    "DeploymentConfig",
+    "InferenceSection",
+    "OrchestratorSection",
+    "RLConfig",
+    "ResolvedRL",
+    "TrainerSection",
+]
 
-# section -> keys that come from the top level
+# section -> keys that resolve() fills in (dotted for nested ones)
 _SHARED = {
-    "inference": ("model", "port", "seed", "api_key"),
+    "inference": ("model", "host", "port", "seed", "api_key"),
     "orchestrator": (
         "model",
         "run_dir",
@@ -56,9 +71,36 @@ _SHARED = {
         "inference_backend",
         "seq_len",
         "max_model_len",
+        "trainer_dp_size",
     ),
-    "trainer": ("run_dir", "max_steps", "seq_len", "seed"),  # [trainer.model] may set dtype/device
+    "trainer": (
+        "run_dir",
+        "max_steps",
+        "seq_len",
+        "seed",
+        "model.path",
+        "publish.dtype",
+        "publish.fp8",
+        "publish.fp8_ignore",
+    ),
 }
+# where a shared key comes from, when not from the top-level key of its name
+_SOURCE = {
+    "host": "from [deployment] host",
+    "port": "from [deployment] base_port",
+    "servers": "from [deployment] host, base_port and num_inference_servers",
+    "inference_backend": "from [inference] backend",
+    "max_model_len": "from [inference] max_model_len",
+    "trainer_dp_size": "from [trainer.parallel] and the trainer's world size ([deployment] trainer_nproc)",
+    "model.path": "from the top-level model",
+    "publish.dtype": "from [inference] dtype",
+    "publish.fp8": "from [inference] fp8.enabled",
+    "publish.fp8_ignore": "from [inference] fp8.ignore",
+}
+
+InferenceSection = section_of(InferenceConfig, _SHARED["inference"])
+OrchestratorSection = section_of(OrchestratorConfig, _SHARED["orchestrator"])
+TrainerSection = section_of(RLTrainerConfig, _SHARED["trainer"])
 
 
 class DeploymentConfig(BaseConfig):
@@ -95,9 +137,11 @@ class ResolvedRL:
 
 class RLConfig(BaseConfig):
     model: str = Field(description="HF model directory: served by inference, trained by the trainer")
-    run_dir: str = Field("outputs/rl", description="run directory: configs, logs, rollouts, weights, metrics")
+    run_dir: str = Field(
+        DEFAULT_RUN_DIR, description="run directory: configs, logs, rollouts, weights, metrics"
+    )
     max_steps: int = Field(10, ge=1, description="trainer steps (= rollout batches = policy versions)")
-    seq_len: int = Field(2048, gt=0, description="trainer: max tokens in one packed micro-batch row")
+    seq_len: SeqLen = DEFAULT_SEQ_LEN
     seed: int = Field(0, description="base seed; inference server i gets seed + i")
     api_key: str | None = Field(
         None,
@@ -109,9 +153,29 @@ class RLConfig(BaseConfig):
         default_factory=SinksConfig,
         description="W&B / TensorBoard mirrors of metrics.jsonl (the launcher feeds them)",
     )
-    inference: dict[str, Any] = Field(default_factory=dict, description="InferenceConfig keys")
-    orchestrator: dict[str, Any] = Field(default_factory=dict, description="OrchestratorConfig keys")
-    trainer: dict[str, Any] = Field(default_factory=dict, description="RLTrainerConfig keys")
+    inference: InferenceSection = Field(  # type: ignore[valid-type]
+        default_factory=InferenceSection, description="every inference server's keys (InferenceConfig)"
+    )
+    orchestrator: OrchestratorSection = Field(  # type: ignore[valid-type]
+        default_factory=OrchestratorSection, description="the orchestrator's keys (OrchestratorConfig)"
+    )
+    trainer: TrainerSection = Field(  # type: ignore[valid-type]
+        default_factory=TrainerSection, description="the trainer's keys (RLTrainerConfig)"
+    )
+
+    @field_validator("inference", "orchestrator", "trainer", mode="before")
+    @classmethod
+    def _no_shared_keys(cls, table: Any, info: ValidationInfo) -> Any:
+        """A shared key in a section is not unknown, only misplaced: say where it is set."""
+        section = info.field_name
+        assert section is not None
+        clash = [key for key in _SHARED[section] if _has_key(table, key)]
+        if clash:
+            where = ", ".join(f"{key} ({_SOURCE.get(key, 'a top-level key')})" for key in clash)
+            raise ValueError(
+                f"sets {where}: every process gets these from there; remove them from [{section}]"
+            )
+        return table
 
     @property
     def server_urls(self) -> list[str]:
@@ -125,22 +189,20 @@ class RLConfig(BaseConfig):
             return self
         return self.model_copy(update={"api_key": secrets.token_urlsafe(32)})
 
-    def resolve(self) -> ResolvedRL:
-        """Each process's full config, with the shared keys filled in; errors name the section."""
-        for section, keys in _SHARED.items():
-            clash = sorted(set(getattr(self, section)) & set(keys))
-            if clash:
-                raise ConfigError(
-                    f"[{section}] sets {clash}: these come from the top level (or [deployment], or "
-                    "[inference] for max_model_len); set them there instead"
-                )
+    def resolve(self, *, trainer_world_size: int | None = None) -> ResolvedRL:
+        """Each process's full config, with the shared keys filled in; errors name the section.
+
+        `trainer_world_size` is the trainer's process count: `deployment.trainer_nproc` unless
+        given (`asyncrl slurm` gives its trainer nodes' GPUs).
+        """
         d = self.deployment
+        world_size = d.trainer_nproc if trainer_world_size is None else trainer_world_size
         inference = [
             _section(
                 InferenceConfig,
                 "inference",
-                {"update_weights_roots": [str(Path(self.run_dir, "weights").resolve())]}
-                | self.inference
+                {"update_weights_roots": [str(weights_root(self.run_dir).resolve())]}
+                | _set_keys(self.inference)
                 | {
                     "model": self.model,
                     "host": d.host,
@@ -155,7 +217,7 @@ class RLConfig(BaseConfig):
             OrchestratorConfig,
             "orchestrator",
             self._routing_replay(inference[0])
-            | self.orchestrator
+            | _set_keys(self.orchestrator)
             | {
                 "inference_backend": inference[0].backend,
                 "model": self.model,
@@ -166,19 +228,17 @@ class RLConfig(BaseConfig):
                 "api_key": self.api_key,
                 "seq_len": self.seq_len,
                 "max_model_len": min(_context_lens(inference), default=None),
+                "trainer_dp_size": _trainer_dp_size(self.trainer.parallel, world_size),
             },
         )
-        trainer_model = dict(self.trainer.get("model", {}))
-        if "path" in trainer_model:
-            raise ConfigError("[trainer.model] sets 'path': the model comes from the top-level 'model'")
-        trainer_model["path"] = self.model
-        trainer_cfg = {k: v for k, v in self.trainer.items() if k != "model"}
+        trainer_keys = _set_keys(self.trainer)
         trainer = _section(
             RLTrainerConfig,
             "trainer",
-            trainer_cfg
+            trainer_keys
             | {
-                "model": trainer_model,
+                "model": trainer_keys.get("model", {}) | {"path": self.model},
+                "publish": trainer_keys.get("publish", {}) | _serving_format(inference[0]),
                 "run_dir": self.run_dir,
                 "max_steps": self.max_steps,
                 "seq_len": self.seq_len,
@@ -194,7 +254,8 @@ class RLConfig(BaseConfig):
         asking for it is an error (`asyncrl rl` says so at start either way)."""
         if inference.backend != "vllm" or inference.vllm.enable_return_routed_experts:
             return {}
-        if self.orchestrator.get("return_routed_experts") is True:
+        asked = "return_routed_experts" in self.orchestrator.model_fields_set
+        if asked and self.orchestrator.return_routed_experts:
             raise ConfigError(
                 "[orchestrator] return_routed_experts = true needs [inference.vllm] "
                 "enable_return_routed_experts = true (a GPU build of vLLM)"
@@ -202,9 +263,27 @@ class RLConfig(BaseConfig):
         return {"return_routed_experts": False}
 
 
+def _serving_format(inference: InferenceConfig) -> dict[str, Any]:
+    """The trainer publishes what the servers serve: their dtype (float32 keeps a float32 run exactly
+    on-policy), in FP8 blocks when they run FP8."""
+    return {"dtype": inference.dtype, "fp8": inference.fp8.enabled, "fp8_ignore": inference.fp8.ignore}
+
+
 def _context_lens(inference: list[InferenceConfig]) -> list[int]:
     """The servers' known context limits (none while the model directory does not exist yet)."""
     return [n for n in (cfg.context_len() for cfg in inference) if n is not None]
+
+
+def _trainer_dp_size(parallel: ParallelConfig, world_size: int) -> int:
+    """The trainer's data ranks, dp_replicate * dp_shard (CP ranks of one group read one part).
+
+    dp_shard = -1 takes what the world size leaves; a layout that does not fit the world size is
+    rejected by the launcher's check (asyncrl.distributed.ParallelDims) before anything starts.
+    """
+    dp_shard = parallel.dp_shard
+    if dp_shard == -1:
+        dp_shard = max(1, world_size // (parallel.dp_replicate * parallel.cp))
+    return parallel.dp_replicate * dp_shard
 
 
 def _check_publish_interval(trainer: RLTrainerConfig, orchestrator: OrchestratorConfig) -> None:
@@ -218,6 +297,18 @@ def _check_publish_interval(trainer: RLTrainerConfig, orchestrator: Orchestrator
             f"the next publish, until batch_timeout_s; lower the interval to at most {lag + 1} or raise "
             "max_async_steps"
         )
+
+
+def _has_key(table: Any, dotted: str) -> bool:
+    head, _, rest = dotted.partition(".")
+    if not isinstance(table, dict) or head not in table:
+        return False
+    return not rest or _has_key(table[head], rest)
+
+
+def _set_keys(section: BaseConfig) -> dict[str, Any]:
+    """The keys a section sets (nested tables too), for resolve() to lay over its defaults."""
+    return section.model_dump(exclude_unset=True)
 
 
 def _section(cls, name: str, data: dict[str, Any]):

@@ -5,7 +5,9 @@ See docs/scaling.md for the layout rules and how the trainer calls this package.
 """
 
 from asyncrl.distributed.checkpoint import (
+    gather_to_rank,
     gather_to_rank0,
+    iter_full_tensors,
     iter_hf_tensors,
     load_dcp,
     load_full_state_dict,
@@ -19,6 +21,7 @@ from asyncrl.distributed.context_parallel import (
 )
 from asyncrl.distributed.dims import Meshes, ParallelDims, ParallelDimsError
 from asyncrl.distributed.expert_parallel import ExpertParallelExperts, all_to_all, apply_expert_parallel
+from asyncrl.distributed.hf_load import load_hf_shards, local_index
 from asyncrl.distributed.parallelize import apply_parallelism, clip_grad_norm_, mixed_precision_policy
 from asyncrl.distributed.process_group import DistInfo, all_reduce_, barrier, init_distributed
 
@@ -36,11 +39,15 @@ __all__ = [
     "barrier",
     "clip_grad_norm_",
     "gather_from_cp",
+    "gather_to_rank",
     "gather_to_rank0",
     "init_distributed",
+    "iter_full_tensors",
     "iter_hf_tensors",
     "load_dcp",
     "load_full_state_dict",
+    "load_hf_shards",
+    "local_index",
     "mixed_precision_policy",
     "pad_for_cp",
     "save_dcp",

@@ -11,16 +11,16 @@ one DCP save/load; the trainer adds its own entries (scheduler, RNG, step) throu
 
 On disk the state is {"model": model state, "optim": optimizer state, **extra}.
 
-Publishing: `iter_hf_tensors` walks the parameters in Hugging Face names (`asyncrl.model.hf`) and
-gathers ONE full tensor at a time onto rank 0 only (stacked experts are unstacked per expert): no
-rank ever holds the whole model, and ranks other than 0 never hold more than their own shards.
+Publishing: `iter_full_tensors` walks the published entries and gathers ONE full tensor at a time
+onto the ranks that write it (each rank writes its share of the files); `iter_hf_tensors` is the
+one-writer form (everything to rank 0, in Hugging Face names). No rank ever holds the whole model.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,9 @@ from asyncrl.model import Transformer
 from asyncrl.model.hf import is_hf_tensor, to_hf_tensors
 
 __all__ = [
+    "gather_to_rank",
     "gather_to_rank0",
+    "iter_full_tensors",
     "iter_hf_tensors",
     "load_dcp",
     "load_full_state_dict",
@@ -120,35 +122,35 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None
     set_model_state_dict(model, state if state is not None else {}, options=options)
 
 
-def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def gather_to_rank0(value: torch.Tensor) -> torch.Tensor | None:
-    """The full tensor on global rank 0 (None elsewhere); each rank sends only its own shard.
+def gather_to_rank(value: torch.Tensor, dst: int, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """The full tensor on global rank `dst` (None elsewhere); each rank sends only its own shard.
 
     For a DTensor on a mesh spanning the world: every rank sends its local shard and its global
-    offset to rank 0 (gathers padded to the largest shard), and rank 0 places the shards; ranks
-    that hold replicated copies just write the same values twice. A plain tensor is returned as is.
+    offset to `dst` (gathers padded to the largest shard), and `dst` places the shards; ranks
+    that hold replicated copies just write the same values twice. A plain tensor (the same on
+    every rank) is returned as is on `dst`. With `dtype`, each shard is cast before it is sent
+    (bf16 halves the bytes of an fp32 gather; a cast is elementwise, so the result is the same).
     """
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if not isinstance(value, DTensor):
-        return value if _is_main() else None
+        return (value if dtype is None else value.to(dtype)) if rank == dst else None
     assert value.device_mesh.size() == dist.get_world_size(), "meshes built by ParallelDims span the world"
     local = value.to_local().contiguous()
+    local = local if dtype is None else local.to(dtype)
     shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
     meta = torch.tensor([*shape, *offset], dtype=torch.int64, device=local.device)
     world = dist.get_world_size()
-    metas = [torch.empty_like(meta) for _ in range(world)] if _is_main() else None
-    dist.gather(meta, metas, dst=0)
+    metas = [torch.empty_like(meta) for _ in range(world)] if rank == dst else None
+    dist.gather(meta, metas, dst=dst)
     n = len(shape)
     max_numel = max(math.prod(m[:n].tolist()) for m in metas) if metas else 0
     size = torch.tensor([max_numel], dtype=torch.int64, device=local.device)
-    dist.broadcast(size, src=0)  # every rank pads its shard to the largest one
+    dist.broadcast(size, src=dst)  # every rank pads its shard to the largest one
     padded = local.new_zeros(int(size[0]))
     padded[: local.numel()] = local.reshape(-1)
-    parts = [torch.empty_like(padded) for _ in range(world)] if _is_main() else None
-    dist.gather(padded, parts, dst=0)
-    if not _is_main():
+    parts = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
+    dist.gather(padded, parts, dst=dst)
+    if rank != dst:
         return None
     full = local.new_empty(value.shape)
     for m, part in zip(metas, parts):
@@ -158,18 +160,45 @@ def gather_to_rank0(value: torch.Tensor) -> torch.Tensor | None:
     return full
 
 
-def iter_hf_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, full tensor) on rank 0; every rank must exhaust the iterator.
+def gather_to_rank0(value: torch.Tensor) -> torch.Tensor | None:
+    """`gather_to_rank(value, 0)`."""
+    return gather_to_rank(value, 0)
 
-    Tensors are gathered one at a time onto rank 0 only (`gather_to_rank0`): the other ranks never
-    hold more than their own shards, and rank 0 at most one full tensor beyond its shards. Names
-    and expert unstacking are `asyncrl.model.hf`'s, so the pairs feed `HFCheckpointWriter`.
+
+def iter_full_tensors(
+    model: Transformer,
+    owners: Callable[[str], Collection[int]],
+    dtype: Callable[[str], torch.dtype | None] = lambda name: None,
+    copy: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (our name, full tensor) of every published entry on each rank in `owners(name)`.
+
+    Collective: every rank must exhaust the iterator. Entries are gathered one at a time, once per
+    owner (`gather_to_rank`, in `dtype(name)` unless None), so a rank holds its own shards plus one
+    full tensor at a time (the caller keeps what it needs). A tensor that needs no gather (world
+    size 1, or not sharded) may be the model's own; copy=True makes every one new storage.
     """
+    rank = dist.get_rank() if dist.is_initialized() else 0
     for name, value in model.state_dict().items():  # checkpoint wrappers drop their prefix here
         if not is_hf_tensor(name, model.args):
             continue
-        full = gather_to_rank0(value) if dist.is_initialized() else value
-        if full is None:
-            continue
+        for dst in sorted(owners(name)):
+            if isinstance(value, DTensor):
+                full = gather_to_rank(value, dst, dtype(name))  # new storage
+            else:
+                full = value.to(dtype(name) or value.dtype, copy=copy) if dst == rank else None
+            if full is not None:
+                assert dst == rank
+                yield name, full
+            del full
+
+
+def iter_hf_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, full tensor) on rank 0; every rank must exhaust the iterator.
+
+    The one-writer path: tensors are gathered one at a time onto rank 0 only, so the other ranks
+    never hold more than their own shards, and rank 0 at most one full tensor beyond its shards.
+    Names and expert unstacking are `asyncrl.model.hf`'s, so the pairs feed `HFCheckpointWriter`.
+    """
+    for name, full in iter_full_tensors(model, lambda name: (0,)):
         yield from to_hf_tensors(name, full)
-        del full

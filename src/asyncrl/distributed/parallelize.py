@@ -6,6 +6,8 @@
 
 - EP: every `GroupedExperts` becomes an `ExpertParallelExperts` holding E/ep experts (DTensors
   Shard(0) on the `ep` axis).
+- MTP layers (frozen, `asyncrl.model.mtp`) become DTensor buffers sharded on dim 0 over the
+  FSDP mesh: each rank holds 1/N of them.
 - CP needs no module change: it is an attention backend built per micro-batch
   (`ContextParallelAttention`) plus splitting of the per-token streams.
 - Activation checkpointing wraps each decoder block (recomputed in backward).
@@ -26,12 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from asyncrl.distributed.dims import Meshes, ParallelDims
 from asyncrl.distributed.expert_parallel import apply_expert_parallel
 from asyncrl.model.moe import MoE
+from asyncrl.model.mtp import PassthroughTensors
 
 __all__ = ["apply_parallelism", "clip_grad_norm_", "mixed_precision_policy"]
 
@@ -65,11 +69,29 @@ def apply_parallelism(
         assert meshes.expert is not None
         num_swapped = apply_expert_parallel(model, meshes.expert["ep"])
         assert num_swapped > 0, "ParallelDims rejects ep > 1 for a model without experts"
+    _shard_passthrough(model, _fsdp_mesh(meshes, dims))
     if activation_checkpointing:
         _apply_activation_checkpointing(model)
     mp = mixed_precision if mixed_precision is not None else mixed_precision_policy(device_type)
     _apply_fsdp(model, dims, meshes, mp, reshard_after_forward)
     return model
+
+
+def _shard_passthrough(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard the frozen pass-through tensors (MTP layers) on dim 0 over the FSDP mesh.
+
+    Nothing trains or reads them, so they need no FSDP group: as DTensor buffers each rank holds
+    1/N of them, DCP reshards them like parameters, and publishing gathers them like parameters.
+    """
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    for module in model.modules():
+        if not isinstance(module, PassthroughTensors):
+            continue
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if isinstance(buf, DTensor) or buf.dim() == 0:
+                continue
+            # src_data_rank=None: each rank keeps its own block of its own copy (or meta), no comms
+            module.register_buffer(name, distribute_tensor(buf, mesh, placements, src_data_rank=None))
 
 
 def _apply_activation_checkpointing(model: nn.Module) -> None:

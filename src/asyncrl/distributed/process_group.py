@@ -4,7 +4,7 @@ Launched by torchrun, each process reads RANK / WORLD_SIZE / LOCAL_RANK from the
 plain `python -m` run is world size 1 and never touches torch.distributed (every helper here is
 then a no-op).
 
-    info = init_distributed("cuda")     # NCCL on CUDA, gloo on CPU; DistInfo(rank, world_size, ...)
+    info = init_distributed("auto")     # NCCL on CUDA, gloo on CPU; DistInfo(rank, world_size, ...)
     all_reduce_(count, info)            # sum (or op="max") over all ranks, in place
     barrier(info)
 """
@@ -17,6 +17,8 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from asyncrl.model.devices import resolve_device
 
 __all__ = ["DistInfo", "all_reduce_", "barrier", "init_distributed"]
 
@@ -41,10 +43,12 @@ class DistInfo:
 
 
 def init_distributed(device: str) -> DistInfo:
-    """Initialise the default process group when WORLD_SIZE > 1 (NCCL on CUDA, gloo on CPU)."""
+    """Initialise the default process group when WORLD_SIZE > 1 (NCCL on CUDA, gloo on CPU).
+
+    `device` is a config's "auto", "cpu" or "cuda"; a CUDA rank uses cuda:LOCAL_RANK."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = torch.device(f"cuda:{local_rank}" if device == "cuda" else device)
+    dev = resolve_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():

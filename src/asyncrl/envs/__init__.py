@@ -1,8 +1,9 @@
 """Environments: tasks, tools, rewards, the rollout loop, exact token trajectories, and a sandbox.
 
-Typical use (the orchestrator wraps the client with routing and retries)::
+Typical use, with `client` an `asyncrl.client.InferenceClient` (the orchestrator's routes each
+episode to one of its servers and retries)::
 
-    from asyncrl.envs import ChatTokenizer, HttpInferenceClient, TokenPolicy, build_env, run_episode
+    from asyncrl.envs import ChatTokenizer, TokenPolicy, build_env, run_episode
     env = build_env("calculator", seed=0)
     policy = TokenPolicy(client, ChatTokenizer.from_pretrained(model_dir), sampling, config=env_cfg)
     episode = await run_episode(env, env.task("train", 0), policy, config=env_cfg, episode_id="ep-0")
@@ -10,13 +11,6 @@ Typical use (the orchestrator wraps the client with routing and retries)::
 See docs/envs.md.
 """
 
-from asyncrl.envs.backend import (
-    ContextLimitExceeded,
-    HttpBackend,
-    InferenceBackend,
-    InferenceError,
-    ServerUnavailable,
-)
 from asyncrl.envs.base import (
     Environment,
     EpisodeState,
@@ -28,8 +22,7 @@ from asyncrl.envs.base import (
     iter_reference_examples,
 )
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.client import HttpInferenceClient, InferenceClient
-from asyncrl.envs.policy import ChatPolicy, Policy, TokenPolicy, Turn
+from asyncrl.envs.policy import ChatPolicy, Policy, ReplayPolicy, TokenPolicy, Turn
 from asyncrl.envs.registry import EnvConfigError, EnvMixture, available_envs, build_env, register_env
 from asyncrl.envs.rollout import Episode, run_episode, sample_latency
 from asyncrl.envs.scripted import ScriptedClient
@@ -40,23 +33,17 @@ __all__ = [
     "NOT_SAMPLED_VERSION",
     "ChatPolicy",
     "ChatTokenizer",
-    "ContextLimitExceeded",
     "EnvConfigError",
     "EnvMixture",
     "Environment",
     "Episode",
     "EpisodeState",
-    "HttpBackend",
-    "HttpInferenceClient",
-    "InferenceBackend",
-    "InferenceClient",
-    "InferenceError",
     "Policy",
     "ReferenceExample",
+    "ReplayPolicy",
     "Reward",
     "Rubric",
     "ScriptedClient",
-    "ServerUnavailable",
     "Split",
     "Task",
     "TokenPolicy",

@@ -4,7 +4,8 @@ An environment is a class with:
 - `task(split, index)`: a deterministic `Task` for (seed, split, index); train and eval never overlap.
 - `tools(state)`: the tools of one episode (bound to its state, e.g. its sandbox directory).
 - `respond(state, text)`: called when the model ends a turn without tool calls. Return messages to
-  continue the episode, or None when it is over (the default: single-turn, or "answered").
+  continue the episode, or None when it is over (the default: single-turn, or "answered"). A tool
+  may also end it: `state.done = True` stops the episode ("done") after that turn's tool calls.
 - `rubric`: named reward functions with weights; the episode reward is their weighted sum.
 - `reference(task)`: assistant/tool messages that solve the task, for SFT data generation.
 - `setup(task)` / `teardown(state)`: per-episode resources.
@@ -72,6 +73,7 @@ class EpisodeState:
     num_turns: int = 0
     final_text: str = ""  # text of the last assistant turn
     stop_reason: str | None = None  # how the loop ended ("done", "max_turns", ...), set before scoring
+    done: bool = False  # set by a tool (e.g. a "submit"): the episode ends after this turn's tool calls
     data: dict[str, Any] = field(default_factory=dict)  # env-specific (e.g. the sandbox)
 
 

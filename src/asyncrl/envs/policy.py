@@ -3,25 +3,34 @@
 `TokenPolicy` renders the conversation with the model's chat template, calls an `InferenceClient`
 (`/v1/generate`) and stitches exact token trajectories into `RolloutSample`s. `ChatPolicy` talks to
 any OpenAI-compatible `/v1/chat/completions` endpoint for evaluation: it yields rewards but no
-trainable samples, because it never sees token ids.
+trainable samples, because it never sees token ids. `ReplayPolicy` is a scripted agent with no
+model at all (an env's reference solution, say), for checking an env's tasks and grading.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 
+from asyncrl.client import ContextLimitExceeded, InferenceClient, InferenceError
 from asyncrl.config.envs import EnvConfig
-from asyncrl.envs.backend import ContextLimitExceeded, InferenceError
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.client import InferenceClient
 from asyncrl.envs.trajectory import TrajectoryBuilder
 from asyncrl.wire import RolloutSample, SamplingParams
 
-__all__ = ["ChatPolicy", "ContextLimitReached", "EpisodeBudgetExhausted", "Policy", "TokenPolicy", "Turn"]
+__all__ = [
+    "ChatPolicy",
+    "ContextLimitReached",
+    "EpisodeBudgetExhausted",
+    "Policy",
+    "ReplayPolicy",
+    "TokenPolicy",
+    "Turn",
+]
 
 
 class EpisodeBudgetExhausted(Exception):
@@ -194,6 +203,32 @@ class ChatPolicy:
                 f"POST /v1/chat/completions -> {response.status_code}: {response.text[:500]}"
             )
         return _parse_chat_response(response.json())
+
+    def build_samples(
+        self, *, reward: float, env: str, episode_id: str, metrics: dict[str, float]
+    ) -> list[RolloutSample]:
+        return []
+
+
+class ReplayPolicy:
+    """Text turns from a script: each `complete` returns the next reply, then empty turns (a turn
+    without a tool call ends an episode). No samples: it evaluates, it does not train.
+
+        replies = [m["content"] for m in env.reference(task) if m["role"] == "assistant"]
+        episode = await run_episode(env, task, ReplayPolicy(replies), config=config, episode_id="ref-0")
+    """
+
+    num_resets = 0
+    num_bridged_turns = 0
+
+    def __init__(self, replies: Sequence[str]) -> None:
+        self._replies = list(replies)
+        self._next = 0
+
+    async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Turn:
+        text = self._replies[self._next] if self._next < len(self._replies) else ""
+        self._next += 1
+        return Turn(text=text, finish_reason="stop", num_prompt_tokens=0, num_completion_tokens=0)
 
     def build_samples(
         self, *, reward: float, env: str, episode_id: str, metrics: dict[str, float]

@@ -30,6 +30,7 @@ _BUILTINS: dict[str, str] = {
     "sort-words": "asyncrl.envs.builtin.sort_words:SortWordsEnv",
     "calculator": "asyncrl.envs.builtin.calculator:CalculatorEnv",
     "swe-lite": "asyncrl.envs.builtin.swe_lite:SweLiteEnv",
+    "swe": "asyncrl.envs.builtin.swe:SweEnv",
     "dataset": "asyncrl.envs.builtin.dataset:DatasetEnv",
 }
 _REGISTERED: dict[str, EnvFactory] = {}

@@ -4,7 +4,8 @@
     episode.reward, episode.samples, episode.metrics, episode.stop_reason
 
 Per turn: the policy writes; tool calls in the text run (errors and timeouts go back to the model as
-tool messages); a turn without tool calls asks the env to `respond` (None ends the episode). Stop
+tool messages); a tool that sets `state.done` ends the episode after them; a turn without tool calls
+asks the env to `respond` (None ends the episode). Stop
 reasons: "done", "max_turns", "max_tokens" (the episode's token budget), "context_limit" (the
 conversation fills the server's context), "deadline", "aborted" (the server aborted the request),
 and "error": environment code raised, so the episode is marked failed with reward 0 and the error
@@ -22,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.client import InferenceError
 from asyncrl.config.envs import EnvConfig, LatencyConfig
-from asyncrl.envs.backend import InferenceError
 from asyncrl.envs.base import Environment, EpisodeState, Task
 from asyncrl.envs.policy import ContextLimitReached, EpisodeBudgetExhausted, Policy
 from asyncrl.envs.tools import call_tool, parse_tool_calls
@@ -112,6 +113,8 @@ async def _loop(
             stats.num_tool_calls += 1
             stats.num_tool_errors += result.is_error
             state.messages.append({"role": "tool", "name": result.name, "content": result.content})
+        if state.done:
+            return "done"
         if calls:
             continue
         reply = await env.respond(state, turn.text)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -36,6 +37,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +45,7 @@ from asyncrl.envs.sandbox_bwrap import Isolation, bwrap_argv, probe_isolation
 
 __all__ = [
     "Isolation", "Sandbox", "SandboxIsolationError", "SandboxLimits", "SandboxPathError", "SandboxResult",
-    "network_isolation_prefix", "probe_isolation",
+    "from_bwrap_returncode", "network_isolation_prefix", "probe_isolation", "run_process",
 ]  # fmt: skip
 
 _GUARD = str(Path(__file__).with_name("sandbox_guard.py"))
@@ -249,37 +251,70 @@ class Sandbox:
         """
         self.path(script)
         cmd, env = self._command(script, list(args or []))
-        t0 = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, cwd=self.dir, env=env, start_new_session=True,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        result = await run_process(
+            cmd, cwd=self.dir, env=env, stdin=stdin, wall_s=self.limits.wall_s,
+            max_output_bytes=self.limits.max_output_bytes, isolation=self.isolation(),
         )  # fmt: skip
-        budget = _OutputBudget(self.limits.max_output_bytes, proc.pid)
-        readers = [asyncio.create_task(budget.drain(s, i)) for i, s in enumerate((proc.stdout, proc.stderr))]
-        timed_out = False
-        try:
-            await asyncio.wait_for(_feed_and_wait(proc, stdin), self.limits.wall_s)
-        except TimeoutError:
-            timed_out = True
-        finally:
-            _kill_group(proc.pid)  # under bwrap this takes its PID namespace, so every descendant, along
-            await _exited(proc)
-            abandoned = await _finish_readers(proc, readers)
-            await proc.wait()  # returns now: the pipes are at EOF or closed
-        stderr = budget.text(1)
-        if abandoned:
-            stderr += "\nsandbox: a descendant process outlived the call holding its output; abandoned\n"
-        return SandboxResult(
-            returncode=self._returncode(proc.returncode), stdout=budget.text(0), stderr=stderr,
-            timed_out=timed_out, output_truncated=budget.exceeded, wall_s=time.monotonic() - t0,
-            isolation=self.isolation(),
-        )  # fmt: skip
+        if self.isolation_mode.mode == "bwrap":
+            return dataclasses.replace(result, returncode=from_bwrap_returncode(result.returncode))
+        return result
 
-    def _returncode(self, returncode: int | None) -> int | None:
-        """bwrap reports a child killed by signal N as exit code 128 + N; give it back as -N."""
-        if self.isolation_mode.mode == "bwrap" and returncode is not None and 128 < returncode < 128 + 65:
-            return 128 - returncode
-        return returncode
+
+def from_bwrap_returncode(returncode: int | None) -> int | None:
+    """bwrap reports a child killed by signal N as exit code 128 + N; give it back as -N."""
+    if returncode is not None and 128 < returncode < 128 + 65:
+        return 128 - returncode
+    return returncode
+
+
+async def run_process(
+    cmd: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    wall_s: float,
+    max_output_bytes: int,
+    stdin: str = "",
+    isolation: dict[str, str] | None = None,
+    on_spawn: Callable[[int], None] | None = None,
+    on_exit: Callable[[int], None] | None = None,
+    pass_fds: tuple[int, ...] = (),
+) -> SandboxResult:
+    """Run `cmd` in a session of its own under one deadline and a shared stdout + stderr cap.
+
+    Its process group is killed in every case: normal exit, deadline, output cap, cancellation.
+    `on_spawn(pid)` runs once the process exists; `on_exit(pid)` right after the group is killed (to
+    kill what else belongs to the call, e.g. a cgroup). `pass_fds` stay open in the child. The
+    returncode is the process's own.
+    """
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, cwd=cwd, env=env, start_new_session=True, pass_fds=pass_fds,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    if on_spawn is not None:
+        on_spawn(proc.pid)
+    budget = _OutputBudget(max_output_bytes, proc.pid)
+    readers = [asyncio.create_task(budget.drain(s, i)) for i, s in enumerate((proc.stdout, proc.stderr))]
+    timed_out = False
+    try:
+        await asyncio.wait_for(_feed_and_wait(proc, stdin), wall_s)
+    except TimeoutError:
+        timed_out = True
+    finally:
+        _kill_group(proc.pid)  # under bwrap this takes its PID namespace, so every descendant, along
+        if on_exit is not None:
+            on_exit(proc.pid)
+        await _exited(proc)
+        abandoned = await _finish_readers(proc, readers)
+        await proc.wait()  # returns now: the pipes are at EOF or closed
+    stderr = budget.text(1)
+    if abandoned:
+        stderr += "\nsandbox: a descendant process outlived the call holding its output; abandoned\n"
+    return SandboxResult(
+        returncode=proc.returncode, stdout=budget.text(0), stderr=stderr, timed_out=timed_out,
+        output_truncated=budget.exceeded, wall_s=time.monotonic() - t0, isolation=isolation or {},
+    )  # fmt: skip
 
 
 async def _feed_and_wait(proc: asyncio.subprocess.Process, stdin: str) -> None:

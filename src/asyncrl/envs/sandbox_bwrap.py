@@ -6,8 +6,9 @@
 What one call gets (see docs/envs.md, "Sandbox"):
 - a mount namespace whose root is an empty read-only tmpfs, with read-only binds of /usr (and the
   /bin, /lib, /lib64, /sbin entries the host has), the dynamic linker cache and the interpreter's
-  prefix; the episode's working directory is the only writable path; a fresh /proc of its own PID
-  namespace and a minimal /dev; nothing else of the host exists inside;
+  prefix; the episode's working directory (and any size-limited tmpfs the caller asks for, private
+  to the call) is the only writable path; a fresh /proc of its own PID namespace and a minimal
+  /dev; nothing else of the host exists inside;
 - PID, IPC, UTS, cgroup and network namespaces (only a loopback device), so host processes cannot
   be seen or signalled and every descendant dies with the call (`--die-with-parent`: when bwrap
   dies, its PID 1 dies, and the kernel kills the whole namespace);
@@ -75,11 +76,17 @@ def bwrap_argv(
     argv: list[str],
     *,
     network: bool = False,
-    read_only_files: tuple[str, ...] = (),
+    read_only_files: tuple[str | tuple[str, str], ...] = (),
+    workdir_dest: str | None = None,
+    read_only_dirs: tuple[str, ...] = (),
+    tmpfs: tuple[tuple[str, int], ...] = (),
 ) -> list[str]:
     """The command that runs `argv` in `workdir` inside the boundary of the module docstring.
 
-    `read_only_files` (e.g. the guard script) are bound read-only at their own paths.
+    `read_only_files` (e.g. the guard script) and `read_only_dirs` (e.g. a virtual environment) are
+    bound read-only at their own paths; `read_only_files` may also be (host path, sandbox path)
+    pairs. `workdir_dest`: where the working directory appears inside (default: its own path).
+    `tmpfs`: (path, size in bytes) of fresh size-limited tmpfs mounts, private to the call.
     """
     args = [
         bwrap, "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
@@ -88,12 +95,18 @@ def bwrap_argv(
     if network:
         args.append("--share-net")
     args += _system_binds()
+    for path, size in tmpfs:  # first: a bind under a tmpfs path (a venv in /tmp) is mounted over it
+        args += ["--size", str(size), "--tmpfs", path]
     for root in _interpreter_roots():
         args += ["--ro-bind", root, root]
-    for path in read_only_files:
+    for path in read_only_dirs:
         args += ["--ro-bind", path, path]
+    for item in read_only_files:
+        source, dest = (item, item) if isinstance(item, str) else item
+        args += ["--ro-bind", source, dest]
     args += ["--proc", "/proc", "--dev", "/dev"]
-    args += ["--bind", str(workdir), str(workdir), "--remount-ro", "/", "--chdir", str(workdir)]
+    dest = workdir_dest or str(workdir)
+    args += ["--bind", str(workdir), dest, "--remount-ro", "/", "--chdir", dest]
     return [*args, "--", *argv]
 
 

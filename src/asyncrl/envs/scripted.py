@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from asyncrl.client import RequestClient
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.client import RequestClient
 from asyncrl.wire import GenerateRequest, GenerateResponse, RoutedExperts
 
 __all__ = ["ScriptedClient", "scripted_routing"]

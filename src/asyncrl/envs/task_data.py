@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from asyncrl.config.jsonl import JsonlError, parse_jsonl
 from asyncrl.envs.base import EnvConfigError, Split
 
 __all__ = ["TaskDataConfig", "TaskDataError", "TaskRow", "TaskTable", "read_rows"]
@@ -243,22 +244,16 @@ def _read_json(p: Path) -> list[tuple[str, dict[str, Any]]]:
         except json.JSONDecodeError as e:
             raise TaskDataError(f"{p}: not valid JSON: {e}") from None
         return [(f"{p.name} item {i}", _object(f"{p.name} item {i}", item)) for i, item in enumerate(items)]
-    rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{p.name} line {n}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TaskDataError(f"{where}: not valid JSON: {e.msg} (column {e.colno})") from None
-        rows.append((where, _object(where, item)))
-    return rows
+    try:
+        rows = parse_jsonl(text)
+    except JsonlError as e:
+        raise TaskDataError(f"{p.name} line {e.line}: {e.reason}") from None
+    return [(f"{p.name} line {n}", row) for n, row in rows]
 
 
 def _object(where: str, item: Any) -> dict[str, Any]:
     if not isinstance(item, dict):
-        raise TaskDataError(f"{where}: a task row must be a JSON object, got {type(item).__name__}")
+        raise TaskDataError(f"{where}: a row must be a JSON object, got {type(item).__name__}")
     return item
 
 

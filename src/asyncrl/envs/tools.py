@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["Tool", "ToolCall", "ToolError", "ToolResult", "call_tool", "parse_tool_calls"]
+__all__ = ["TOOL_CALL_RE", "Tool", "ToolCall", "ToolError", "ToolResult", "call_tool", "parse_tool_calls"]
 
 _JSON_TYPES: dict[type, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # the blocks parse_tool_calls reads
 
 
 class ToolError(Exception):
@@ -141,7 +141,7 @@ class ToolResult:
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """Every `<tool_call>{json}</tool_call>` in `text`, in order. Arguments may be a JSON string."""
     calls = []
-    for raw in _TOOL_CALL_RE.findall(text):
+    for raw in TOOL_CALL_RE.findall(text):
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as e:

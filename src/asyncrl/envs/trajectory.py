@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncrl.envs.backend import InferenceError
+from asyncrl.client import InferenceError
 from asyncrl.wire import GenerateResponse, RolloutSample
 
 __all__ = ["NOT_SAMPLED_VERSION", "TrajectoryBuilder"]

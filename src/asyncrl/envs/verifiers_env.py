@@ -34,16 +34,14 @@ from __future__ import annotations
 import importlib
 import json
 import random
-import re
 from typing import Any
 
 from asyncrl.envs.base import EnvConfigError, Environment, EpisodeState, Rubric, Split, Task, split_of
-from asyncrl.envs.tools import Tool, ToolCall, parse_tool_calls
+from asyncrl.envs.tools import TOOL_CALL_RE, Tool, ToolCall, parse_tool_calls
 
 __all__ = ["VERIFIERS_PREFIX", "VerifiersEnv", "VerifiersRubric"]
 
 VERIFIERS_PREFIX = "verifiers:"
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # the blocks parse_tool_calls reads
 # asyncrl's stop reasons named as verifiers names the same ends ("deadline" and "aborted": see _stop)
 # ("context_limit": the prompt filled the server's context, verifiers' input-token limit)
 _STOP_CONDITIONS = {
@@ -231,7 +229,7 @@ def build_trace(vf_task: Any, messages: list[dict[str, Any]], *, stop_reason: st
 
 def _assistant_message(vf: Any, text: str, *, id_prefix: str, calls_ran: bool) -> Any:
     """The turn's prose as content and its calls as tool calls (ids `<id_prefix>_<k>`), or all text."""
-    bodies = _TOOL_CALL_RE.findall(text) if calls_ran else []
+    bodies = TOOL_CALL_RE.findall(text) if calls_ran else []
     if not bodies:
         return vf.AssistantMessage(content=text)
     parsed = parse_tool_calls(text)
@@ -240,7 +238,7 @@ def _assistant_message(vf: Any, text: str, *, id_prefix: str, calls_ran: bool) -
         vf.ToolCall(id=f"{id_prefix}_{k}", name=call.name, arguments=_arguments_as_written(call, body))
         for k, (call, body) in enumerate(zip(parsed, bodies))
     ]
-    return vf.AssistantMessage(content=_TOOL_CALL_RE.sub("", text).strip() or None, tool_calls=calls)
+    return vf.AssistantMessage(content=TOOL_CALL_RE.sub("", text).strip() or None, tool_calls=calls)
 
 
 def _arguments_as_written(call: ToolCall, body: str) -> str:

@@ -24,14 +24,17 @@ import numpy as np
 import torch
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.block_pool import BlockPool
-from asyncrl.inference.kv_cache import AttentionPaths, KVCache, PagedAttention, SeqSlice
-from asyncrl.inference.request import (
+from asyncrl.config.sampling import (
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
     MIN_TEMPERATURE,
+)
+from asyncrl.inference.block_pool import BlockPool
+from asyncrl.inference.kv_cache import AttentionPaths, KVCache, PagedAttention, SeqSlice
+from asyncrl.inference.request import (
     FinishReason,
     InvalidRequestError,
     Request,
@@ -42,20 +45,13 @@ from asyncrl.inference.sampler import sample
 from asyncrl.inference.scheduler import ScheduledSeq, Scheduler
 from asyncrl.inference.stopping import check_stop
 from asyncrl.model import Transformer, from_pretrained, torch_dtype
+from asyncrl.model.devices import resolve_device
 from asyncrl.model.fp8 import apply_fp8
 from asyncrl.model.hf import check_state_dict, load_into, load_state_dict
 
-__all__ = ["Engine", "resolve_device"]
+__all__ = ["Engine"]
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device = 'cuda' but no CUDA device is available; use device = 'cpu' or 'auto'")
-    return torch.device(name)
 
 
 class Engine:
@@ -366,9 +362,10 @@ class Engine:
 
 def _validate_options(o: SamplingOptions) -> None:
     """What the sampler cannot compute, rejected before the request joins a batch."""
-    if not (o.temperature == 0 or MIN_TEMPERATURE <= o.temperature <= 100):
+    if not (o.temperature == 0 or MIN_TEMPERATURE <= o.temperature <= MAX_TEMPERATURE):
         raise InvalidRequestError(
-            "temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], got {o.temperature}"
+            "temperature",
+            f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], got {o.temperature}",
         )
     if not 0 < o.top_p <= 1:
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {o.top_p}")

@@ -1,7 +1,7 @@
 """`asyncrl inference --model DIR [--port 8000] [--dtype float32|bfloat16] [--max-num-seqs N] [--api-key KEY]`.
 
 Also `asyncrl inference @ inference.toml --port 8001`: every InferenceConfig field can come from
-TOML files and `--dotted.key value` overrides. Serves the API of ARCHITECTURE.md on host:port.
+TOML files and `--dotted.key value` overrides. Serves the API of docs/architecture.md on host:port.
 """
 
 from __future__ import annotations
@@ -44,14 +44,11 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         print("fields:", ", ".join(f"--{k.replace('_', '-')}" for k in InferenceConfig.model_fields))
         return 0
-    try:
-        config = load_config(InferenceConfig, argv)
-    except ConfigError as e:
-        raise SystemExit(f"asyncrl inference: {e}") from None
+    config = load_config(InferenceConfig, argv)
     if config.backend != "embedded":
-        raise SystemExit(
-            f"asyncrl inference serves the embedded engine; backend = {config.backend!r} is served by vLLM "
-            "itself: `asyncrl rl ... --dry-run` prints each server's command (docs/inference.md)"
+        raise ConfigError(
+            f"this command serves the embedded engine only; backend = {config.backend!r} is served by "
+            "vLLM itself: `asyncrl rl ... --dry-run` prints each server's command (docs/inference.md)"
         )
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

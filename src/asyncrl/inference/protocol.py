@@ -12,25 +12,37 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field, field_validator
 
-from asyncrl.inference.request import MAX_SEED, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingOptions
+from asyncrl.config.sampling import (
+    MAX_SEED,
+    MAX_STOP_TOKEN_IDS,
+    MaxTokens,
+    MinP,
+    StopStrings,
+    Temperature,
+    TopK,
+    TopP,
+)
+from asyncrl.inference.request import SamplingOptions
 from asyncrl.wire import SamplingParams
 from asyncrl.wire.http import ValidUnicode
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "error_response", "to_options"]
+
+MAX_CHOICES = 64  # most samples (n) per request; choice i samples with seed + i
 
 
 class _OpenAIRequest(ValidUnicode):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1, le=1_048_576)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED - 64)  # choice i of n samples with seed + i
-    n: int = Field(1, ge=1, le=64)
-    stop: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS, description="a string or a list")
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    seed: int | None = Field(None, ge=0, le=MAX_SEED - MAX_CHOICES)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: StopStrings | None = Field(None, description="a string or a list")
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
@@ -59,7 +71,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    max_completion_tokens: int | None = Field(None, ge=1, le=1_048_576)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0, description="only 0 is supported")
     add_generation_prompt: bool = True

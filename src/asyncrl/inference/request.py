@@ -12,11 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = [
-    "MAX_SEED",
-    "MAX_STOP_STRINGS",
-    "MAX_STOP_STRING_CHARS",
-    "MAX_STOP_TOKEN_IDS",
-    "MIN_TEMPERATURE",
     "FinishReason",
     "InvalidRequestError",
     "Request",
@@ -24,14 +19,6 @@ __all__ = [
     "RequestOutput",
     "SamplingOptions",
 ]
-
-# Limits every endpoint shares (the engine enforces them; the HTTP schemas repeat them for early errors).
-# Below MIN_TEMPERATURE, logits / temperature overflows float32 for realistic logits; use 0 (greedy).
-MIN_TEMPERATURE = 1e-2
-MAX_SEED = 2**63 - 1  # torch.Generator seeds are 64-bit; n > 1 adds the choice index to the seed
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256  # each step decodes a tail proportional to the longest stop string
-MAX_STOP_TOKEN_IDS = 256
 
 
 class InvalidRequestError(ValueError):

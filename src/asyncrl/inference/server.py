@@ -1,4 +1,4 @@
-"""The inference HTTP server: FastAPI app over an `AsyncEngine` (contract: ARCHITECTURE.md).
+"""The inference HTTP server: FastAPI app over an `AsyncEngine` (contract: docs/architecture.md).
 
     app = build_app(AsyncEngine(engine), tokenizer, config, model_name)   # then uvicorn.run(app, ...)
 

@@ -17,32 +17,39 @@ from pathlib import Path
 # `asyncrl --help` and torch-free commands start fast.
 COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": (
-        "asyncrl.launcher.init_model:main",
+        "asyncrl.tools.init_model:main",
         "write a randomly initialised HF-format model + tokenizer",
     ),
-    "trainer": ("asyncrl.trainer.rl:main", "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)"),
+    "trainer": (
+        "asyncrl.trainer.main:main",
+        "RL trainer: rollouts/step_n -> weights/step_n (torchrun-ready)",
+    ),
     "orchestrator": ("asyncrl.orchestrator.main:main", "rollouts over HTTP -> RUN/rollouts/step_n (asyncio)"),
     "sft-data": (
-        "asyncrl.launcher.sft_export:main",
+        "asyncrl.tools.sft_export:main",
         "write an env's reference answers as SFT JSONL (optionally corrupted)",
     ),
     "eval": (
-        "asyncrl.launcher.engine_eval:main",
+        "asyncrl.tools.engine_eval:main",
         "mean reward of a model on an env's eval tasks (in-process engine, no server)",
     ),
     "sft": ("asyncrl.trainer.sft:main", "supervised fine-tuning on chat / prompt-completion JSONL"),
     "rl": ("asyncrl.launcher.rl:main", "asynchronous RL: inference + orchestrator + trainer, supervised"),
-    "plan": ("asyncrl.launcher.plan:main", "per-GPU memory and step time of a trainer layout (FSDP/EP/CP)"),
+    "plan": ("asyncrl.tools.plan:main", "per-GPU memory and step time of a trainer layout (FSDP/EP/CP)"),
     "slurm": ("asyncrl.launcher.slurm:main", "render (and submit) an sbatch job for a multi-node RL run"),
     "inference": (
         "asyncrl.inference.main:main",
         "serve a model: embedded engine, OpenAI-compatible HTTP API",
     ),
     "eval-env": (
-        "asyncrl.envs.endpoint_eval:main",
+        "asyncrl.tools.endpoint_eval:main",
         "evaluate an OpenAI-compatible endpoint on an environment",
     ),
-    "report": ("asyncrl.launcher.report:main", "PNG plots and one HTML page of a run's metrics (matplotlib)"),
+    "report": ("asyncrl.tools.report:main", "PNG plots and one HTML page of a run's metrics (matplotlib)"),
+    "swe-tasks": (
+        "asyncrl.tools.swe_tasks.cli:main",
+        "SWE-bench-form tasks from a Python repository by mutation (--verify checks them)",
+    ),
 }
 
 
@@ -107,7 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     if name in CONFIG_HELP and any(a in ("-h", "--help") for a in rest):
         print(config_command_help(name))
         return 0
-    return int(_resolve(COMMANDS[name][0])(rest) or 0)
+    return run_command(name, rest)
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    """Run one command; a config mistake is one message naming the command, exit code 2, no traceback."""
+    from asyncrl.config import ConfigError  # not at the top: `asyncrl --help` stays free of pydantic
+
+    try:
+        return int(_resolve(COMMANDS[name][0])(argv) or 0)
+    except ConfigError as e:
+        print(f"asyncrl {name}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ Every child's full output goes to RUN/logs/<name>.log (the supervisor writes it)
   the orchestrator's fill status while a batch fills.
 - `LiveConsole` (stdout is a terminal): one compact status line, rewritten in place,
 
-      step 3/20 | reward 0.520 | mismatch KL 0.0012 | stale 0.40 | gen 1234 tok/s | train 310 tok/s | 2m31s
+      step 3/20 | reward 0.520 | mismatch KL 0.0012 | stale 0.40 | eval v2 pass@1 0.310 | gen 1234 tok/s | ...
 
-  built from RUN/metrics.jsonl, with the fill status appended while a batch fills. Only the
+  built from RUN/metrics.jsonl (the held-out pass@1 of the latest eval during training, averaged
+  over its envs), with the fill status appended while a batch fills. Only the
   children's warnings and errors (and fill hints) are printed, above the status line.
 
 Both tail RUN/metrics.jsonl on every supervisor tick and hand each new line to the sinks.
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from asyncrl.run_dir import metrics_file
 from asyncrl.transport.sinks import Sinks
 
 __all__ = ["Console", "LiveConsole", "MetricsTail", "PlainConsole", "RunStatus", "is_important"]
@@ -73,6 +75,7 @@ class RunStatus:
         self.max_steps = max_steps
         self.trainer: dict[str, Any] = {}
         self.orchestrator: dict[str, Any] = {}
+        self.eval: dict[str, Any] = {}
         self.fill: str | None = None
         self.started = time.monotonic()
 
@@ -82,6 +85,8 @@ class RunStatus:
         elif record.get("role") == "orchestrator":
             self.orchestrator = record
             self.fill = None  # a batch was written: the fill status it had is over
+        elif record.get("role") == "eval":
+            self.eval = record
 
     def render(self, width: int = 200) -> str:
         t, o = self.trainer, self.orchestrator
@@ -93,6 +98,9 @@ class RunStatus:
         ):
             if isinstance(value, int | float):
                 parts.append(f"{label} {value:{fmt}}")
+        pass1 = [v for k, v in self.eval.items() if k.startswith("eval/") and k.endswith("/pass@1")]
+        if pass1:
+            parts.append(f"eval v{self.eval['version']} pass@1 {sum(pass1) / len(pass1):.3f}")
         if isinstance(o.get("inference/tokens_per_s"), int | float):
             parts.append(f"gen {o['inference/tokens_per_s']:.0f} tok/s")
         if isinstance(t.get("tokens_per_s"), int | float):
@@ -117,7 +125,7 @@ class Console:
         self, run_dir: str | Path | None = None, sinks: Sinks | None = None, stream: TextIO | None = None
     ) -> None:
         """`run_dir` None: no metrics to tail (a supervisor of processes that write none)."""
-        self.tail = MetricsTail(Path(run_dir) / "metrics.jsonl") if run_dir is not None else None
+        self.tail = MetricsTail(metrics_file(run_dir)) if run_dir is not None else None
         self.sinks = sinks or Sinks()
         self._stream = stream
         self._lock = threading.Lock()  # child lines arrive on the supervisor's reader threads

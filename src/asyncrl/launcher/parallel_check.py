@@ -4,13 +4,14 @@
 
 The trainer validates the same degrees at start-up (before its process group exists); checking
 here as well turns a wasted Slurm allocation or a child crash into an immediate config error.
-`num_experts` comes from the model's config.json when the directory is reachable from here;
+The expert count is the one the trainer uses: the model's config.json parsed by
+`asyncrl.model.load_args` (`num_experts` for Qwen3-MoE, `n_routed_experts` for DeepSeek-V3,
+GLM-4.5 and GLM-5), read when the directory is reachable from here and its config.json parses;
 otherwise the expert-parallel rules that need it are left to the trainer.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from asyncrl.config import ConfigError
@@ -20,20 +21,22 @@ __all__ = ["check_trainer_parallel"]
 
 
 def _num_experts(model_dir: Path) -> int | None:
-    """Experts per MoE layer from config.json (0 for a dense model), or None if unreadable here."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    """Experts per MoE layer (0 for a dense model), or None if config.json is unreadable here."""
+    from asyncrl.model import ModelConfigError, load_args  # torch: see check_trainer_parallel
+
+    if not (Path(model_dir) / "config.json").is_file():
         return None
     try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError:
+        args = load_args(model_dir)
+    except ModelConfigError:
         return None  # the trainer reports a broken config.json with its own error
-    return int(cfg.get("num_experts") or 0)
+    return args.num_experts if args.is_moe else 0
 
 
 def check_trainer_parallel(trainer: RLTrainerConfig, *, world_size: int, where: str) -> None:
     """Raise ConfigError naming the violated constraint (see asyncrl.distributed.ParallelDims)."""
-    # Imported here: asyncrl.distributed pulls in torch, which `asyncrl rl --help` does not need.
+    # Imported here: asyncrl.distributed and asyncrl.model pull in torch, which `asyncrl rl --help`
+    # does not need.
     from asyncrl.distributed import ParallelDims, ParallelDimsError
 
     p = trainer.parallel

@@ -12,8 +12,8 @@ Before any child starts, the weights published after c are retracted (`weights/s
 deleted): the trainer publishes those versions again, and no server may stamp tokens n while it
 holds the pre-crash v_n, which the retrained v_n equals only in deterministic fp32. And
 `metrics.jsonl` loses the lines of steps that will be redone (trainer steps after c; orchestrator
-steps after B, which cannot exist but a torn line can), so every step appears once in the finished
-file. Both happen only here, while no process runs.
+steps after B, which cannot exist but a torn line can; evals of versions after c, which are
+published again), so every step appears once in the finished file. Both happen only here, while no process runs.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def plan_resume(resolved: ResolvedRL, *, dry_run: bool = False) -> ResumePlan:
         update={"resume": False, "resume_step": trainer_step or None}
     )  # resume_step, not resume: no checkpoint at all is a valid state (killed before the first one)
     orchestrator = resolved.orchestrator.model_copy(update={"resume": True})
-    keep = {"trainer": trainer_step, "orchestrator": last_batch}
+    # eval lines of retracted versions go too: those versions are published and evaluated again
+    keep = {"trainer": trainer_step, "orchestrator": last_batch, "eval": trainer_step}
     retracted = [s for s in stable_steps(run_dir) if s > trainer_step]  # the complete ones, to report
     dropped = 0
     if not dry_run:

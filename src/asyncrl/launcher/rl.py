@@ -6,8 +6,10 @@ resolved config of every process written to RUN/configs/. On a terminal the cons
 live status line (step, reward, mismatch KL, staleness, tok/s, batch fill) and the children's
 warnings and errors; otherwise the orchestrator's and the trainer's progress lines are echoed
 (asyncrl.launcher.console). The `[sinks]` table mirrors RUN/metrics.jsonl to W&B / TensorBoard.
-When one process fails, or on Ctrl-C, everything is stopped and the exit code is non-zero, naming
-the failing process.
+Before any process starts, every input they will read is checked (asyncrl.launcher.preflight: the
+model directory, each environment and its task files, the vLLM interpreter). When one process
+fails, or on Ctrl-C, everything is stopped and the exit code is non-zero, naming the failing
+process.
 
 Top-level keys: model, run_dir, max_steps, seq_len, seed, and the tables [deployment],
 [inference], [orchestrator], [trainer] (see docs/configuration.md). Any key can be overridden on
@@ -18,7 +20,8 @@ Other flags:
                 checkpoint c, the orchestrator from the checkpoint stored with its newest batch,
                 the servers from the newest published weights up to v_c (those after c are
                 retracted and published again by the trainer; see asyncrl.launcher.resume)
-  --dry-run     resolve and write the configs, print the commands, start nothing
+  --dry-run     resolve and write the configs, print the commands, start nothing (and check no
+                input: the files may live where the processes will run)
   --slurm       render RUN/slurm.sbatch from the `[slurm]` table and submit it with sbatch
                 (with --dry-run: only write it); same as `asyncrl slurm`, see asyncrl.launcher.slurm
 
@@ -29,7 +32,6 @@ through to RUN/configs/trainer.toml; set `[deployment] trainer_nproc` (one node)
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
@@ -41,19 +43,21 @@ from asyncrl.config.rl import _SHARED, ResolvedRL, RLConfig
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.launcher.console import Console, LiveConsole, PlainConsole
 from asyncrl.launcher.parallel_check import check_trainer_parallel
+from asyncrl.launcher.preflight import check_inputs
 from asyncrl.launcher.resume import check_fresh_run_dir, plan_resume
 from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm import SlurmRLConfig
 from asyncrl.launcher.slurm import main as slurm_main
 from asyncrl.launcher.supervisor import ChildSpec, Supervisor
 from asyncrl.launcher.vllm import VLLMCommand, build_vllm_command, check_vllm, probe_vllm, resolve_vllm_python
+from asyncrl.orchestrator.evaluator import best_weights
+from asyncrl.run_dir import log_file, logs_dir
 from asyncrl.transport.sinks import build_sinks
 
 __all__ = ["build_children", "main"]
 
 
 def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) -> list[ChildSpec]:
-    logs = Path(cfg.run_dir) / "logs"
     py = [sys.executable, "-m", "asyncrl"]
     children = []
     for i in range(len(resolved.inference)):
@@ -70,7 +74,7 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
             ChildSpec(
                 name=f"inference-{i}",
                 argv=argv,
-                log=logs / f"inference-{i}.log",
+                log=log_file(cfg.run_dir, f"inference-{i}"),
                 env=env,
                 max_restarts=cfg.deployment.max_inference_restarts,
             )
@@ -79,9 +83,10 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
         ChildSpec(
             name="orchestrator",
             argv=[*py, "orchestrator", "@", str(files["orchestrator"])],
-            log=logs / "orchestrator.log",
+            log=log_file(cfg.run_dir, "orchestrator"),
             echo_prefixes=("[orchestrator]",),
             may_exit_ok=True,
+            done_ok=resolved.orchestrator.eval.enabled,  # it evaluates the final version after the trainer
         )
     )
     nproc = cfg.deployment.trainer_nproc
@@ -103,7 +108,7 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
         ChildSpec(
             name="trainer",
             argv=[*trainer_cmd, "@", str(files["trainer"])],
-            log=logs / "trainer.log",
+            log=log_file(cfg.run_dir, "trainer"),
             env=env,
             echo_prefixes=("step ",),
             done_ok=True,
@@ -128,18 +133,23 @@ def keys_help() -> str:
         ("orchestrator", OrchestratorConfig),
         ("trainer", RLTrainerConfig),
     ):
-        shared = _SHARED[name] + (("model.path",) if name == "trainer" else ())
+        shared = _SHARED[name]
         about = f"{cls.__name__}; {', '.join(shared)} come from the top level"
         if "max_model_len" in shared:
             about += " (max_model_len: the [inference] servers' context limit)"
-        sections.append(config_help(cls, name, exclude=shared, about=about))
+        if "trainer_dp_size" in shared:
+            about += " (trainer_dp_size: the [trainer] data-parallel ranks)"
+        if "port" in shared:
+            about += " (host, port: [deployment])"
+        sections.append(config_help(RLConfig.model_fields[name].annotation, name, about=about))
     return "Keys (TOML, or `--dotted.key value` on the command line):\n\n" + "\n\n".join(sections)
 
 
 def _shell(child: ChildSpec) -> str:
-    """A child's command line; a vLLM server's with its environment, to start it by hand."""
-    env = {k: v for k, v in child.env.items() if k.startswith("VLLM_")}
-    return VLLMCommand(argv=child.argv, env=env).shell() if env else shlex.join(child.argv)
+    """A child's command line with the variables the launcher adds to its environment (a vLLM server's
+    PYTHONPATH to the worker extension, CUDA_VISIBLE_DEVICES, ...), to start it by hand; an API key in
+    the environment is masked."""
+    return VLLMCommand(argv=child.argv, env=child.env).shell()
 
 
 def _check_vllm(resolved: ResolvedRL, *, skip_probe: bool) -> int:
@@ -184,6 +194,8 @@ def main(argv: list[str]) -> int:
         check_trainer_parallel(
             resolved.trainer, world_size=nproc, where=f"deployment.trainer_nproc = {nproc}"
         )
+        if not dry_run:
+            check_inputs(resolved)
         if resume:
             plan = plan_resume(resolved, dry_run=dry_run)
             resolved = plan.resolved
@@ -196,7 +208,7 @@ def main(argv: list[str]) -> int:
     files = write_configs(cfg, resolved)
     children = build_children(cfg, resolved, files)
     print(
-        f"asyncrl rl: run dir {cfg.run_dir}; configs in {files['rl'].parent}; logs in {Path(cfg.run_dir) / 'logs'}"
+        f"asyncrl rl: run dir {cfg.run_dir}; configs in {files['rl'].parent}; logs in {logs_dir(cfg.run_dir)}"
     )
     for child in children:
         print(f"  {child.name}: {_shell(child)}")
@@ -211,4 +223,19 @@ def main(argv: list[str]) -> int:
         f"asyncrl rl: {'finished' if code == 0 else 'FAILED'} (exit {code})",
         file=sys.stderr if code else sys.stdout,
     )
+    if code == 0:
+        _print_best(resolved)
     return code
+
+
+def _print_best(resolved: ResolvedRL) -> None:
+    """The path of the best version by `[orchestrator.eval] keep_best`, kept from pruning."""
+    metric = resolved.orchestrator.eval.keep_best
+    if not resolved.orchestrator.eval.enabled or metric is None:
+        return
+    best = best_weights(resolved.orchestrator.run_dir, resolved.orchestrator.model, metric)
+    if best is None:
+        print(f"asyncrl rl: no evaluated version has {metric} and weights on disk")
+        return
+    version, value, path = best
+    print(f"asyncrl rl: best version by {metric}: v{version} ({value:.4f}), {path}")

@@ -33,6 +33,7 @@ from asyncrl.config.vllm import DEFAULT_VLLM_PYTHON
 from asyncrl.launcher.parallel_check import check_trainer_parallel
 from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.vllm import build_vllm_command
+from asyncrl.run_dir import config_file, log_file, logs_dir, sbatch_file
 
 __all__ = ["SlurmRLConfig", "main", "render_sbatch"]
 
@@ -65,7 +66,7 @@ def _header(s: SlurmConfig, run_dir: Path) -> list[str]:
         f"#SBATCH --nodes={s.inference_nodes + s.trainer_nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --gpus-per-node={s.gpus_per_node}",
-        f"#SBATCH --output={run_dir / 'logs' / 'slurm-%j.out'}",
+        f"#SBATCH --output={logs_dir(run_dir) / 'slurm-%j.out'}",
     ]
     lines += [
         f"#SBATCH --{k}={v}"
@@ -104,7 +105,7 @@ def _vllm_server(cfg: SlurmRLConfig) -> tuple[str, str]:
     return exports, " ".join(argv)
 
 
-def _inference(cfg: SlurmRLConfig, py: str, configs: Path, logs: Path) -> list[str]:
+def _inference(cfg: SlurmRLConfig, py: str, run_dir: Path) -> list[str]:
     s, base_port = cfg.slurm, cfg.deployment.base_port
     per = s.servers_per_inference_node
     gpus = s.gpus_per_node // per
@@ -114,15 +115,16 @@ def _inference(cfg: SlurmRLConfig, py: str, configs: Path, logs: Path) -> list[s
     lines.append(f"    i=$((n * {per} + j)); port=$(({base_port} + j))")
     lines.append(f"    devices=$(seq -s, $((j * {gpus})) $((j * {gpus} + {gpus - 1})))")
     lines.append('    SERVERS+=("\\"http://${INFERENCE_NODES[$n]}:${port}\\"")')
-    exports, command = "", f'{py} inference @ "{configs}/inference-${{i}}.toml" --host 0.0.0.0 --port "$port"'
-    if cfg.inference.get("backend") == "vllm":
+    config, log = config_file(run_dir, "inference-${i}"), log_file(run_dir, "inference-${i}")
+    exports, command = "", f'{py} inference @ "{config}" --host 0.0.0.0 --port "$port"'
+    if cfg.inference.backend == "vllm":
         exports, command = _vllm_server(cfg)
         if cfg.api_key:
-            key = f"tomllib.load(open('{configs}/inference-0.toml', 'rb'))['api_key']"
+            key = f"tomllib.load(open('{config_file(run_dir, 'inference-0')}', 'rb'))['api_key']"
             lines.insert(2, f'export VLLM_API_KEY="$({cfg.slurm.python} -c "import tomllib; print({key})")"')
     lines.append(
         '    srun --nodes=1 --ntasks=1 --nodelist="${INFERENCE_NODES[$n]}" '
-        f'--output="{logs}/inference-${{i}}.log" --export=ALL,CUDA_VISIBLE_DEVICES="$devices"{exports} \\'
+        f'--output="{log}" --export=ALL,CUDA_VISIBLE_DEVICES="$devices"{exports} \\'
     )
     lines.append(f"      {command} &")
     lines += ["    PIDS+=($!)", "  done", "done"]
@@ -133,24 +135,24 @@ def render_sbatch(cfg: SlurmRLConfig, run_dir: Path) -> str:
     """The sbatch script text for `cfg` (configs are expected in RUN/configs/, as write_configs puts them)."""
     _check(cfg)
     s = cfg.slurm
-    configs, logs = run_dir / "configs", run_dir / "logs"
     py = f"{s.python} -m asyncrl"
     orch_node = "${TRAINER_MASTER}" if s.orchestrator_on == "trainer" else "${INFERENCE_NODES[0]}"
+    orch_config, orch_log = config_file(run_dir, "orchestrator"), log_file(run_dir, "orchestrator")
     lines = [*_header(s, run_dir), "", *_environment(s)]
-    lines += _inference(cfg, py, configs, logs)
+    lines += _inference(cfg, py, run_dir)
     lines += [
         "",
         "# trainer: one torchrun per node, c10d rendezvous on the first trainer node",
         f'srun --nodes={s.trainer_nodes} --ntasks-per-node=1 --nodelist="$(IFS=,; echo "${{TRAINER_NODES[*]}}")" '
-        f'--output="{logs}/trainer-%t.log" \\',
+        f'--output="{log_file(run_dir, "trainer-%t")}" \\',
         f"  {s.python} -m torch.distributed.run --nnodes={s.trainer_nodes} --nproc-per-node={s.gpus_per_node} "
         f'--rdzv-backend=c10d --rdzv-endpoint="${{TRAINER_MASTER}}:{s.rdzv_port}" --rdzv-id="$SLURM_JOB_ID" \\',
-        f'  -m asyncrl trainer @ "{configs}/trainer.toml" &',
+        f'  -m asyncrl trainer @ "{config_file(run_dir, "trainer")}" &',
         "TRAINER_PID=$!",
         "",
         "# orchestrator (CPU only): told the servers' URLs now that the hosts are known",
-        f'srun --overlap --nodes=1 --ntasks=1 --nodelist="{orch_node}" --output="{logs}/orchestrator.log" \\',
-        f'  {py} orchestrator @ "{configs}/orchestrator.toml" --servers "[$(IFS=,; echo "${{SERVERS[*]}}")]" &',
+        f'srun --overlap --nodes=1 --ntasks=1 --nodelist="{orch_node}" --output="{orch_log}" \\',
+        f'  {py} orchestrator @ "{orch_config}" --servers "[$(IFS=,; echo "${{SERVERS[*]}}")]" &',
         "PIDS+=($!)",
         "",
         "# the run ends with the trainer; stop everything else and report the trainer's status",
@@ -175,8 +177,8 @@ def main(argv: list[str]) -> int:
         # Servers listen on 0.0.0.0 on cluster nodes: they always get a per-run API key.
         cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=True)
         script = render_sbatch(cfg, Path(cfg.run_dir))
-        resolved = cfg.resolve()
         s = cfg.slurm
+        resolved = cfg.resolve(trainer_world_size=s.trainer_nodes * s.gpus_per_node)
         check_trainer_parallel(
             resolved.trainer,
             world_size=s.trainer_nodes * s.gpus_per_node,
@@ -186,9 +188,9 @@ def main(argv: list[str]) -> int:
         print(f"asyncrl slurm: {e}", file=sys.stderr)
         return 2
     run_dir = Path(cfg.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
     write_configs(cfg, resolved)
-    path = run_dir / "slurm.sbatch"
+    path = sbatch_file(run_dir)
     path.write_text(script)
     print(
         f"asyncrl slurm: wrote {path} ({cfg.slurm.inference_nodes} inference + {cfg.slurm.trainer_nodes} trainer nodes)"

@@ -35,7 +35,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 @dataclass(frozen=True, kw_only=True)
 class ChildSpec:
-    """One process to supervise. `done_ok`: an exit 0 of this child means the run succeeded."""
+    """One process to supervise. `done_ok`: the run succeeded once every such child exited 0."""
 
     name: str
     argv: list[str]
@@ -86,7 +86,7 @@ class _Child:
 
 
 class Supervisor:
-    """Runs children until the `done_ok` one exits 0 (success), any child fails, or a signal arrives."""
+    """Runs children until every `done_ok` one exited 0 (success), any child fails, or a signal arrives."""
 
     def __init__(
         self,
@@ -118,6 +118,7 @@ class Supervisor:
                 signal.signal(s, handler)
 
     def _watch(self) -> int:
+        done: set[str] = set()
         while True:
             if self._signalled is not None:
                 self.console.message(
@@ -126,10 +127,13 @@ class Supervisor:
                 return 130
             for child in self.children:
                 code = child.proc.poll()
-                if code is None:
+                if code is None or child.spec.name in done:
                     continue
                 if code == 0 and child.spec.done_ok:
-                    return 0
+                    done.add(child.spec.name)
+                    if all(c.spec.name in done for c in self.children if c.spec.done_ok):
+                        return 0
+                    continue
                 if code == 0 and child.spec.may_exit_ok:
                     continue
                 if child.num_restarts < child.spec.max_restarts:

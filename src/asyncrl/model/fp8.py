@@ -34,18 +34,18 @@ import functools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncrl.fp8_options import DEFAULT_FP8_IGNORE, FP8Backend
 from asyncrl.model.moe import GroupedExperts
 
 __all__ = [
     "AMAX_FLOOR",
     "BLOCK",
-    "DEFAULT_FP8_IGNORE",
     "FP8_DTYPE",
     "FP8_MAX",
     "FP8Linear",
@@ -55,6 +55,7 @@ __all__ = [
     "dequantize_activation",
     "dequantize_weight",
     "fp8_linear",
+    "plan_fp8",
     "quantize_activation",
     "quantize_weight",
 ]
@@ -63,12 +64,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 BLOCK = 128
 AMAX_FLOOR = 1e-12  # an all-zero (or tiny) group gets scale AMAX_FLOOR / 448, not 0, so no 0/0
-# The router is an asyncrl Router (never an nn.Linear), so it stays high precision regardless; it is
-# listed so that the default reads as the policy. The LM head must stay: the trainer's chunked
-# logprobs read lm_head.weight directly, so an FP8 LM head would only apply on the engine side.
-DEFAULT_FP8_IGNORE: tuple[str, ...] = ("lm_head", "*.mlp.gate")
-
-Backend = Literal["auto", "emulated", "scaled_mm"]
 
 
 class NonFiniteInputError(ValueError):
@@ -170,7 +165,7 @@ def _scaled_mm_works(device_index: int) -> bool:
     return True
 
 
-def _matmul(xq, xs, wq, ws, backend: Backend) -> torch.Tensor:
+def _matmul(xq, xs, wq, ws, backend: FP8Backend) -> torch.Tensor:
     """fp32 [N, O] from quantized operands."""
     if backend == "scaled_mm":
         if not xq.is_cuda:
@@ -183,7 +178,7 @@ def _matmul(xq, xs, wq, ws, backend: Backend) -> torch.Tensor:
 
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_NK: torch.Tensor, w_OK: torch.Tensor, backend: Backend) -> torch.Tensor:
+    def forward(ctx, x_NK: torch.Tensor, w_OK: torch.Tensor, backend: FP8Backend) -> torch.Tensor:
         xq, xs = quantize_activation(x_NK)
         wq, ws = quantize_weight(w_OK)
         ctx.save_for_backward(xq, xs, wq, ws)
@@ -205,7 +200,7 @@ class _FP8Matmul(torch.autograd.Function):
 
 
 def fp8_linear(
-    x: torch.Tensor, weight_OK: torch.Tensor, bias: torch.Tensor | None = None, backend: Backend = "auto"
+    x: torch.Tensor, weight_OK: torch.Tensor, bias: torch.Tensor | None = None, backend: FP8Backend = "auto"
 ) -> torch.Tensor:
     """y = x @ weight.T (+ bias) with both operands block-quantized to e4m3; y in x's dtype."""
     K = x.shape[-1]
@@ -217,10 +212,10 @@ def fp8_linear(
 class FP8Linear(nn.Linear):
     """nn.Linear whose forward runs `fp8_linear`; same parameters and state-dict keys."""
 
-    backend: Backend = "auto"
+    backend: FP8Backend = "auto"
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, backend: Backend = "auto") -> FP8Linear:
+    def from_linear(cls, linear: nn.Linear, backend: FP8Backend = "auto") -> FP8Linear:
         """Wrap the same Parameter objects (optimizer state and weight tying stay valid)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         new.weight = linear.weight
@@ -267,34 +262,49 @@ def _why_not(name: str, dims: Sequence[int], ignore: Sequence[str]) -> str | Non
     return None
 
 
+def plan_fp8(model: nn.Module, ignore: Sequence[str] = DEFAULT_FP8_IGNORE) -> FP8Report:
+    """Which modules `apply_fp8` quantizes (`converted`) and which it keeps, and why; changes nothing.
+
+    An FP8Linear counts as converted; an nn.Linear or GroupedExperts stack is converted unless a
+    name in `ignore` matches it or its dims are not multiples of 128. Names are `named_modules()`'s.
+    """
+    converted, kept = [], {}
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            converted.append(name)
+            continue
+        if isinstance(module, nn.Linear):
+            dims: Sequence[int] = (module.out_features, module.in_features)
+        elif isinstance(module, GroupedExperts):
+            dims = tuple(module.gate_proj.shape[1:])  # [E, I, D] -> (I, D)
+        else:
+            continue
+        reason = _why_not(name, dims, ignore)
+        if reason is None:
+            converted.append(name)
+        else:
+            kept[name] = reason
+    return FP8Report(converted=tuple(converted), kept=kept)
+
+
 def apply_fp8(
-    model: nn.Module, ignore: Sequence[str] = DEFAULT_FP8_IGNORE, backend: Backend = "auto"
+    model: nn.Module, ignore: Sequence[str] = DEFAULT_FP8_IGNORE, backend: FP8Backend = "auto"
 ) -> FP8Report:
     """Swap eligible nn.Linear modules for FP8Linear and turn on FP8 in GroupedExperts, in place.
 
     `ignore` holds module names or fnmatch patterns (e.g. "lm_head", "*.self_attn.o_proj",
     "model.layers.0.*"). A linear or expert stack whose dims are not multiples of 128 stays in
-    high precision. Norms, embeddings and routers are never nn.Linear and are never touched.
+    high precision (`plan_fp8` says which). Norms, embeddings and routers are never nn.Linear and
+    are never touched.
     """
-    if backend not in ("auto", "emulated", "scaled_mm"):
-        raise ValueError(f"fp8 backend must be 'auto', 'emulated' or 'scaled_mm', got {backend!r}")
-    converted, kept = [], {}
-    for name, module in list(model.named_modules()):
-        if isinstance(module, FP8Linear):
-            converted.append(name)
-        elif isinstance(module, nn.Linear):
-            reason = _why_not(name, (module.out_features, module.in_features), ignore)
-            if reason is None:
-                parent_name, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(parent_name), attr, FP8Linear.from_linear(module, backend))
-                converted.append(name)
-            else:
-                kept[name] = reason
-        elif isinstance(module, GroupedExperts):
-            reason = _why_not(name, tuple(module.gate_proj.shape[1:]), ignore)  # [E, I, D] -> (I, D)
-            if reason is None:
-                module.expert_linear = functools.partial(fp8_linear, backend=backend)
-                converted.append(name)
-            else:
-                kept[name] = reason
-    return FP8Report(converted=tuple(converted), kept=kept)
+    if backend not in get_args(FP8Backend):
+        raise ValueError(f"fp8 backend must be one of {list(get_args(FP8Backend))}, got {backend!r}")
+    report = plan_fp8(model, ignore)
+    for name in report.converted:
+        module = model.get_submodule(name)
+        if isinstance(module, GroupedExperts):
+            module.expert_linear = functools.partial(fp8_linear, backend=backend)
+        elif not isinstance(module, FP8Linear):
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, FP8Linear.from_linear(module, backend))
+    return report

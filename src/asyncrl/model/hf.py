@@ -1,54 +1,55 @@
 """Hugging Face checkpoints: load a directory into a `Transformer`, save one that transformers loads.
 
 This module owns the HF format: the naming (`is_hf_tensor`, `to_hf_tensors`) and the one streaming
-sharded writer (`HFCheckpointWriter`). `save_pretrained` (one process), the trainer's weight
-publishing and the rank-0 gathered publish of a sharded model (`asyncrl.distributed.iter_hf_tensors`
-feeding the writer) all go through them.
+sharded writer (`HFCheckpointWriter`). `save_pretrained` (one process) and the trainer's weight
+publishing (every rank writing its share of the shards, in the serving format of
+`asyncrl.model.serving`) go through them. Loading reads block-scale FP8 weights too (dequantized).
 
 On disk, experts are per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, as on the Hub); in
 memory they are stacked. Loading also accepts transformers' fused in-memory layout
 (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]) for convenience.
+Every load reads through `asyncrl.model.hf_reader.HFReader`, which maps our names to HF tensors
+and reads whole tensors or slices (a sharded model's ranks read only their own slices).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors import SafetensorError, safe_open
+from huggingface_hub import StateDictSplit, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from asyncrl.model.args import ModelArgs, ModelConfigError
 from asyncrl.model.compute import drop_fp32_copies
 from asyncrl.model.dtypes import dtype_name
+from asyncrl.model.hf_reader import HFReader
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
 from asyncrl.model.mtp import hf_name as mtp_hf_name
-from asyncrl.model.mtp import is_mtp_key, our_name
+from asyncrl.model.serving import ServingFormat, quantization_config_for, to_serving
 from asyncrl.model.transformer import Transformer
 
 __all__ = [
+    "FilePlan",
     "HFCheckpointWriter",
+    "HFReader",
+    "build_meta_model",
     "check_state_dict",
     "from_pretrained",
     "is_hf_tensor",
     "load_args",
     "load_into",
     "load_state_dict",
-    "mtp_tensor_names",
+    "plan_files",
     "save_pretrained",
     "to_hf_state_dict",
     "to_hf_tensors",
 ]
 
-_EXPERT_KEY = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
-)
-_FUSED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 MAX_SHARD_BYTES = 4 * 1024**3
 
 
@@ -70,108 +71,39 @@ def load_args(path: str | os.PathLike) -> ModelArgs:
         raise ModelConfigError(f"{cfg_path}: {e}") from None
 
 
-def _safetensors_files(path: Path) -> list[Path]:
-    if not path.is_dir():
-        raise ModelConfigError(f"weights directory not found: {path}")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ModelConfigError(
-                f"{index}: not a valid safetensors index ({type(e).__name__}: {e})"
-            ) from None
-        files = [path / name for name in names if isinstance(name, str)]
-        outside = [f for f in files if f.resolve().parent != path.resolve()]
-        if len(files) != len(names) or outside:
-            raise ModelConfigError(f"{index}: weight_map must name files inside {path}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        extra = (
-            " (PyTorch .bin checkpoints are not supported; convert to safetensors)"
-            if list(path.glob("*.bin"))
-            else ""
-        )
-        raise ModelConfigError(f"{path} holds no *.safetensors weights{extra}")
-    return files
-
-
-def mtp_tensor_names(path: str | os.PathLike, args: ModelArgs) -> list[str]:
-    """HF names of the checkpoint's MTP-layer tensors (read from the shard headers, no data)."""
-    names = []
-    for file in _safetensors_files(Path(path)):
-        with safe_open(str(file), framework="pt") as f:
-            names += [k for k in f.keys() if is_mtp_key(k, args)]  # noqa: SIM118
-    return sorted(names)
-
-
 def load_state_dict(path: str | os.PathLike, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read every safetensors shard and convert to our (stacked-expert) parameter names."""
-    path = Path(path)
-    flat: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(path):
-        flat |= _read_file(file, dtype)
-    return _stack_experts(flat, args)
+    """Read every tensor of the checkpoint, in our (stacked-expert) names and `dtype`."""
+    with HFReader(path, args) as reader:
+        return {name: reader.read(name, dtype) for name in reader.names}
 
 
-def _read_file(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file, fully read; a truncated or corrupt file names itself."""
-    out: dict[str, torch.Tensor] = {}
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                t = f.get_tensor(key)
-                if not t.is_floating_point():
-                    raise ModelConfigError(
-                        f"{file}: tensor '{key}' has dtype {t.dtype}; weights must be floating point"
-                    )
-                out[key] = t.to(dtype)
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        if isinstance(e, ModelConfigError):
-            raise
-        raise ModelConfigError(f"{file}: cannot read safetensors ({type(e).__name__}: {e})") from None
-    return out
-
-
-def _stack_experts(flat: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    for key, t in flat.items():
-        if is_mtp_key(key, args):  # kept verbatim, experts unstacked (see asyncrl.model.mtp)
-            out[our_name(key)] = t
-        elif m := _EXPERT_KEY.match(key):
-            per_expert.setdefault((m[1], m[3]), {})[int(m[2])] = t
-        elif m := _FUSED_KEY.match(key):
-            if m[2] == "gate_up_proj":
-                out[f"{m[1]}.gate_proj"], out[f"{m[1]}.up_proj"] = t.chunk(2, dim=1)
-            else:
-                out[f"{m[1]}.down_proj"] = t
-        else:
-            out[key] = t
-    for (prefix, proj), experts in per_expert.items():
-        missing = sorted(set(range(args.num_experts)) - set(experts))
-        if missing:
-            raise ModelConfigError(f"checkpoint is missing experts {missing} for {prefix}.*.{proj}.weight")
-        out[f"{prefix}.{proj}"] = torch.stack([experts[e] for e in range(args.num_experts)])
-    return out
+def build_meta_model(reader: HFReader, dtype: torch.dtype) -> Transformer:
+    """The checkpoint's model on the meta device in `dtype`, with a placeholder per MTP tensor."""
+    with torch.device("meta"):
+        model = Transformer(reader.args).to(dtype)
+        for hf_key, shape in reader.mtp_shapes().items():
+            model.mtp.put(hf_key, torch.empty(shape, dtype=dtype))
+    return model
 
 
 def from_pretrained(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> Transformer:
-    """Load a Hugging Face directory (config.json + safetensors) of a supported family."""
-    args = load_args(path)
-    state = load_state_dict(path, args, dtype)
-    with torch.device("meta"):
-        model = Transformer(args).to(dtype)
-    model.to_empty(device=device)
-    model.tie_weights()
-    for name in [n for n in state if n.startswith(MTP_PREFIX)]:
-        model.mtp.put(mtp_hf_name(name), state[name].to(device))
-    load_into(model, state, where=str(path))
-    return model.to(dtype)
+    """Load a Hugging Face directory (config.json + safetensors) of a supported family.
+
+    Names and shapes are checked before anything is read; then one tensor at a time is read
+    into the model, so the peak is the model plus its largest tensor.
+    """
+    with HFReader(path, load_args(path)) as reader:
+        model = build_meta_model(reader, dtype)
+        model.to_empty(device=device)
+        model.tie_weights()
+        targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if is_hf_tensor(n, model.args)}
+        reader.check({n: t.shape for n, t in targets.items()}, where=str(path))
+        with torch.no_grad():
+            for name, t in targets.items():
+                t.copy_(reader.read(name, dtype))
+    return model
 
 
 def _tensors(model: Transformer) -> dict[str, torch.Tensor]:
@@ -257,58 +189,125 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     }
 
 
+@dataclass(frozen=True, kw_only=True)
+class FilePlan:
+    """A checkpoint's safetensors files, planned from shapes alone: the same at every world size.
+
+    Example: FilePlan(split=<huggingface_hub's file <-> tensor-name maps>, sources={
+    "model.layers.0.mlp.experts.gate_proj": ("model.layers.0.mlp.experts.0.gate_proj.weight", ...)},
+    file_bytes={"model-00001-of-00002.safetensors": 4294967296, ...}, fmt=ServingFormat(...)).
+    """
+
+    split: StateDictSplit
+    sources: dict[str, tuple[str, ...]]  # our state-dict name -> the file tensors it becomes
+    file_bytes: dict[str, int]
+    fmt: ServingFormat
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.file_bytes.values())
+
+
+def plan_files(
+    model: Transformer, max_shard_bytes: int = MAX_SHARD_BYTES, fmt: ServingFormat | None = None
+) -> FilePlan:
+    """Plan `model`'s files (in `fmt`, else in the model's own dtype) over meta tensors: no data is
+    read, so DTensor parameters of a sharded model plan without any gather."""
+    entries = {name: p for name, p in model.state_dict().items() if is_hf_tensor(name, model.args)}
+    if not entries:
+        raise ValueError("model has no tensors to write")
+    fmt = fmt or ServingFormat(dtype=next(iter(entries.values())).dtype)
+    meta: dict[str, torch.Tensor] = {}
+    sources: dict[str, tuple[str, ...]] = {}
+    for name, p in entries.items():
+        full = torch.empty(p.shape, dtype=p.dtype, device="meta")  # DTensor.shape is the global one
+        outs = [pair for hf_name, t in to_hf_tensors(name, full) for pair in to_serving(hf_name, t, fmt)]
+        for out_name, out in outs:
+            meta[out_name] = torch.empty(out.shape, dtype=out.dtype, device="meta")  # own storage: own size
+        sources[name] = tuple(out_name for out_name, _ in outs)
+    split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_bytes)
+    file_bytes = {
+        file: sum(meta[n].numel() * meta[n].element_size() for n in names)
+        for file, names in split.filename_to_tensors.items()
+    }
+    return FilePlan(split=split, sources=sources, file_bytes=file_bytes, fmt=fmt)
+
+
 class HFCheckpointWriter:
     """Stream (HF name, tensor) pairs into `path` as safetensors shards + index + config.json.
 
-    The shard plan comes first, from shapes alone (`huggingface_hub.split_torch_state_dict_into_shards`
-    over meta tensors, so DTensor parameters of a sharded model plan without any gather). Each shard
-    is written as soon as its last tensor arrives, so the writer holds about one shard of tensors.
+    The files are planned first (`plan_files`, from shapes alone). Each shard is written as soon as
+    its last tensor arrives, so the writer holds about one shard of tensors.
 
         writer = HFCheckpointWriter(path, model)
         for name, tensor in pairs:          # any order; full tensors, e.g. gathered one at a time
             writer.add(name, tensor)
         writer.finish()                     # checks every planned tensor came, writes index + config
+
+    `fmt` (`asyncrl.model.serving`) plans the files in a serving format; the caller then adds the
+    tensors `to_serving` gives. `plan` reuses a plan made before. `files` restricts the writer to
+    some of the planned shards (one rank's share; `finish(metadata=False)` then checks only those,
+    and one writer writes the index and config.json). `save_shard(path, tensors)` writes a complete
+    shard (default: safetensors' `save_file`); a caller may queue it instead, e.g. for a thread.
     """
 
     def __init__(
-        self, path: str | os.PathLike, model: Transformer, max_shard_bytes: int = MAX_SHARD_BYTES
+        self,
+        path: str | os.PathLike,
+        model: Transformer,
+        max_shard_bytes: int = MAX_SHARD_BYTES,
+        *,
+        fmt: ServingFormat | None = None,
+        plan: FilePlan | None = None,
+        files: Iterable[str] | None = None,
+        save_shard: Callable[[Path, dict[str, torch.Tensor]], None] | None = None,
     ) -> None:
         self.path, self.args = Path(path), model.args
-        meta: dict[str, torch.Tensor] = {}
-        for name, p in model.state_dict().items():
-            if is_hf_tensor(name, model.args):
-                full = torch.empty(p.shape, dtype=p.dtype, device="meta")  # DTensor.shape is the global one
-                for hf_name, t in to_hf_tensors(name, full):
-                    meta[hf_name] = torch.empty(
-                        t.shape, dtype=t.dtype, device="meta"
-                    )  # own storage: own size
-        if not meta:
-            raise ValueError("model has no tensors to write")
-        self.dtype = dtype_name(next(iter(meta.values())).dtype)
-        self.plan = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_bytes)
-        self._pending = {file: set(names) for file, names in self.plan.filename_to_tensors.items()}
+        self.plan = plan or plan_files(model, max_shard_bytes, fmt)
+        planned = self.plan.split.filename_to_tensors
+        mine = set(planned) if files is None else set(files)
+        if unknown := mine - set(planned):
+            raise ValueError(f"files {sorted(unknown)} are not in the checkpoint plan")
+        self._pending = {file: set(planned[file]) for file in sorted(mine)}
         self._buffers: dict[str, dict[str, torch.Tensor]] = {file: {} for file in self._pending}
+        self._save_shard = save_shard or _save_shard
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        file = self.plan.tensor_to_filename.get(name)
-        if file is None or name not in self._pending[file]:
+        file = self.plan.split.tensor_to_filename.get(name)
+        if file is None or (file in self._pending and name not in self._pending[file]):
             raise ValueError(f"tensor {name!r} is not in the checkpoint plan or was added twice")
+        if file not in self._pending:
+            raise ValueError(f"tensor {name!r} belongs to {file}, which this writer does not write")
         self._pending[file].discard(name)
         self._buffers[file][name] = tensor.detach().contiguous().cpu()
         if not self._pending[file]:
-            save_file(self._buffers.pop(file), str(self.path / file), metadata={"format": "pt"})
+            self._save_shard(self.path / file, self._buffers.pop(file))
 
-    def finish(self) -> None:
+    def finish(self, metadata: bool = True) -> None:
+        """Check that every tensor of this writer's files came; with `metadata`, write config + index."""
         missing = sorted(name for names in self._pending.values() for name in names)
         if missing:
             raise ValueError(
                 f"{self.path}: tensors never added: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
             )
-        config = self.args.to_hf_config(self.dtype)
+        if metadata:
+            self.write_metadata()
+
+    def write_metadata(self) -> None:
+        """config.json (torch_dtype and quantization_config as in the files) and, if sharded, the index."""
+        split, fmt = self.plan.split, self.plan.fmt
+        config = self.args.to_hf_config(dtype_name(fmt.dtype))
+        config.pop("quantization_config", None)  # the source model's, if it had one, says nothing here
+        if quantization := quantization_config_for(split.tensor_to_filename, fmt):
+            config["quantization_config"] = quantization
         (self.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if self.plan.is_sharded:
-            index = {"metadata": self.plan.metadata, "weight_map": self.plan.tensor_to_filename}
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _save_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def save_pretrained(

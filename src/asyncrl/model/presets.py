@@ -41,7 +41,8 @@ PRESETS: dict[str, ModelArgs] = {
         norm_topk_prob=True, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         first_k_dense_replace=1, max_position_embeddings=4096, rope_theta=10000.0, **_IDS,
     ),
-    # GLM-5 family: tiny-dsv3's MLA + MoE plus a DSA lightning indexer (8 heads x 32, top-64 keys).
+    # GLM-5 family: tiny-dsv3's MLA + MoE plus a DSA lightning indexer (8 heads x 32, top-64 keys),
+    # and one MTP layer (init-model writes it).
     "tiny-glm5": ModelArgs(
         model_type="glm_moe_dsa", vocab_size=_VOCAB, hidden_size=128, intermediate_size=384,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
@@ -50,6 +51,20 @@ PRESETS: dict[str, ModelArgs] = {
         norm_topk_prob=True, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
         first_k_dense_replace=1, index_topk=64, index_n_heads=8, index_head_dim=32,
         indexer_types=("full",) * 4, max_position_embeddings=4096, rope_theta=10000.0, **_IDS,
+        extra={"num_nextn_predict_layers": 1},
+    ),
+    # GLM-5-shaped, ~0.33B parameters (~0.12B active) plus a ~29M MTP layer, for scale-out
+    # benchmarks on CPU: MLA, DSA indexer, 16 experts top-4 with the grouped sigmoid router, one
+    # shared expert, the first layer dense.
+    "glm5-350m": ModelArgs(
+        model_type="glm_moe_dsa", vocab_size=_VOCAB, hidden_size=1024, intermediate_size=2816,
+        num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=8, head_dim=32,
+        q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        rope_interleave=True, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512,
+        norm_topk_prob=True, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, index_topk=256, index_n_heads=8, index_head_dim=64,
+        indexer_types=("full",) * 12, max_position_embeddings=8192, rope_theta=10000.0, **_IDS,
+        extra={"num_nextn_predict_layers": 1},
     ),
     # GLM-4.5 family: GQA with half-width RoPE and QK-norm, the sigmoid router, one shared expert.
     "tiny-glm4moe": ModelArgs(

@@ -1,6 +1,6 @@
 """Finished rollout groups waiting for a batch, with the staleness rule applied at cut time.
 
-Policy versions (ARCHITECTURE.md): trainer step n consumes batch n and produces v_n. With
+Policy versions (docs/architecture.md): trainer step n consumes batch n and produces v_n. With
 `max_off_policy_steps` = k, a sample whose oldest token is older than v_{n-1-k} is never trained at
 step n; such groups are dropped (and counted) here, and in flight by the dispatcher.
 """

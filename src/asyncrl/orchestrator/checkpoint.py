@@ -1,7 +1,7 @@
 """The orchestrator's checkpoint: what it needs to continue a run, written with every batch.
 
-`rollouts/step_n/` holds the trainer's `batch.safetensors` and `orchestrator.safetensors`, the
-orchestrator's state right after it cut batch n. Both go into the one directory that
+`rollouts/step_n/` holds the trainer's batch (its parts and manifest) and `orchestrator.safetensors`,
+the orchestrator's state right after it cut batch n. Both go into the one directory that
 `asyncrl.transport.write_batch` renames into place, so batch n on disk and the state that
 follows it always agree: a crash leaves either both or neither.
 
@@ -27,7 +27,8 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from asyncrl.orchestrator.buffer import Group
-from asyncrl.transport.rollouts import Attachment, batch_dir, batch_steps
+from asyncrl.run_dir import batch_dir
+from asyncrl.transport.rollouts import Attachment, batch_steps
 from asyncrl.wire import RolloutBatch, decode_batch, encode_batch
 
 __all__ = [

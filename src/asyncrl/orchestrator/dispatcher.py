@@ -37,17 +37,17 @@ from pathlib import Path
 
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
-from asyncrl.envs.backend import InferenceError, ServerUnavailable
 from asyncrl.envs.base import Environment, Task
 from asyncrl.envs.chat import ChatTokenizer
-from asyncrl.envs.policy import TokenPolicy
-from asyncrl.envs.rollout import Episode, run_episode
+from asyncrl.envs.rollout import Episode
 from asyncrl.orchestrator.advantages import is_valid, valid_group_samples
 from asyncrl.orchestrator.buffer import Group, GroupBuffer, oldest_allowed_version
 from asyncrl.orchestrator.checkpoint import GroupRef, OrchestratorState, encode_state
+from asyncrl.orchestrator.episodes import EpisodeRunner
 from asyncrl.orchestrator.fill import FillTracker
-from asyncrl.orchestrator.metrics import Counters, StepMetrics, batch_metrics
+from asyncrl.orchestrator.metrics import Counters, StepMetrics, step_record
 from asyncrl.orchestrator.pool import ServerPool
+from asyncrl.run_dir import rollouts_root
 from asyncrl.transport.rollouts import write_batch
 from asyncrl.wire import RolloutBatch
 
@@ -91,6 +91,13 @@ class Dispatcher:
         self._consecutive_errors = 0
         self._redispatch: deque[GroupRef] = deque()  # in flight at the checkpoint we resumed from
         self._dropped: list[tuple[int, str]] = []  # (group index, reason) since the last batch
+        self.episodes = EpisodeRunner(
+            pool,
+            tokenizer,
+            cache_salt=self._cache_salt,
+            max_retries=cfg.max_episode_retries,
+            max_model_len=cfg.max_model_len,
+        )
 
     # -- checkpoint ----------------------------------------------------------------------------
     def restore(self, state: OrchestratorState) -> None:
@@ -187,28 +194,18 @@ class Dispatcher:
     async def _run_episode(
         self, env_cfg, env: Environment, task: Task, version: int, episode_id: str
     ) -> Episode:
-        for attempt in range(self.cfg.max_episode_retries + 1):
-            policy = TokenPolicy(
-                self.pool.session(episode_id, cache_salt=self._cache_salt),
-                self.tokenizer,
-                self.cfg.sampling,
-                config=env_cfg,
-                return_routed_experts=self.cfg.return_routed_experts,
-                max_model_len=self.cfg.max_model_len,
-            )
-            try:
-                return await run_episode(env, task, policy, config=env_cfg, episode_id=episode_id)
-            except ServerUnavailable as e:
-                error = e
-                self.counters.episodes_retried += attempt < self.cfg.max_episode_retries
-                log.warning("episode %s: %s (attempt %d)", episode_id, e, attempt + 1)
-                await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
-            except InferenceError as e:
-                error = e
-                break
-            finally:
-                self.pool.end_session(episode_id)
-        return _failed_episode(env_cfg.label or env_cfg.name, task, episode_id, error)
+        return await self.episodes.run(
+            env_cfg,
+            env,
+            task,
+            self.cfg.sampling,
+            episode_id,
+            return_routed_experts=self.cfg.return_routed_experts,
+            on_retry=self._count_retry,
+        )
+
+    def _count_retry(self) -> None:
+        self.counters.episodes_retried += 1
 
     def _make_group(
         self, env_name: str, task: Task, version: int, episodes: list[Episode], index: int = -1
@@ -233,7 +230,7 @@ class Dispatcher:
             dispatch_version=version,
             samples=samples,
             rewards=[e.reward for e in valid],
-            episode_metrics=[e.metrics | {"reward": e.reward} for e in episodes],
+            episode_metrics=[e.rewards | e.metrics | {"reward": e.reward} for e in episodes],
             index=index,
         )
 
@@ -275,7 +272,7 @@ class Dispatcher:
                 cut := self.buffer.cut(self.step)
             ):
                 batch, groups = cut
-                metrics = self._batch_metrics(batch, pending_metrics)
+                metrics = self._step_record(batch, pending_metrics)
                 path = await self._write(batch, groups, metrics)
                 pending_metrics = StepMetrics()
                 log.info("wrote %s", path)
@@ -308,14 +305,16 @@ class Dispatcher:
         while True:
             state = self.snapshot(batch.step, groups, metrics)  # in flight may change while we wait
             try:
-                path = write_batch(self.cfg.run_dir, batch, encode_state(state))
+                path = write_batch(
+                    self.cfg.run_dir, batch, encode_state(state), num_parts=self.cfg.trainer_dp_size
+                )
             except FileExistsError:
                 raise  # two writers on one run dir: never overwrite a batch
             except OSError as e:
                 delay = min(0.5 * 2**attempt, 30.0)
                 log.error(
-                    "cannot write batch %d under %s/rollouts (%s); its groups are kept, retrying in %.1fs",
-                    batch.step, self.cfg.run_dir, e, delay,
+                    "cannot write batch %d under %s (%s); its groups are kept, retrying in %.1fs",
+                    batch.step, rollouts_root(self.cfg.run_dir), e, delay,
                 )  # fmt: skip
                 await asyncio.sleep(delay)
                 attempt += 1
@@ -323,8 +322,8 @@ class Dispatcher:
             self._dropped.clear()
             return path
 
-    def _batch_metrics(self, batch: RolloutBatch, since: StepMetrics) -> dict[str, float | int]:
-        metrics = batch_metrics(
+    def _step_record(self, batch: RolloutBatch, since: StepMetrics) -> dict[str, float | int]:
+        metrics = step_record(
             batch,
             since,
             self.counters,
@@ -364,17 +363,3 @@ class Dispatcher:
             self._consecutive_errors = 0
             groups.append(f.task.result())
         return groups
-
-
-def _failed_episode(env: str, task: Task, episode_id: str, error: Exception | None) -> Episode:
-    return Episode(
-        episode_id=episode_id,
-        env=env,
-        task_id=task.id,
-        reward=0.0,
-        rewards={},
-        samples=[],
-        metrics={"failed": 1.0, "num_turns": 0.0},
-        stop_reason="error",
-        error=f"{type(error).__name__}: {error}",
-    )

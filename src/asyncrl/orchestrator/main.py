@@ -1,8 +1,10 @@
 """`asyncrl orchestrator @ cfg.toml [--dotted.key value]`: rollouts -> RUN/rollouts/step_n/.
 
 Talks to the inference servers over HTTP only, watches RUN/weights/ for new policy versions and
-drives the weight updates, and writes one batch per trainer step. With `--resume true` it
-continues from the checkpoint stored with the newest batch (see asyncrl.orchestrator.checkpoint).
+drives the weight updates, and writes one batch per trainer step. With `[eval] interval` set it
+also evaluates every N policy versions (asyncrl.orchestrator.evaluator) and, after its last batch,
+waits for the trainer's final version to evaluate it. With `--resume true` it continues from the
+checkpoint stored with the newest batch (see asyncrl.orchestrator.checkpoint).
 """
 
 from __future__ import annotations
@@ -12,18 +14,20 @@ import logging
 import sys
 from pathlib import Path
 
+from asyncrl.client import build_backends
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import EnvMixture
 from asyncrl.envs.chat import ChatTokenizer
 from asyncrl.orchestrator.checkpoint import OrchestratorState, load_latest_state
 from asyncrl.orchestrator.dispatcher import Dispatcher
+from asyncrl.orchestrator.evaluator import Evaluator
 from asyncrl.orchestrator.fill import FillStalledError
 from asyncrl.orchestrator.metrics import format_line
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
+from asyncrl.run_dir import batch_dir, rollouts_root
 from asyncrl.transport.metrics import MetricsWriter, read_metrics
-from asyncrl.transport.rollouts import batch_dir
 
 log = logging.getLogger("asyncrl.orchestrator")
 
@@ -32,20 +36,34 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     state = _resume_state(cfg)
-    pool = ServerPool.from_urls(
-        cfg.servers, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, kind=cfg.inference_backend
+    backends = build_backends(
+        cfg.servers, kind=cfg.inference_backend, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s
     )
+    pool = ServerPool(backends)
+    evaluator: Evaluator | None = None
     try:
         await pool.wait_ready(cfg.server_ready_timeout_s)
-        dispatcher = Dispatcher(
-            cfg, pool, EnvMixture.from_config(cfg.envs), ChatTokenizer.from_pretrained(cfg.model)
-        )
+        mixture = EnvMixture.from_config(cfg.envs)
+        tokenizer = ChatTokenizer.from_pretrained(cfg.model)
+        dispatcher = Dispatcher(cfg, pool, mixture, tokenizer)
         writer = MetricsWriter(run_dir, "orchestrator")
         if state is not None:
             dispatcher.restore(state)
             _rewrite_last_line(writer, state)
-        updater = WeightUpdater(pool, run_dir, poll_s=cfg.weights_poll_s, on_version=dispatcher.on_version)
+        if cfg.eval.enabled:
+            evaluator = Evaluator(cfg, pool, tokenizer, mixture, on_line=lambda line: print(line, flush=True))
+
+        def on_version(version: int) -> None:
+            dispatcher.on_version(version)
+            if evaluator is not None:
+                evaluator.on_version(version)
+
+        updater = WeightUpdater(pool, run_dir, poll_s=cfg.weights_poll_s, on_version=on_version)
+        if evaluator is not None:
+            await evaluator.resume(updater)  # an eval a crash cut short, at its own version
         await updater.sync_once()  # resume: servers start from the newest published weights
+        if evaluator is not None:
+            evaluator.on_version(updater.version)  # v0 is due first
         background = [
             asyncio.create_task(updater.run()),
             asyncio.create_task(pool.health_loop(cfg.health_poll_s, updater.sync_server)),
@@ -60,11 +78,15 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
 
         try:
             await dispatcher.run(on_batch, lambda line: print(f"[orchestrator] {line}", flush=True))
+            if evaluator is not None:
+                await evaluator.finish()  # up to the final version, which the trainer publishes last
         finally:
             for t in background:
                 t.cancel()
             await asyncio.gather(*background, return_exceptions=True)
     finally:
+        if evaluator is not None:
+            await evaluator.aclose()
         await pool.aclose()
 
 
@@ -80,7 +102,7 @@ def _resume_state(cfg: OrchestratorConfig) -> OrchestratorState | None:
         return None
     state = load_latest_state(cfg.run_dir)
     if state is None:
-        log.info("resume: no batch in %s/rollouts yet, starting from batch 1", cfg.run_dir)
+        log.info("resume: no batch in %s yet, starting from batch 1", rollouts_root(cfg.run_dir))
     else:
         log.info(
             "resume after batch %d: %d group(s) buffered, %d in flight re-dispatched, next task index %d",

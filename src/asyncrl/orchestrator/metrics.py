@@ -1,9 +1,13 @@
 """Per-step orchestrator metrics: rewards, episode shape, staleness, drops, inference load.
 
-`batch_metrics` is a pure function of the batch, the episodes finished since the last batch, and
+`step_record` is a pure function of the batch, the episodes finished since the last batch, and
 the dispatcher's counters; the dispatcher passes them in and resets what is per step. One line per
 written batch goes to `RUN/metrics.jsonl` (through `asyncrl.transport.MetricsWriter`, role
-"orchestrator"), and one line to the console.
+"orchestrator"), and one line to the console. Per env, `env/<env>/episodes` counts the episodes
+finished since the last batch and `env/<env>/<name>` the mean over them of each named reward
+(`episode.rewards`: the `swe` env's resolved, fail_to_pass, sandbox_start_s, ...) and episode
+metric (num_tool_calls, num_turns, failed, stop_<reason>, ...); an episode that does not report a
+value (a failed one has no named rewards, stop_<reason> is set for its own reason only) counts 0.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import numpy as np
 from asyncrl.orchestrator.buffer import Group
 from asyncrl.wire import RolloutBatch
 
-__all__ = ["Counters", "StepMetrics", "batch_metrics", "format_line"]
+__all__ = ["Counters", "StepMetrics", "format_line", "step_record"]
 
 
 @dataclass
@@ -40,10 +44,22 @@ class StepMetrics:
 
     rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     episodes: list[dict[str, float]] = field(default_factory=list)
+    episodes_by_env: dict[str, list[dict[str, float]]] = field(default_factory=lambda: defaultdict(list))
 
     def add_group(self, group: Group) -> None:
         self.rewards[group.env].extend(group.rewards)
         self.episodes.extend(group.episode_metrics)
+        self.episodes_by_env[group.env].extend(group.episode_metrics)
+
+
+def _env_means(episodes_by_env: Mapping[str, list[dict[str, float]]]) -> dict[str, float]:
+    """`env/<env>/episodes`, and `env/<env>/<name>`: the mean of each value, 0 where an episode lacks it."""
+    out: dict[str, float] = {}
+    for env, episodes in episodes_by_env.items():
+        out[f"env/{env}/episodes"] = float(len(episodes))
+        for name in sorted({k for e in episodes for k in e}):
+            out[f"env/{env}/{name}"] = _mean([e.get(name, 0.0) for e in episodes])
+    return out
 
 
 def _mean(xs) -> float:
@@ -56,7 +72,7 @@ def _num_without_routing(batch: RolloutBatch) -> int:
     return missing if missing < len(batch.samples) else 0
 
 
-def batch_metrics(
+def step_record(
     batch: RolloutBatch,
     since: StepMetrics,
     counters: Counters,
@@ -66,7 +82,7 @@ def batch_metrics(
     step_seconds: float,
     inference: Mapping[str, float],
 ) -> dict[str, float | int]:
-    """The metrics of one written batch (everything but role, step and time, which the writer adds).
+    """The orchestrator's record of step n, logged with batch n (all but role, step and time: the writer's).
 
     `since` holds the episodes finished since the previous batch (trained or not); `inference`
     is the pool's token counters of the same period (`PoolStats.take()`).
@@ -92,6 +108,7 @@ def batch_metrics(
             "episode/turns": _mean([e.get("num_turns", 0) for e in ep]),
             "episode/tool_errors": _mean([e.get("num_tool_errors", 0) for e in ep]),
         }
+    finished |= _env_means(since.episodes_by_env)
     return {
         "policy_version": policy_version,
         "reward/batch_mean": _mean([s.reward for s in batch.samples]),

@@ -1,8 +1,8 @@
 """Inference servers as one pool: session-sticky routing, least-loaded placement, health and failover.
 
-The pool holds one `InferenceBackend` (asyncrl.envs.backend) per server and never speaks HTTP
-itself; `ServerPool.from_urls` builds `HttpBackend`s, and any other backend plugs in through
-`ServerPool(backends)`.
+The pool holds one `InferenceBackend` (asyncrl.client) per server and never speaks HTTP itself:
+it routes over whatever backends it is given (`asyncrl.client.build_backends` builds them from
+URLs, for asyncrl's servers or vLLM's).
 
 Every turn of an episode goes to the server that served its first turn, so the episode reuses its
 prefix cache. New sessions go to the healthy server with the fewest requests in flight. A server
@@ -10,8 +10,8 @@ that fails at the transport level (connection refused, timeout, 5xx) leaves the 
 failing call raises `ServerUnavailable`, and the dispatcher re-runs that episode elsewhere. A
 background task probes `/health` and re-admits the server when it answers again.
 
-    pool = ServerPool(["http://127.0.0.1:8000", "http://127.0.0.1:8001"])
-    client = pool.session("episode-17")        # an asyncrl.envs InferenceClient (a RequestClient)
+    pool = ServerPool(build_backends(["http://127.0.0.1:8000", "http://127.0.0.1:8001"]))
+    client = pool.session("episode-17")        # an asyncrl.client InferenceClient (a RequestClient)
     response = await client.generate(prompt_ids, sampling, cache_salt="3")
 """
 
@@ -23,14 +23,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TypeVar
 
-from asyncrl.envs.backend import HttpBackend, InferenceBackend, InferenceError, ServerUnavailable
-from asyncrl.envs.client import RequestClient
-from asyncrl.envs.vllm_backend import VLLMBackend
+from asyncrl.client import InferenceBackend, InferenceError, RequestClient, ServerUnavailable
 from asyncrl.wire import GenerateRequest, GenerateResponse
 
-__all__ = ["NoHealthyServer", "Server", "ServerPool", "ServerUnavailable"]
+__all__ = ["NoHealthyServer", "Server", "ServerPool"]
 
 _T = TypeVar("_T")
 
@@ -82,31 +80,23 @@ class ServerPool:
         self._sessions: dict[str, Server] = {}
         self.stats = PoolStats()
 
-    @classmethod
-    def from_urls(
-        cls,
-        urls: list[str],
-        *,
-        api_key: str | None = None,
-        timeout_s: float = 600.0,
-        kind: Literal["embedded", "vllm"] = "embedded",
-    ) -> ServerPool:
-        """A pool of asyncrl HTTP servers (`HttpBackend`) or of vLLM servers (`VLLMBackend`)."""
-        backend = {"embedded": HttpBackend, "vllm": VLLMBackend}[kind]
-        return cls([backend(u, api_key=api_key, timeout_s=timeout_s) for u in urls])
-
     # -- routing -------------------------------------------------------------------------------
-    def session(self, session_id: str, *, cache_salt: Callable[[], str] | None = None) -> RequestClient:
+    def session(
+        self, session_id: str, *, cache_salt: Callable[[], str] | None = None, count: bool = True
+    ) -> RequestClient:
         """The `InferenceClient` of one episode: all its turns go to one server.
 
         `cache_salt`, when given, is called as each request is sent and its answer becomes the
         request's salt (the dispatcher's: the policy version the servers hold at that moment).
+        `count = False` leaves its tokens out of `stats` (an eval's requests: routed like the
+        others, but not part of the training metrics).
         """
         if cache_salt is None:
-            return RequestClient(functools.partial(self.generate, session_id))
+            return RequestClient(functools.partial(self.generate, session_id, count=count))
 
         async def send(request: GenerateRequest) -> GenerateResponse:
-            return await self.generate(session_id, request.model_copy(update={"cache_salt": cache_salt()}))
+            salted = request.model_copy(update={"cache_salt": cache_salt()})
+            return await self.generate(session_id, salted, count=count)
 
         return RequestClient(send)
 
@@ -137,7 +127,9 @@ class ServerPool:
         return [s for s in self.servers if s.healthy]
 
     # -- requests ------------------------------------------------------------------------------
-    async def generate(self, session_id: str, request: GenerateRequest) -> GenerateResponse:
+    async def generate(
+        self, session_id: str, request: GenerateRequest, *, count: bool = True
+    ) -> GenerateResponse:
         server = self._pick(session_id)
         server.in_flight += 1
         try:
@@ -147,6 +139,8 @@ class ServerPool:
             raise
         finally:
             server.in_flight -= 1
+        if not count:
+            return out
         self.stats.requests += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.stats.cached_tokens += out.num_cached_tokens

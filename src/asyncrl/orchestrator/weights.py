@@ -27,9 +27,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl.envs.backend import InferenceError
+from asyncrl.client import InferenceError
 from asyncrl.orchestrator.pool import Server, ServerPool
-from asyncrl.transport.weights import latest_stable_step, weights_dir
+from asyncrl.run_dir import weights_dir
+from asyncrl.transport.weights import latest_stable_step
 from asyncrl.wire import PauseRequest, UpdateWeightsRequest
 
 __all__ = ["WeightUpdater"]

@@ -1,4 +1,4 @@
-"""Full training-state checkpoints: the run-directory naming and the trainer's own entries.
+"""Full training-state checkpoints: which steps a run holds, and the trainer's own entries.
 
 `RUN/checkpoints/step_n/` holds model, optimizer, scheduler, RNG and step. Model and optimizer
 go through the one DCP save/load (`asyncrl.distributed.save_dcp` / `load_dcp`, which reshard to
@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncrl.distributed import DistInfo, barrier, load_dcp, save_dcp
+from asyncrl.run_dir import checkpoint_dir, checkpoints_root, steps_in
 from asyncrl.trainer.diskspace import raise_together, state_bytes
 from asyncrl.transport.disk import (
     DiskFullError,
@@ -31,7 +32,6 @@ from asyncrl.transport.disk import (
 
 __all__ = [
     "CheckpointNotFoundError",
-    "checkpoint_dir",
     "checkpoint_steps",
     "latest_checkpoint_step",
     "load_checkpoint",
@@ -43,19 +43,8 @@ class CheckpointNotFoundError(ValueError):
     """--resume / --resume-step asked for a checkpoint that does not exist."""
 
 
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step}"
-
-
 def checkpoint_steps(run_dir: Path) -> list[int]:
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    steps = []
-    for child in root.iterdir():
-        if child.name.startswith("step_") and child.name[5:].isdigit() and (child / ".metadata").is_file():
-            steps.append(int(child.name[5:]))
-    return sorted(steps)
+    return steps_in(checkpoints_root(run_dir), marker=".metadata")
 
 
 def latest_checkpoint_step(run_dir: Path) -> int | None:

@@ -1,7 +1,9 @@
 """Disk space for the trainer's large writes (checkpoints, published weights), decided by all ranks at once.
 
-Before a write, rank 0 compares the free space under the run directory with the write's size,
-estimated from the bytes of the full parameters (plus the optimizer state, for a checkpoint).
+Before a write, rank 0 compares the free space under the run directory with the write's size: for
+a checkpoint the bytes of the full parameters plus the optimizer state (`state_bytes`), for
+published weights the bytes of their files in the serving format (`asyncrl.model.hf.FilePlan`,
+half the fp32 parameters' bytes in bf16) plus the tokenizer files.
 A rank that cannot write shares that with the others (`raise_together`), so every rank raises
 `DiskFullError` and none is left waiting in a collective. `asyncrl trainer` / `asyncrl sft` print
 the error's one line and exit 1.

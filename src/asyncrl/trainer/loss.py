@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.config.trainer import LossConfig
+from asyncrl.config.trainer import (
+    LossConfig,
+    MISLossConfig,
+    SequenceLossConfig,
+    TISLossConfig,
+    TrustRegionLossConfig,
+)
 
 __all__ = ["LossInputs", "LossResult", "mismatch_kl", "rl_loss", "sft_loss"]
 
@@ -58,7 +64,7 @@ def mismatch_kl(log_ratio_N: torch.Tensor) -> torch.Tensor:
     return torch.expm1(log_ratio_N) - log_ratio_N
 
 
-def _trust_region_mask(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
+def _trust_region_mask(inp: LossInputs, cfg: TrustRegionLossConfig) -> torch.Tensor:
     """Mask where pi - mu has left [-delta_low, delta_high] in the direction the advantage pushes."""
     delta_N = inp.logprobs.detach().exp() - inp.inference_logprobs.exp()
     too_high = (inp.advantages > 0) & (delta_N > cfg.delta_high)
@@ -66,7 +72,7 @@ def _trust_region_mask(inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
     return too_high | too_low
 
 
-def _sequence_mask(log_ratio_N: torch.Tensor, inp: LossInputs, cfg: LossConfig) -> torch.Tensor:
+def _sequence_mask(log_ratio_N: torch.Tensor, inp: LossInputs, cfg: SequenceLossConfig) -> torch.Tensor:
     """Mask every token of a sequence whose geometric-mean ratio over its loss tokens is out of bounds."""
     num_seqs = int(inp.seq_ids.max()) + 1 if inp.seq_ids.numel() else 0
     m_N = inp.loss_mask.to(log_ratio_N.dtype)
@@ -77,7 +83,9 @@ def _sequence_mask(log_ratio_N: torch.Tensor, inp: LossInputs, cfg: LossConfig) 
     return bad_S[inp.seq_ids]
 
 
-def _capped_weight(ratio_N: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _capped_weight(
+    ratio_N: torch.Tensor, cfg: TrustRegionLossConfig | MISLossConfig | SequenceLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """min(r, ratio_cap) (detached) and the mask of tokens above the cap (none when it is inf)."""
     return ratio_N.clamp(max=cfg.ratio_cap), ratio_N > cfg.ratio_cap
 
@@ -88,18 +96,18 @@ def rl_loss(inp: LossInputs, cfg: LossConfig, num_loss_tokens: float) -> LossRes
     log_ratio_N = inp.logprobs - inp.inference_logprobs.detach()
     ratio_N = log_ratio_N.exp()
     mask_N = inp.loss_mask
-    if cfg.variant == "tis":
+    if isinstance(cfg, TISLossConfig):
         weight_N = ratio_N.detach().clamp(max=cfg.tis_cap)
         pg_N = -weight_N * inp.logprobs * inp.advantages
         masked_N = torch.zeros_like(mask_N)
     else:
-        if cfg.variant == "trust_region":
+        if isinstance(cfg, TrustRegionLossConfig):
             masked_N = _trust_region_mask(inp, cfg)
-        elif cfg.variant == "mis":
+        elif isinstance(cfg, MISLossConfig):
             r_N = ratio_N.detach()
             masked_N = (r_N < cfg.mis_low) | (r_N > cfg.mis_high)
         else:
-            assert cfg.variant == "sequence", cfg.variant
+            assert isinstance(cfg, SequenceLossConfig), cfg
             masked_N = _sequence_mask(log_ratio_N, inp, cfg)
         weight_N, capped_N = _capped_weight(ratio_N.detach(), cfg)
         if cfg.ratio_cap_mode == "mask":

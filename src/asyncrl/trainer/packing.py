@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.wire import BatchFormatError, RolloutSample
+from asyncrl.wire import BatchFormatError, RolloutSample, split_by_tokens
 
 __all__ = ["MicroBatch", "build_micro_batch", "pack_samples", "plan_bins", "shard_samples"]
 
@@ -60,16 +60,9 @@ class MicroBatch:
 
 
 def shard_samples(samples: list[RolloutSample], rank: int, world_size: int) -> list[RolloutSample]:
-    """This rank's share: longest-first greedy assignment to the least-loaded rank (deterministic)."""
-    order = sorted(range(len(samples)), key=lambda i: (-samples[i].num_tokens, i))
-    load = [0] * world_size
-    mine = []
-    for i in order:
-        r = min(range(world_size), key=lambda j: (load[j], j))
-        load[r] += samples[i].num_tokens
-        if r == rank:
-            mine.append(i)
-    return [samples[i] for i in sorted(mine)]
+    """This rank's share: the token-balanced split the orchestrator writes batches in (`split_by_tokens`)."""
+    mine = split_by_tokens([s.num_tokens for s in samples], world_size)[rank]
+    return [samples[i] for i in mine]
 
 
 def plan_bins(lengths: list[int], seq_len: int) -> list[list[int]]:

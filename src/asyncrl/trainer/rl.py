@@ -1,46 +1,40 @@
-"""`asyncrl trainer @ rl.toml [--dotted.key value]`: the RL trainer process.
+"""The RL loop: one optimizer step per rollout batch, from the session's start step to max_steps.
 
-    asyncrl trainer @ rl.toml --run-dir outputs/demo --max-steps 100
-    torchrun --nproc-per-node 2 -m asyncrl.trainer.rl @ rl.toml      # FSDP2 over 2 ranks
-    torchrun --nproc-per-node 4 -m asyncrl.trainer.rl @ rl.toml --parallel.ep 2 --parallel.cp 2
+    records = run_rl(cfg)   # cfg: RLTrainerConfig; the process entry point is asyncrl.trainer.main
 
-Step n reads `RUN/rollouts/step_n/` (waiting up to batch_timeout_s), takes this data rank's share
-of the samples, packs them into rows of at most seq_len tokens, runs one optimizer step with the
-configured off-policy loss (router replay on when samples carry routed experts), publishes
-`RUN/weights/step_n/` and appends a line to `RUN/metrics.jsonl`. `--resume` (or `--resume-step N`) continues
-from the latest checkpoint with the same step numbering. A publish or checkpoint that does not fit
-on the disk (checked before it starts) stops the trainer with one line that names the path, what
-was being written and the free space (exit code 1); nothing partial is left as a complete step.
+Step n waits for batch n, reads this data rank's part of it (the orchestrator writes one per
+rank), checks that it fits the model, trains on it (packed rows, the configured off-policy loss,
+router replay when the samples carry routing), publishes v_n, logs the step and applies the
+mismatch gate.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from typing import Any
 
-from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.model import ModelArgs
-from asyncrl.trainer.diskspace import report_disk_full
+from asyncrl.run_dir import batch_dir
 from asyncrl.trainer.loss import LossInputs, LossResult, rl_loss
 from asyncrl.trainer.mismatch import check_mismatch_gate
-from asyncrl.trainer.packing import pack_samples, shard_samples
+from asyncrl.trainer.packing import pack_samples
 from asyncrl.trainer.session import TrainSession
-from asyncrl.transport import DiskFullError, batch_dir, read_batch
+from asyncrl.transport import BatchShare, read_batch_part
 from asyncrl.wire import BatchFormatError, RolloutBatch
 
-__all__ = ["check_batch_fits_model", "main", "run_rl"]
+__all__ = ["check_batch_fits_model", "run_rl"]
 
 
 def check_batch_fits_model(batch: RolloutBatch, args: ModelArgs, where: str) -> None:
     """Catch token ids and routing shapes that do not belong to this model, naming the field."""
     for i, s in enumerate(batch.samples):
-        top = int(s.token_ids.max())
-        if top >= args.vocab_size or int(s.token_ids.min()) < 0:
+        outside = s.token_ids[(s.token_ids < 0) | (s.token_ids >= args.vocab_size)]
+        if outside.size:
             raise BatchFormatError(
-                f"{where}: sample {i}: field 'token_ids' holds id {top}, outside the model's vocab of {args.vocab_size}"
+                f"{where}: sample {i}: field 'token_ids' holds id {int(outside[0])}, "
+                f"outside the model's vocab of {args.vocab_size}"
             )
         if s.routed_experts is not None and args.is_moe:
             want = (args.num_hidden_layers, args.num_experts_per_tok)
@@ -56,18 +50,25 @@ def check_batch_fits_model(batch: RolloutBatch, args: ModelArgs, where: str) -> 
                 )
 
 
-def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
-    rewards = [s.reward for s in batch.samples]
+def batch_stats(share: BatchShare) -> dict[str, Any]:
+    """The whole batch's sample count and mean reward (from its manifest), and the bytes this rank
+    read of it against the batch's size, for the trainer's metrics line."""
+    rewards = share.manifest.rewards
     return {
-        "num_samples": len(batch.samples),
+        "num_samples": len(rewards),
         "reward_mean": sum(rewards) / len(rewards),
+        "batch_bytes_read": share.num_bytes_read,
+        "batch_bytes": share.manifest.num_bytes,
     }
 
 
 def _warn_if_replay_is_idle(cfg: RLTrainerConfig, args: ModelArgs, batch: RolloutBatch) -> None:
-    if cfg.router_replay and args.is_moe and all(s.routed_experts is None for s in batch.samples):
+    if not (cfg.router_replay and args.is_moe and batch.samples):
+        return
+    if all(s.routed_experts is None for s in batch.samples):
         warnings.warn(
-            f"router_replay = true but batch {batch.step} carries no routed_experts; the trainer routes "
+            f"router_replay = true but this rank's part of batch {batch.step} carries no routed_experts; "
+            "the trainer routes "
             "with its own router (ask the orchestrator for return_routed_experts)",
             stacklevel=2,
         )
@@ -85,15 +86,18 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
     try:
         for step in range(session.start_step + 1, cfg.max_steps + 1):
             t_wait = time.perf_counter()
-            batch = read_batch(cfg.run_dir, step, timeout_s=cfg.batch_timeout_s)
+            share = read_batch_part(
+                cfg.run_dir, step, rank=session.data_rank, num_ranks=session.data_size,
+                timeout_s=cfg.batch_timeout_s,
+            )  # fmt: skip
             wait_s = time.perf_counter() - t_wait
-            check_batch_fits_model(batch, session.model.args, str(batch_dir(cfg.run_dir, step)))
+            mine = share.batch
+            check_batch_fits_model(mine, session.model.args, str(batch_dir(cfg.run_dir, step)))
             if step == session.start_step + 1:
-                _warn_if_replay_is_idle(cfg, session.model.args, batch)
-            mine = shard_samples(batch.samples, session.data_rank, session.data_size)
-            micro_batches = pack_samples(mine, cfg.seq_len, replay=replay)
-            result = session.engine.step(micro_batches, loss_fn, trained_version=step - 1)
-            records.append(session.end_step(step, result, batch_metrics(batch) | {"wait_s": wait_s}))
+                _warn_if_replay_is_idle(cfg, session.model.args, mine)
+            micro_batches = pack_samples(mine.samples, cfg.seq_len, replay=replay)
+            result = session.step_runner.step(micro_batches, loss_fn, trained_version=step - 1)
+            records.append(session.end_step(step, result, batch_stats(share) | {"wait_s": wait_s}))
             check_mismatch_gate(
                 result.mismatch["mismatch_kl_current"],
                 max_kl=cfg.mismatch.max_mismatch_kl,
@@ -104,16 +108,3 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
     finally:
         session.close()
     return records
-
-
-def main(argv: list[str] | None = None) -> int:
-    cfg = load_config(RLTrainerConfig, list(sys.argv[1:] if argv is None else argv))
-    try:
-        run_rl(cfg)
-    except DiskFullError as e:
-        return report_disk_full("asyncrl trainer", e)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,14 +2,14 @@
 
 Process groups, meshes, sharding and collectives live in `asyncrl.distributed`; this module is
 what the trainer adds: building its model from the config, and preparing each step's micro-batches.
-World size 1 never comes here: the session loads a plain model and the engine runs as before.
+World size 1 never comes here: the session loads a plain model and the step runner runs as before.
 Under torchrun (WORLD_SIZE > 1) the session does, in this order (docs/scaling.md):
 
     dims = resolve_dims(cfg.parallel, cfg.model.path)   # before init_process_group: bad dims fail early
     info = init_distributed(cfg.model.device)           # asyncrl.distributed
-    model, state = build_parallel_model(cfg, dims, info)  # meta -> apply_parallelism -> rank 0 loads
+    model, state = build_parallel_model(cfg, dims, info)  # meta -> apply_parallelism -> own slices
 
-and per step the engine calls `equalize_micro_batches` (every rank runs the same number of
+and per step the step runner calls `equalize_micro_batches` (every rank runs the same number of
 forwards, or FSDP / EP / CP collectives hang) and `split_for_rank` (this rank's CP chunk of every
 per-token stream, with the attention backend that sees the whole row).
 
@@ -33,12 +33,12 @@ from asyncrl.distributed import (
     Meshes,
     ParallelDims,
     apply_parallelism,
-    load_full_state_dict,
+    load_hf_shards,
     pad_for_cp,
     split_for_cp,
 )
-from asyncrl.model import AttentionBackend, ModelArgs, ModelConfigError, Transformer, load_args, torch_dtype
-from asyncrl.model.hf import load_state_dict, mtp_tensor_names
+from asyncrl.model import AttentionBackend, Transformer, load_args, torch_dtype
+from asyncrl.model.hf import HFReader, build_meta_model
 from asyncrl.trainer.packing import MicroBatch
 
 __all__ = [
@@ -101,32 +101,26 @@ def resolve_dims(cfg: ParallelConfig, model_path: os.PathLike | str) -> Parallel
 def build_parallel_model(
     cfg: CommonTrainConfig, dims: ParallelDims, info: DistInfo
 ) -> tuple[Transformer, ParallelState]:
-    """Meshes, the model built on meta and parallelised, then rank 0's weights broadcast as shards."""
+    """Meshes, the model built on meta and parallelised, then each rank reads its own slices of the files.
+
+    No rank ever holds the full model: every parameter and buffer is filled with just this rank's
+    shard, read straight from the safetensors files (`asyncrl.distributed.load_hf_shards`). MTP
+    layers are frozen and sharded like the weights (docs/trainer.md).
+    """
     meshes = dims.build_meshes(info.device.type)
-    args: ModelArgs = load_args(cfg.model.path)
-    if mtp := mtp_tensor_names(cfg.model.path, args):  # every rank reads the headers: all raise
-        raise ModelConfigError(
-            f"{cfg.model.path}: {len(mtp)} MTP-layer tensors (e.g. {mtp[0]}) are kept only by the "
-            "one-process trainer so far; at world size > 1 they would be lost from published weights"
+    with HFReader(cfg.model.path, load_args(cfg.model.path)) as reader:
+        model = build_meta_model(reader, torch_dtype(cfg.model.dtype))
+        apply_parallelism(
+            model,
+            dims,
+            meshes,
+            device_type=info.device.type,
+            activation_checkpointing=cfg.parallel.activation_checkpointing,
+            reshard_after_forward=cfg.parallel.reshard_after_forward,
         )
-    dtype = torch_dtype(cfg.model.dtype)
-    with torch.device("meta"):
-        model = Transformer(args).to(dtype)
-    apply_parallelism(
-        model,
-        dims,
-        meshes,
-        device_type=info.device.type,
-        activation_checkpointing=cfg.parallel.activation_checkpointing,
-        reshard_after_forward=cfg.parallel.reshard_after_forward,
-    )
-    model.to_empty(device=info.device)
-    model.tie_weights()
-    full = load_state_dict(cfg.model.path, args, dtype) if info.is_main else None
-    if full is not None and args.tie_word_embeddings:
-        full.pop("lm_head.weight", None)
-    load_full_state_dict(model, full)
-    del full
+        model.to_empty(device=info.device)
+        model.tie_weights()
+        load_hf_shards(model, reader, where=str(cfg.model.path))
     model.train()
     return model, ParallelState(dims=dims, meshes=meshes, rank=info.rank)
 

@@ -2,13 +2,14 @@
 
 session = TrainSession.build(cfg)                 # dist, model, optimizer, schedule, resume
 for step in range(session.start_step + 1, cfg.max_steps + 1):
-    result = session.engine.step(micro_batches, loss_fn, step)
+    result = session.step_runner.step(micro_batches, loss_fn, step)
     session.end_step(step, result, extra_metrics)  # publish, checkpoint, metrics
 session.close()
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,17 +20,18 @@ from asyncrl.config.trainer import CommonTrainConfig
 from asyncrl.distributed import DistInfo, init_distributed
 from asyncrl.model import Transformer, from_pretrained, torch_dtype
 from asyncrl.model.fp8 import apply_fp8
+from asyncrl.run_dir import checkpoints_root
 from asyncrl.trainer.checkpoint import (
     CheckpointNotFoundError,
     latest_checkpoint_step,
     load_checkpoint,
     save_checkpoint,
 )
-from asyncrl.trainer.engine import StepEngine, StepResult
 from asyncrl.trainer.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.publish import FilesystemWeightPublisher, WeightPublisher
 from asyncrl.trainer.scaleout import ParallelState, build_parallel_model, resolve_dims
+from asyncrl.trainer.step import StepResult, StepRunner
 from asyncrl.transport.sinks import build_sinks
 
 __all__ = ["TrainSession", "resolve_resume_step"]
@@ -44,7 +46,7 @@ def resolve_resume_step(cfg: CommonTrainConfig) -> int | None:
     step = latest_checkpoint_step(cfg.run_dir)
     if step is None:
         raise CheckpointNotFoundError(
-            f"--resume is set but {cfg.run_dir / 'checkpoints'} holds no complete checkpoint"
+            f"--resume is set but {checkpoints_root(cfg.run_dir)} holds no complete checkpoint"
         )
     return step
 
@@ -54,7 +56,7 @@ class TrainSession:
     cfg: CommonTrainConfig
     info: DistInfo
     model: Transformer
-    engine: StepEngine
+    step_runner: StepRunner
     publisher: WeightPublisher
     logger: MetricsLogger
     peak_flops: float  # per device
@@ -95,7 +97,7 @@ class TrainSession:
         resume = resolve_resume_step(cfg)
         if resume is not None:
             start_step = load_checkpoint(cfg.run_dir, resume, model, optimizer, scheduler)
-        engine = StepEngine(
+        step_runner = StepRunner(
             model,
             optimizer,
             scheduler,
@@ -110,9 +112,8 @@ class TrainSession:
             cfg=cfg,
             info=info,
             model=model,
-            engine=engine,
-            publisher=publisher
-            or FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish.keep_last, info),
+            step_runner=step_runner,
+            publisher=publisher or FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish, info),
             logger=MetricsLogger(
                 cfg.run_dir,
                 enabled=info.is_main,
@@ -145,29 +146,40 @@ class TrainSession:
         last: bool = False,
     ) -> dict[str, Any]:
         """Publish v_step, checkpoint on the interval (and at the last step: max_steps, or `last`
-        for a run that stops early), log the metrics."""
+        for a run that stops early), log the metrics.
+
+        A publish may still be writing when this returns (`[publish] overlap`); a checkpoint waits
+        for it first, so the weights of every checkpointed step are published, and so does the last
+        step. `publish_s` is the time the step spent publishing (and waiting for a write).
+        """
         cfg = self.cfg
         last = last or step == cfg.max_steps
+        interval = cfg.checkpoint.interval
+        checkpoint = bool(interval) and (step % interval == 0 or last)
+        start = time.perf_counter()
         if step % cfg.publish.interval == 0 or last:
             self.publisher.publish(self.model, step)
-        interval = cfg.checkpoint.interval
-        if interval and (step % interval == 0 or last):
+        if checkpoint or last:
+            self.publisher.wait()
+        publish_s = time.perf_counter() - start
+        if checkpoint:
             save_checkpoint(
                 cfg.run_dir,
                 step,
                 self.model,
-                self.engine.optimizer,
-                self.engine.scheduler,
+                self.step_runner.optimizer,
+                self.step_runner.scheduler,
                 self.info,
                 cfg.checkpoint.keep_last,
             )
-        record = self.step_metrics(step, result) | (extra or {})
+        record = self.step_metrics(step, result) | {"publish_s": publish_s} | (extra or {})
         for key in drop_keys:
             record.pop(key, None)
         self.logger.log(record)
         return record
 
     def close(self) -> None:
+        self.publisher.close()
         self.logger.close()
         if self.info.is_distributed and dist.is_initialized():
             dist.destroy_process_group()

@@ -79,7 +79,7 @@ def run_sft(cfg: SFTConfig, source: SFTSource | None = None) -> list[dict[str, A
         for step in range(session.start_step + 1, cfg.max_steps + 1):
             mine = shard_samples(source.batch(step), session.data_rank, session.data_size)
             micro_batches = pack_samples(mine, cfg.seq_len, replay=False)
-            result = session.engine.step(micro_batches, _loss, trained_version=step - 1)
+            result = session.step_runner.step(micro_batches, _loss, trained_version=step - 1)
             done = stop.reached(result.loss, result.skipped)
             records.append(session.end_step(step, result, drop_keys=_RL_ONLY, last=done))
             if done:

@@ -17,13 +17,13 @@ the same `SFTSource` protocol.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from asyncrl.config.jsonl import JsonlError, parse_jsonl
 from asyncrl.wire import RolloutSample
 
 __all__ = [
@@ -116,9 +116,7 @@ def tokenize_prompt_completion(
     return p + c, [False] * len(p) + [True] * len(c)
 
 
-def _tokenize_row(tokenizer: Any, row: Any, where: str) -> tuple[list[int], list[bool]]:
-    if not isinstance(row, dict):
-        raise SFTDataError(f"{where}: each line must be a JSON object")
+def _tokenize_row(tokenizer: Any, row: dict[str, Any], where: str) -> tuple[list[int], list[bool]]:
     if "messages" in row:
         tools = row.get("tools")
         if tools is not None and not isinstance(tools, list):
@@ -139,17 +137,14 @@ class JsonlSFTSource:
     ) -> None:
         if not path.is_file():
             raise SFTDataError(f"SFT data file not found: {path}")
+        try:
+            rows = parse_jsonl(path.read_text())
+        except JsonlError as e:
+            raise SFTDataError(f"{path}:{e.line}: {e.reason}") from None
         self.samples: list[RolloutSample] = []
         truncated = 0
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SFTDataError(f"{where}: invalid JSON ({e})") from None
-            ids, mask = _tokenize_row(tokenizer, row, where)
+        for lineno, row in rows:
+            ids, mask = _tokenize_row(tokenizer, row, f"{path}:{lineno}")
             truncated += len(ids) > seq_len
             if any(mask[1:seq_len]):
                 self.samples.append(sft_sample(ids[:seq_len], mask[:seq_len]))

@@ -4,9 +4,11 @@ Every line is one JSON object that starts with three keys, then the role's own m
 
     {"role": "trainer", "step": 3, "time": 1718000000.1, "loss": 0.41, ...}
     {"role": "orchestrator", "step": 3, "time": 1718000000.3, "reward/mean": 0.52, ...}
+    {"role": "eval", "step": 10, "time": 1718000009.7, "version": 10, "eval/reverse-text/pass@4": 0.61, ...}
 
-`role` names the process that wrote it, `step` the trainer step (the batch) it describes, and
-`time` the Unix time of the write. Several processes append to the same file: each line goes out
+`role` names what wrote it (the trainer, the orchestrator, or the orchestrator's evals during
+training), `step` the trainer step (the batch) it describes, or for an eval the policy version it
+evaluated (v_n is trainer step n's), and `time` the Unix time of the write. Several processes append to the same file: each line goes out
 in one `O_APPEND` write, so concurrent lines never interleave.
 
 On resume, `drop_metrics_after` removes the lines of steps that will be redone (a trainer that
@@ -24,18 +26,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["METRICS_FILE", "MetricsWriter", "Role", "append_jsonl", "drop_metrics_after", "read_metrics"]
+from asyncrl.run_dir import metrics_file
 
-METRICS_FILE = "metrics.jsonl"
-Role = Literal["trainer", "orchestrator"]
-_HEADER = ("role", "step", "time")
+__all__ = ["HEADER_KEYS", "MetricsWriter", "Role", "append_jsonl", "drop_metrics_after", "read_metrics"]
+
+Role = Literal["trainer", "orchestrator", "eval"]
+HEADER_KEYS = ("role", "step", "time")  # the writer's own keys, first in every line
 
 
 class MetricsWriter:
     """Appends one `{"role", "step", "time", **metrics}` line per call to `RUN/metrics.jsonl`."""
 
     def __init__(self, run_dir: str | Path, role: Role) -> None:
-        self.path = Path(run_dir) / METRICS_FILE
+        self.path = metrics_file(run_dir)
         self.role = role
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -47,7 +50,7 @@ class MetricsWriter:
                 f"metrics of step {step} set {clash or ['step']}: the writer owns role, step, time"
             )
         record = {"role": self.role, "step": step, "time": time.time()}
-        record |= {k: v for k, v in metrics.items() if k not in _HEADER}
+        record |= {k: v for k, v in metrics.items() if k not in HEADER_KEYS}
         append_jsonl(self.path, record)
         return record
 
@@ -67,7 +70,7 @@ def read_metrics(run_dir: str | Path, role: Role | None = None) -> list[dict[str
 
     A torn last line (a writer killed mid-write on a filesystem without atomic appends) is skipped.
     """
-    path = Path(run_dir) / METRICS_FILE
+    path = metrics_file(run_dir)
     if not path.is_file():
         return []
     records = []
@@ -87,7 +90,7 @@ def drop_metrics_after(run_dir: str | Path, last_step: Mapping[Role, int]) -> in
     Roles not in `last_step` keep every line. Atomic (temp + rename); not safe while another
     process appends to the file.
     """
-    path = Path(run_dir) / METRICS_FILE
+    path = metrics_file(run_dir)
     if not path.is_file():
         return 0
     kept, removed = [], 0

@@ -4,7 +4,8 @@
     sinks.log({"role": "trainer", "step": 3, "time": ..., "loss": 0.41})
     sinks.close()
 
-Every numeric metric of a line becomes `<role>/<metric>` at x = `step`. The trainer and the
+Every numeric metric of a line becomes `<role>/<metric>` at x = `step` (an eval line's metrics
+are named `eval/...` already and keep their names). The trainer and the
 orchestrator write their lines out of step order relative to each other (the orchestrator runs
 ahead), so each role gets its own step axis in W&B (`<role>/step`). A sink never stops a run: the
 first error it raises is printed once, and that sink is switched off; metrics.jsonl is unaffected.
@@ -19,10 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from asyncrl.config.sinks import SinksConfig, TensorBoardSinkConfig, WandbSinkConfig
+from asyncrl.run_dir import tensorboard_dir
+from asyncrl.transport.metrics import HEADER_KEYS
 
 __all__ = ["MetricSink", "Sinks", "TensorBoardSink", "WandbSink", "build_sinks", "scalars"]
-
-_HEADER = ("role", "step", "time")
 
 
 class MetricSink(Protocol):
@@ -34,13 +35,14 @@ class MetricSink(Protocol):
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The record's finite numeric metrics as `<role>/<metric>` (booleans count as 0/1)."""
+    """The record's finite numeric metrics as `<role>/<metric>` (booleans count as 0/1); a metric
+    already under its role's name keeps it (`eval/reverse-text/pass@4`, not `eval/eval/...`)."""
     role = record["role"]
     out = {}
     for key, value in record.items():
-        if key in _HEADER or not isinstance(value, int | float) or not math.isfinite(value):
+        if key in HEADER_KEYS or not isinstance(value, int | float) or not math.isfinite(value):
             continue
-        out[f"{role}/{key}"] = float(value)
+        out[key if key.startswith(f"{role}/") else f"{role}/{key}"] = float(value)
     return out
 
 
@@ -81,7 +83,7 @@ class TensorBoardSink:
     def __init__(self, cfg: TensorBoardSinkConfig, run_dir: Path) -> None:
         from tensorboard.summary import Writer  # the [tensorboard] extra; torch-free
 
-        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else run_dir / "tensorboard"
+        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else tensorboard_dir(run_dir)
         self._writer = Writer(str(self.log_dir))
 
     def log(self, record: Mapping[str, Any]) -> None:

@@ -8,49 +8,52 @@ publication to the new one at once. A reader that opens several files resolves t
 reads that directory (the orchestrator sends servers the resolved path, which also tells
 publications of one step apart); a replaced publication stays on disk until its step is pruned.
 
-Only the newest `keep_last` stable versions are kept. `retract_weights_after` removes every
-publication newer than a trainer checkpoint, for a resume. Watchers (the orchestrator) need only
-this module: no torch.
+Only the newest `keep_last` stable versions are kept, plus the versions of the keep-set,
+`weights/keep.json`: steps another process needs on disk (the orchestrator's eval in progress and
+the best version by an eval metric, docs/orchestrator.md). Its one writer, `write_keep_set`,
+replaces it whole (temp + rename); the pruner reads it at every prune, so a step leaves the set
+and is deleted at the next publish. `retract_weights_after` removes every publication newer than
+a trainer checkpoint, for a resume, kept or not. Watchers (the orchestrator) need only this module:
+no torch.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from asyncrl.run_dir import step_name, step_of, steps_in, weights_dir, weights_keep_file, weights_root
 from asyncrl.transport.disk import disk_full_as_error
 
 __all__ = [
     "STABLE_MARKER",
     "WeightsTimeoutError",
+    "begin_publication",
+    "commit_publication",
+    "discard_publication",
     "latest_stable_step",
     "prune_weights",
+    "read_keep_set",
     "retract_weights_after",
     "stable_steps",
     "stage_weights",
     "wait_for_weights",
-    "weights_dir",
+    "write_keep_set",
 ]
 
 STABLE_MARKER = "STABLE"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_ANY_STEP = re.compile(r"^\.?step_(\d+)(?:$|\.)")  # step_n, and publications / staging of step n
 _POLL_S = 0.05
 
 
 class WeightsTimeoutError(TimeoutError):
     """A policy version was not published in time."""
-
-
-def weights_dir(run_dir: str | os.PathLike, step: int) -> Path:
-    return Path(run_dir) / "weights" / f"step_{step}"
 
 
 @contextmanager
@@ -59,24 +62,55 @@ def stage_weights(run_dir: str | os.PathLike, step: int, keep_last: int | None =
 
     If the body raises, the directory is removed and nothing is published; a full disk raises
     `DiskFullError` naming weights/step_{step}. An existing step_{step} (a step retrained after a
-    resume) is replaced in one rename.
+    resume) is replaced in one rename. With `keep_last`, older versions are pruned after it,
+    except those of the keep-set. The same protocol in three calls, for writers that share a
+    publication (several processes, or a background thread): `begin_publication`,
+    `commit_publication`, `discard_publication`.
     """
     final = weights_dir(run_dir, step)
     with disk_full_as_error(final, f"published weights of step {step}"):
-        final.parent.mkdir(parents=True, exist_ok=True)
-        content = Path(tempfile.mkdtemp(prefix=f".step_{step}.", dir=final.parent))
-        link = content.with_name(f"{content.name}.link")
+        content = begin_publication(run_dir, step)
         try:
             yield content
+            commit_publication(run_dir, step, content)
+        except BaseException:
+            discard_publication(content)
+            raise
+    if keep_last is not None:
+        prune_weights(run_dir, keep_last)
+
+
+def begin_publication(run_dir: str | os.PathLike, step: int) -> Path:
+    """A new, empty `weights/.step_{step}.<id>/`: no reader sees it until `commit_publication`."""
+    final = weights_dir(run_dir, step)
+    with disk_full_as_error(final, f"published weights of step {step}"):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{step_name(step)}.", dir=final.parent))
+
+
+def commit_publication(
+    run_dir: str | os.PathLike, step: int, content: Path, keep_last: int | None = None
+) -> None:
+    """Mark `content` (from `begin_publication`, fully written) STABLE and make weights/step_{step}
+    point to it in one rename; then keep the newest `keep_last` versions."""
+    final = weights_dir(run_dir, step)
+    link = content.with_name(f"{content.name}.link")
+    with disk_full_as_error(final, f"published weights of step {step}"):
+        try:
             (content / STABLE_MARKER).touch()
             os.symlink(content.name, link)
             _replace_with_link(final, link)
         except BaseException:
             link.unlink(missing_ok=True)
-            shutil.rmtree(content, ignore_errors=True)
             raise
     if keep_last is not None:
-        prune_weights(run_dir, keep_last)
+        prune_weights(run_dir, keep_last, keep=read_keep_set(run_dir))
+
+
+def discard_publication(content: Path) -> None:
+    """Remove an uncommitted publication (a failed or abandoned write)."""
+    content.with_name(f"{content.name}.link").unlink(missing_ok=True)
+    shutil.rmtree(content, ignore_errors=True)
 
 
 def _replace_with_link(final: Path, link: Path) -> None:
@@ -89,15 +123,7 @@ def _replace_with_link(final: Path, link: Path) -> None:
 
 def stable_steps(run_dir: str | os.PathLike) -> list[int]:
     """Published steps (those with STABLE), ascending."""
-    root = Path(run_dir) / "weights"
-    if not root.is_dir():
-        return []
-    steps = []
-    for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and (child / STABLE_MARKER).is_file():
-            steps.append(int(m[1]))
-    return sorted(steps)
+    return steps_in(weights_root(run_dir), marker=STABLE_MARKER)
 
 
 def latest_stable_step(run_dir: str | os.PathLike) -> int | None:
@@ -105,14 +131,42 @@ def latest_stable_step(run_dir: str | os.PathLike) -> int | None:
     return steps[-1] if steps else None
 
 
-def prune_weights(run_dir: str | os.PathLike, keep_last: int) -> list[int]:
-    """Delete all but the newest `keep_last` stable versions; returns the deleted steps."""
+def prune_weights(run_dir: str | os.PathLike, keep_last: int, keep: Collection[int] = ()) -> list[int]:
+    """Delete all but the newest `keep_last` stable versions and those in `keep`; returns the deleted steps."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    doomed = stable_steps(run_dir)[:-keep_last]
+    doomed = [s for s in stable_steps(run_dir)[:-keep_last] if s not in keep]
     for step in doomed:
         _delete_step(run_dir, step)
     return doomed
+
+
+def write_keep_set(run_dir: str | os.PathLike, steps: Mapping[int, str]) -> None:
+    """Make `steps` (step -> why, for whoever reads the file) the keep-set; replaces the previous one."""
+    path = weights_keep_file(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps({"steps": {str(s): why for s, why in sorted(steps.items())}}, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_keep_set(run_dir: str | os.PathLike) -> dict[int, str]:
+    """The keep-set (step -> why); empty when there is none.
+
+    A file that is not one (edited by hand, say) raises ValueError naming it: pruning on a guess
+    could delete the weights it was meant to keep.
+    """
+    path = weights_keep_file(run_dir)
+    if not path.is_file():
+        return {}
+    try:
+        steps = json.loads(path.read_text())["steps"]
+        return {int(s): str(why) for s, why in steps.items()}
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ValueError(
+            f"{path} is not a keep-set ({type(e).__name__}: {e}); it should read "
+            '{"steps": {"12": "why"}}: fix or delete it'
+        ) from None
 
 
 def retract_weights_after(run_dir: str | os.PathLike, step: int) -> list[int]:
@@ -121,14 +175,19 @@ def retract_weights_after(run_dir: str | os.PathLike, step: int) -> list[int]:
     For a resume from the trainer checkpoint of `step`: the trainer publishes those steps again,
     and no server may load the old ones meanwhile. Run it while no process uses the run directory.
     """
-    root = Path(run_dir) / "weights"
+    root = weights_root(run_dir)
     if not root.is_dir():
         return []
-    doomed = sorted({int(m[1]) for child in root.iterdir() if (m := _ANY_STEP.match(child.name))})
-    doomed = [s for s in doomed if s > step]
+    found = {_step_of_entry(child.name) for child in root.iterdir()}
+    doomed = sorted(s for s in found if s is not None and s > step)
     for s in doomed:
         _delete_step(run_dir, s)
     return doomed
+
+
+def _step_of_entry(name: str) -> int | None:
+    """The step of `step_n`, of its publications `.step_n.<id>` and of their links `.step_n.<id>.link`."""
+    return step_of(name.removeprefix(".").split(".", 1)[0])
 
 
 def _delete_step(run_dir: str | os.PathLike, step: int) -> None:
@@ -139,7 +198,7 @@ def _delete_step(run_dir: str | os.PathLike, step: int) -> None:
     elif final.is_dir():
         (final / STABLE_MARKER).unlink(missing_ok=True)
         shutil.rmtree(final, ignore_errors=True)
-    for leftover in final.parent.glob(f".step_{step}.*"):  # its publications, replaced or half-written
+    for leftover in final.parent.glob(f".{step_name(step)}.*"):  # its publications, replaced or half-written
         if leftover.is_symlink():
             leftover.unlink()
         else:

@@ -12,7 +12,15 @@ from asyncrl.wire.http import (
     UpdateWeightsResponse,
     WeightsInfo,
 )
-from asyncrl.wire.rollout import BatchFormatError, RolloutBatch, RolloutSample, decode_batch, encode_batch
+from asyncrl.wire.rollout import (
+    BatchFormatError,
+    RolloutBatch,
+    RolloutSample,
+    decode_batch,
+    encode_batch,
+    select_encoded,
+    split_by_tokens,
+)
 
 __all__ = [
     "BatchFormatError",
@@ -30,4 +38,6 @@ __all__ = [
     "WeightsInfo",
     "decode_batch",
     "encode_batch",
+    "select_encoded",
+    "split_by_tokens",
 ]

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from asyncrl.config.sampling import SamplingParams
+from asyncrl.config.sampling import MAX_SEED, SamplingParams
 
 __all__ = [
     "FieldValueError",
@@ -30,7 +30,6 @@ __all__ = [
     "find_lone_surrogate",
 ]
 
-MAX_SEED = 2**63 - 1  # torch.Generator seeds are 64-bit (the engine enforces the same bound)
 MAX_VERSION = 2**31 - 1  # policy versions travel as int32 in rollout samples
 
 

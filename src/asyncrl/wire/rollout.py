@@ -1,18 +1,31 @@
 """Rollout samples and batches: what the orchestrator hands the trainer (torch-free, numpy only).
 
-On disk a batch is one safetensors file (every sample's arrays, concatenated along tokens) plus the
-per-sample metadata in its header, so a batch is a single atomic file. See `encode_batch`.
+`encode_batch` turns samples into one safetensors file's arrays (every sample's arrays, concatenated
+along tokens) plus the per-sample metadata of its header; `select_encoded` picks some samples out of
+such a file reading only their tokens. `split_by_tokens` splits a batch's samples into token-balanced
+parts, one per data-parallel trainer rank: the orchestrator writes each part as such a file, and a
+trainer that reads the whole batch splits it in memory with the same function.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["BatchFormatError", "RolloutBatch", "RolloutSample", "decode_batch", "encode_batch"]
+__all__ = [
+    "BatchFormatError",
+    "RolloutBatch",
+    "RolloutSample",
+    "decode_batch",
+    "encode_batch",
+    "select_encoded",
+    "split_by_tokens",
+]
 
 # name -> (dtype, trailing shape after the token axis is fixed); routed_experts is checked separately.
 _TOKEN_FIELDS: dict[str, np.dtype] = {
@@ -218,3 +231,52 @@ def decode_batch(arrays: dict[str, np.ndarray], meta: dict[str, str], where: str
         except BatchFormatError as e:
             raise BatchFormatError(f"{where}: sample {i}: {e}") from None
     return RolloutBatch(step=step, samples=samples, metrics=batch_metrics)
+
+
+def select_encoded(
+    columns: Mapping[str, Callable[[int, int], np.ndarray]],
+    meta: dict[str, str],
+    positions: Sequence[int],
+    where: str = "batch",
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """`encode_batch`'s arrays and metadata of the samples at `positions` alone, in that order.
+
+    `columns[name](start, stop)` returns rows start:stop of array `name` (a slice of a lazily read
+    file), so only the chosen samples' tokens are read. `decode_batch` decodes the result.
+    """
+    try:
+        sample_meta: list[dict[str, Any]] = json.loads(meta["samples"])
+    except (KeyError, ValueError) as e:
+        raise BatchFormatError(f"{where}: bad metadata ({e!r}); expected key 'samples'") from None
+    if "lengths" not in columns:
+        raise BatchFormatError(f"{where}: missing field 'lengths'")
+    lengths = columns["lengths"](0, len(sample_meta))
+    if len(lengths) != len(sample_meta):
+        raise BatchFormatError(
+            f"{where}: field 'lengths' has {len(lengths)} entries but metadata lists {len(sample_meta)} samples"
+        )
+    starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    arrays = {"lengths": lengths[list(positions)]}
+    for name, rows in columns.items():
+        if name != "lengths":
+            arrays[name] = np.concatenate([rows(starts[p], starts[p + 1]) for p in positions])
+    return arrays, meta | {"samples": json.dumps([sample_meta[p] for p in positions])}
+
+
+def split_by_tokens(lengths: Sequence[int], num_parts: int) -> list[list[int]]:
+    """Sample indices of each of `num_parts` parts, balanced by tokens; each list ascending.
+
+    Longest sample first, each to the part with the fewest tokens so far (ties: the lower part),
+    so the plan depends on the lengths alone and every process that computes it agrees.
+
+    Example: lengths [9, 2, 7, 4] in 2 parts -> [[0, 1], [2, 3]] (11 and 11 tokens).
+    """
+    if num_parts < 1:
+        raise ValueError(f"num_parts must be >= 1, got {num_parts}")
+    loads = [(0, part) for part in range(num_parts)]  # a heap of (tokens so far, part)
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, part = heapq.heappop(loads)
+        parts[part].append(i)
+        heapq.heappush(loads, (load + int(lengths[i]), part))
+    return [sorted(p) for p in parts]

@@ -1,4 +1,5 @@
-"""Two gloo ranks under torchrun train exactly like one process (loss, grad norm, weights, resume)."""
+"""Two gloo ranks under torchrun, each reading its own part of every batch, train exactly like one
+process reading the whole batch (loss, grad norm, weights), and resume in one process on those parts."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model import from_pretrained
+from asyncrl.run_dir import weights_dir
+from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
-from asyncrl.transport import weights_dir, write_batch
+from asyncrl.transport import write_batch
 from helpers import child_env, free_port
 
 
@@ -24,6 +26,7 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int) -> Path:
     path.write_text(
         f'run_dir = "{run_dir}"\nmax_steps = {max_steps}\nseq_len = 64\npeak_flops = 1e11\n'
         f'[model]\npath = "{model_dir}"\n[optim]\nlr = 2e-3\n[checkpoint]\ninterval = 2\n'
+        '[publish]\ndtype = "float32"\n'  # the weights are compared at fp32 tolerances
     )
     return path
 
@@ -31,10 +34,10 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int) -> Path:
 def _run(cfg: Path, nproc: int, extra: tuple[str, ...] = ()) -> None:
     env = child_env()
     if nproc == 1:
-        cmd = [sys.executable, "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]
+        cmd = [sys.executable, "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]  # fmt: skip
+               "--master-port", str(free_port()), "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -53,9 +56,9 @@ def test_two_ranks_match_one_process_and_resume_at_another_world_size(tmp_path):
         for s in (1, 2, 3)
     ]
     one, two = tmp_path / "one", tmp_path / "two"
-    for run_dir in (one, two):
-        for b in batches:
-            write_batch(run_dir, b)
+    for b in batches:
+        write_batch(one, b)  # one part: the whole batch
+        write_batch(two, b, num_parts=2)  # one part per data rank
     run_rl(load_config(RLTrainerConfig, ["@", str(_toml(tmp_path / "one.toml", model_dir, one, 3))]))
     _run(_toml(tmp_path / "two.toml", model_dir, two, 2), nproc=2)
     # Resume the 2-rank checkpoint (step 2) in a single process: DCP is world-size independent.
@@ -66,6 +69,12 @@ def test_two_ranks_match_one_process_and_resume_at_another_world_size(tmp_path):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], abs=1e-5), step  # loss is a +/- sum near 0
         assert b[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4), step
         assert b[step]["num_loss_tokens"] == a[step]["num_loss_tokens"]
+        assert b[step]["num_samples"] == a[step]["num_samples"] == 5
+        assert b[step]["reward_mean"] == pytest.approx(a[step]["reward_mean"])
+    # each rank read its own part; the resumed single process read both parts of batch 3
+    for step in (1, 2):
+        assert b[step]["batch_bytes_read"] < 0.7 * b[step]["batch_bytes"], b[step]
+    assert b[3]["batch_bytes_read"] > b[3]["batch_bytes"]  # both parts and the manifest
     wa, wb = from_pretrained(weights_dir(one, 3)), from_pretrained(weights_dir(two, 3))
     # Adam divides by sqrt(v): rounding in near-zero gradients (a different summation order) can move
     # a weight by a fraction of lr, so compare at 0.1 * lr; a wrong gradient would move it by ~lr.

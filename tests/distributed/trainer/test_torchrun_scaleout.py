@@ -24,11 +24,12 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model import from_pretrained
+from asyncrl.run_dir import weights_dir
+from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
-from asyncrl.transport import weights_dir, write_batch
+from asyncrl.transport import write_batch
 from helpers import child_env, free_port
 
 LAYOUTS = {  # name: (nproc, [trainer.parallel] lines)
@@ -42,6 +43,7 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int, parallel: 
     path.write_text(
         f'run_dir = "{run_dir}"\nmax_steps = {max_steps}\nseq_len = 32\npeak_flops = 1e11\n'
         f'[model]\npath = "{model_dir}"\n[optim]\nlr = 2e-3\n[checkpoint]\ninterval = 2\n'
+        '[publish]\ndtype = "float32"\n'  # the weights are compared at fp32 tolerances
         f"[parallel]\n{parallel}"
     )
     return path
@@ -50,7 +52,7 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int, parallel: 
 def _torchrun(cfg: Path, nproc: int, *extra: str) -> None:
     env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), "-m", "asyncrl.trainer.rl", "@", str(cfg), *extra]  # fmt: skip
+           "--master-port", str(free_port()), "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -83,8 +85,8 @@ def test_parallel_layouts_match_one_process_and_checkpoints_reshard(tmp_path):
     ]
     runs = {name: tmp_path / name for name in ("ref", *LAYOUTS)}
     for run_dir in runs.values():
-        for b in batches:
-            write_batch(run_dir, b)
+        for b in batches:  # in 2 parts: read one per rank at dp 2, both (re-split) at dp 1
+            write_batch(run_dir, b, num_parts=2)
     run_rl(load_config(RLTrainerConfig, ["@", str(_toml(tmp_path / "ref.toml", model_dir, runs["ref"], 3))]))
     for name, (nproc, parallel) in LAYOUTS.items():
         _torchrun(_toml(tmp_path / f"{name}.toml", model_dir, runs[name], 2, parallel), nproc)

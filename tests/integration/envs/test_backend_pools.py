@@ -11,7 +11,7 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
-from asyncrl.envs import HttpBackend
+from asyncrl.client import HttpBackend
 from asyncrl.wire import GenerateRequest, PauseRequest, UpdateWeightsRequest
 from helpers import free_port
 

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import tomli_w
 
-from asyncrl.launcher.init_model import init_model
+from asyncrl.tools.init_model import init_model
 from asyncrl.transport.rollouts import read_batch
 from helpers import child_env, free_port
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.orchestrator.checkpoint import STATE_FILE, load_state
+from asyncrl.run_dir import batch_dir
 from asyncrl.transport.metrics import read_metrics
-from asyncrl.transport.rollouts import batch_dir, batch_steps, read_batch
+from asyncrl.transport.rollouts import batch_steps, read_batch
 
 _TASK_INDEX = re.compile(r"/train/(\d+)/v\d+/\d+$")
 

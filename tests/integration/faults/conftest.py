@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.launcher.init_model import init_model
+from asyncrl.tools.init_model import init_model
 from integration.faults.runs import Run
 
 

@@ -14,9 +14,10 @@ import signal
 
 import pytest
 
+from asyncrl.run_dir import batch_dir, weights_dir
 from asyncrl.trainer.checkpoint import latest_checkpoint_step
-from asyncrl.transport.rollouts import batch_dir, batch_steps, read_batch
-from asyncrl.transport.weights import STABLE_MARKER, stable_steps, weights_dir
+from asyncrl.transport.rollouts import batch_steps, read_batch
+from asyncrl.transport.weights import STABLE_MARKER, stable_steps
 from integration.faults.audit import audit_run
 from integration.faults.runs import MAX_STEPS
 

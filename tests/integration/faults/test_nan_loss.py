@@ -8,10 +8,11 @@ from safetensors.torch import load_file
 
 from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
+from asyncrl.run_dir import weights_dir
 from asyncrl.trainer.rl import run_rl
 from asyncrl.transport.metrics import read_metrics
 from asyncrl.transport.rollouts import write_batch
-from asyncrl.transport.weights import stable_steps, weights_dir
+from asyncrl.transport.weights import stable_steps
 from asyncrl.wire import RolloutBatch, RolloutSample
 
 

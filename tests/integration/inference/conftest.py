@@ -15,7 +15,7 @@ import uvicorn
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.main import build_server_app
-from asyncrl.launcher.init_model import init_model
+from asyncrl.tools.init_model import init_model
 from helpers import free_port
 
 API_KEY = "test-key"

@@ -5,8 +5,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from asyncrl.envs import endpoint_eval
 from asyncrl.inference.request import FinishReason, RequestOutput
+from asyncrl.tools import endpoint_eval
 
 
 @pytest.fixture

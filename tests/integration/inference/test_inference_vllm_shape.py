@@ -8,8 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from asyncrl.envs.backend import HttpBackend
-from asyncrl.envs.vllm_backend import VLLMBackend
+from asyncrl.client import HttpBackend, VLLMBackend
 from asyncrl.wire import GenerateRequest, PauseRequest
 
 

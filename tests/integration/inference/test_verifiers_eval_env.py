@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from asyncrl.envs import endpoint_eval
 from asyncrl.inference.request import FinishReason, RequestOutput
+from asyncrl.tools import endpoint_eval
 from helpers import child_env
 
 pytest.importorskip("verifiers.v1", reason="verifiers is an optional extra: pip install -e '.[verifiers]'")

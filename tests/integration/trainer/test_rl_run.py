@@ -12,20 +12,14 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model import from_pretrained
 from asyncrl.model.fp8 import apply_fp8
+from asyncrl.run_dir import batch_dir, weights_dir
+from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.mismatch import MismatchGateError
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
-from asyncrl.transport import (
-    STABLE_MARKER,
-    RolloutTimeoutError,
-    batch_dir,
-    stable_steps,
-    weights_dir,
-    write_batch,
-)
+from asyncrl.transport import STABLE_MARKER, RolloutTimeoutError, stable_steps, write_batch
 from asyncrl.wire import BatchFormatError, RolloutBatch
 
 

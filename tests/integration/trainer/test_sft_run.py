@@ -8,9 +8,10 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.config.trainer import SFTConfig
-from asyncrl.launcher.init_model import init_model
+from asyncrl.run_dir import weights_dir
+from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.sft import run_sft
-from asyncrl.transport import stable_steps, weights_dir
+from asyncrl.transport import stable_steps
 
 
 def test_sft_cli_entry_point(tmp_path):

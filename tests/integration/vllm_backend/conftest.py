@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from vllm_helpers import HAS_VLLM, NO_VLLM, VLLMServer, vllm_server
 
-from asyncrl.launcher.init_model import init_model
+from asyncrl.tools.init_model import init_model
 
 
 @pytest.fixture(scope="module")

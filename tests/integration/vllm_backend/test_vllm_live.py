@@ -17,8 +17,7 @@ import pytest
 import torch
 from vllm_helpers import HAS_VLLM, NO_VLLM
 
-from asyncrl.envs import InferenceError
-from asyncrl.envs.vllm_backend import VLLMBackend
+from asyncrl.client import InferenceError, VLLMBackend
 from asyncrl.model.hf import from_pretrained
 from asyncrl.wire import GenerateRequest, PauseRequest, UpdateWeightsRequest
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from vllm_helpers import HAS_VLLM, NO_VLLM, REPO, VLLM_PYTHON
 
-from asyncrl.launcher.init_model import init_model
+from asyncrl.tools.init_model import init_model
 from asyncrl.transport.rollouts import read_batch
 from helpers import child_env, free_port
 

@@ -106,8 +106,9 @@ def test_rl_help_shows_descriptions_and_leaves_out_the_shared_keys(capsys):
     )  # the orchestrator's default
     orchestrator = out.split("\n[orchestrator]  ")[1].split("[orchestrator.envs]")[0]
     assert (
-        "model, run_dir, max_steps, servers, seed, api_key, inference_backend, seq_len, max_model_len come "
-        "from the top level (max_model_len: the [inference] servers' context limit)" in orchestrator
+        "model, run_dir, max_steps, servers, seed, api_key, inference_backend, seq_len, max_model_len, "
+        "trainer_dp_size come from the top level (max_model_len: the [inference] servers' context limit) "
+        "(trainer_dp_size: the [trainer] data-parallel ranks)" in orchestrator
     )
     assert (
         "run_dir =" not in orchestrator
@@ -116,6 +117,12 @@ def test_rl_help_shows_descriptions_and_leaves_out_the_shared_keys(capsys):
         and "seq_len =" not in orchestrator
     )
     assert "path (required)" not in out.split("[trainer.model]")[1].split("[trainer.optim]")[0]
+    # the loss variants: the key that picks one, then each variant's own keys under its title
+    assert row('variant = "trust_region"').endswith('one of "trust_region" | "tis" | "mis" | "sequence"')
+    mis = out.split('[trainer.loss]  variant = "mis": ')[1].split("\n\n")[0]
+    assert "mis_low = 0.5" in mis and "ratio_cap = 2.0" in mis and "delta_low" not in mis
+    tis = out.split('[trainer.loss]  variant = "tis": ')[1].split("\n\n")[0]
+    assert "tis_cap = 2.0" in tis and "ratio_cap" not in tis
 
 
 @pytest.mark.parametrize(

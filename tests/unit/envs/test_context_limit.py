@@ -9,23 +9,12 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from asyncrl.client import ContextLimitExceeded, HttpInferenceClient, InferenceError, VLLMBackend
 from asyncrl.config import EnvConfig
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.envs import (
-    ContextLimitExceeded,
-    Environment,
-    HttpInferenceClient,
-    InferenceError,
-    Reward,
-    Rubric,
-    ScriptedClient,
-    Task,
-    TokenPolicy,
-    run_episode,
-)
-from asyncrl.envs.vllm_backend import VLLMBackend
+from asyncrl.envs import Environment, Reward, Rubric, ScriptedClient, Task, TokenPolicy, run_episode
 from asyncrl.inference.main import build_server_app
-from asyncrl.launcher.init_model import init_model
+from asyncrl.tools.init_model import init_model
 from asyncrl.wire import GenerateRequest, SamplingParams
 
 REPLY = "abcdefghij"  # 10 byte tokens, then eos

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from asyncrl.client import InferenceError
 from asyncrl.config import EnvConfig, LatencyConfig
 from asyncrl.envs import (
     Environment,
-    InferenceError,
     Reward,
     Rubric,
     ScriptedClient,
@@ -192,3 +192,32 @@ def test_latency_knob_applies_to_any_env(tokenizer):
     assert (
         ep.reward == 1.0 and ep.metrics["latency_s"] > 0.0 and ep.metrics["wall_s"] >= ep.metrics["latency_s"]
     )
+
+
+class StopToolEnv(FlakyEnv):
+    """A `stop` tool sets state.done: the episode ends after that turn's tool calls."""
+
+    def tools(self, state):
+        def stop() -> str:
+            """End the episode."""
+            state.done = True
+            return "stopping"
+
+        def note() -> str:
+            """Do nothing."""
+            return "noted"
+
+        return [Tool.from_function(stop), Tool.from_function(note)]
+
+
+def test_a_tool_that_sets_done_ends_the_episode_after_its_turn(tokenizer):
+    cfg = EnvConfig(name="flaky", max_turns=5)
+    env = StopToolEnv(fail_on_turn=None)
+    call = '<tool_call>{{"name": "{}", "arguments": {{}}}}</tool_call>'
+    replies = [call.format("note"), call.format("stop") + call.format("note"), "never sent"]
+    ep = asyncio.run(
+        run_episode(env, env.task("train", 0), _policy(tokenizer, replies, cfg), config=cfg, episode_id="e")
+    )
+    assert ep.stop_reason == "done" and ep.error is None and ep.reward == 1.0
+    assert ep.metrics["num_turns"] == 2 and ep.metrics["num_tool_calls"] == 3  # the turn's calls all ran
+    assert [m["content"] for m in ep.messages if m["role"] == "tool"] == ["noted", "stopping", "noted"]

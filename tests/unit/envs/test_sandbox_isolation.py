@@ -214,3 +214,20 @@ def test_probe_reports_its_reason():
         )
     else:
         assert ISOLATION.bwrap is None and "bwrap" in ISOLATION.detail  # names the missing piece and the fix
+
+
+@needs_bwrap
+def test_read_only_dirs_under_a_tmpfs_path_stay_visible(tmp_path):
+    """A venv under /tmp (CI makes them there) is bound over the sandbox's own /tmp, not hidden by it."""
+    venv = Path("/tmp") / f"asyncrl-test-venv-{os.getpid()}"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "marker").write_text("here\n")
+    try:
+        argv = bwrap_argv(ISOLATION.bwrap, tmp_path, ["cat", str(venv / "bin" / "marker")],
+                          read_only_dirs=(str(venv),), tmpfs=(("/tmp", 1 << 20),))  # fmt: skip
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        assert (result.returncode, result.stdout) == (0, "here\n"), result.stderr
+    finally:
+        (venv / "bin" / "marker").unlink()
+        (venv / "bin").rmdir()
+        venv.rmdir()

@@ -143,7 +143,7 @@ def test_missing_pyarrow_is_named(tmp_path, monkeypatch):
     ("content", "settings", "message"),
     [
         ('{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": 2\n', {}, r"qa.jsonl line 2: not valid JSON"),
-        ('{"prompt": "a", "answer": 1}\n\n[1, 2]\n', {}, r"qa.jsonl line 3: a task row must be a JSON object, got list"),
+        ('{"prompt": "a", "answer": 1}\n\n[1, 2]\n', {}, r"qa.jsonl line 3: a row must be a JSON object, got list"),
         ('{"question": "a", "answer": 1}\n', {}, r"qa.jsonl line 1: no field 'prompt' \(the row has \['answer', 'question'\]\); set data.prompt_field"),
         ('{"prompt": "a", "solution": 1}\n', {}, r"line 1: no field 'answer' .*set data.answer_field"),
         ('{"prompt": "a", "answer": null}\n', {}, r"line 1: field 'answer' is null"),
@@ -170,7 +170,7 @@ def test_missing_file_and_unknown_format(tmp_path):
     with pytest.raises(TaskDataError, match=r"unknown task data format '.csv'"):
         TaskTable.load({"path": str(tmp_path / "t.csv")})
     (tmp_path / "t.json").write_text('[{"prompt": "a", "answer": 1}, "oops"]')
-    with pytest.raises(TaskDataError, match=r"t.json item 1: a task row must be a JSON object"):
+    with pytest.raises(TaskDataError, match=r"t.json item 1: a row must be a JSON object, got str"):
         TaskTable.load({"path": str(tmp_path / "t.json")})
     with pytest.raises(EnvConfigError, match="data must be a table"):  # TaskDataError is an EnvConfigError
         build_env("dataset", {"data": "qa.jsonl"})

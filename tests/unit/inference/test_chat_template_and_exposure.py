@@ -93,4 +93,4 @@ def test_rl_generates_a_key_per_run_and_hands_it_to_the_orchestrator(tmp_path, e
 
 def test_sections_cannot_set_the_shared_key(tmp_path):
     with pytest.raises(ConfigError, match="api_key"):
-        RLConfig(model="m", run_dir=str(tmp_path), orchestrator={"api_key": "x"}).resolve()
+        load_config(RLConfig, {"model": "m", "run_dir": str(tmp_path), "orchestrator": {"api_key": "x"}})

@@ -10,9 +10,9 @@ from inference_helpers import drain, random_prompts, teacher_logprobs
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model import Transformer, from_pretrained, preset_args
 from asyncrl.model.fp8 import FP8Linear, apply_fp8
+from asyncrl.tools.init_model import init_model
 
 
 def test_fp8_engine_matches_fp8_model_and_differs_from_fp32(tmp_path, tiny_moe):

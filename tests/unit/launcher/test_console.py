@@ -95,6 +95,14 @@ def test_a_new_batch_clears_the_fill_status_and_the_line_fits_the_width():
     assert len(status.render(width=12)) == 12 and status.render(width=12).endswith("…")
 
 
+def test_the_status_line_shows_the_latest_held_out_pass_at_1():
+    status = RunStatus(max_steps=20)
+    status.update({"role": "orchestrator", "step": 11, "reward/mean": 0.5})
+    status.update({"role": "eval", "step": 10, "version": 10, "eval/a/pass@1": 0.2, "eval/b/pass@1": 0.4,
+                   "eval/a/pass@4": 0.9})  # fmt: skip
+    assert "| reward 0.500 | eval v10 pass@1 0.300 |" in status.render()
+
+
 def test_tail_reads_whole_lines_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
     tail = MetricsTail(path)

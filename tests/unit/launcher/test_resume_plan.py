@@ -40,10 +40,13 @@ def test_resume_continues_each_process_from_its_own_state_and_cuts_redone_lines(
         write_batch(tmp_path, _batch(step))
     _checkpoint(tmp_path, 2)
     trainer, orchestrator = MetricsWriter(tmp_path, "trainer"), MetricsWriter(tmp_path, "orchestrator")
+    evals = MetricsWriter(tmp_path, "eval")
     for step in (1, 2, 3, 4):
         orchestrator.write(step, {})
     for step in (1, 2, 3):
         trainer.write(step, {"loss": 0.1})
+    for version in (0, 2, 3):
+        evals.write(version, {"version": version})
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"role": "trainer", "st')  # torn by the kill
     plan = plan_resume(_resolved(tmp_path))
@@ -51,7 +54,8 @@ def test_resume_continues_each_process_from_its_own_state_and_cuts_redone_lines(
     assert plan.resolved.trainer.resume_step == 2 and plan.resolved.orchestrator.resume
     assert [r["step"] for r in read_metrics(tmp_path, "trainer")] == [1, 2]  # 3 will be retrained
     assert [r["step"] for r in read_metrics(tmp_path, "orchestrator")] == [1, 2, 3, 4]
-    assert plan.num_dropped_lines == 2
+    assert [r["version"] for r in read_metrics(tmp_path, "eval")] == [0, 2]  # v3 is published again
+    assert plan.num_dropped_lines == 3
     assert "retraining batches 3..4" in plan.describe()
     assert all(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
 

@@ -9,6 +9,7 @@ import pytest
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.rl import RLConfig
 from asyncrl.launcher.cli import main
+from asyncrl.launcher.run_configs import write_configs
 
 
 def _cfg(**kw) -> RLConfig:
@@ -33,10 +34,12 @@ def test_shared_keys_reach_every_process():
 
 
 def test_section_setting_a_shared_key_is_an_error():
-    with pytest.raises(ConfigError, match=r"\[orchestrator\] sets \['max_steps'\]"):
-        _cfg(orchestrator={"max_steps": 3}).resolve()
-    with pytest.raises(ConfigError, match=r"\[trainer.model\] sets 'path'"):
-        _cfg(trainer={"model": {"path": "other"}}).resolve()
+    with pytest.raises(ConfigError, match=r"'orchestrator': sets max_steps \(a top-level key\)"):
+        _cfg(orchestrator={"max_steps": 3})
+    with pytest.raises(ConfigError, match=r"'trainer': sets model.path \(from the top-level model\)"):
+        _cfg(trainer={"model": {"path": "other"}})
+    with pytest.raises(ConfigError, match=r"'inference': sets host \(from \[deployment\] host\)"):
+        _cfg(inference={"host": "0.0.0.0"})
 
 
 def test_unknown_keys_name_the_section_and_nearest_key():
@@ -76,3 +79,16 @@ def test_help_lists_keys(capsys):
     assert main(["rl", "--help"]) == 0
     out = capsys.readouterr().out
     assert "max_async_steps" in out and "[trainer]" in out and "--dry-run" in out
+
+
+def test_the_written_rl_toml_reads_back_to_the_same_processes(tmp_path):
+    cfg = _cfg(
+        run_dir=str(tmp_path / "run"),
+        inference={"backend": "vllm", "max_num_seqs": 8},
+        trainer={"loss": {"variant": "tis", "tis_cap": 1.5}},
+    )
+    files = write_configs(cfg, cfg.resolve())
+    written = tomllib.loads(files["rl"].read_text())
+    assert written["inference"] == {"backend": "vllm", "max_num_seqs": 8}  # what the run set, no more
+    assert written["trainer"] == {"loss": {"variant": "tis", "tis_cap": 1.5}}
+    assert load_config(RLConfig, ["@", str(files["rl"])]).resolve() == cfg.resolve()

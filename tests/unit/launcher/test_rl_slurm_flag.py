@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import tomllib
+from dataclasses import replace
 
 import pytest
 
 from asyncrl.config import load_config
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.launcher import rl
+from asyncrl.model import preset_args
 
 TOML = """
 model = "models/m"
@@ -56,6 +59,8 @@ def test_rl_slurm_dry_run_writes_sbatch_and_passes_parallel_to_trainer(tmp_path,
     assert "--nnodes=2 --nproc-per-node=2" in script
     assert f'-m asyncrl trainer @ "{run}/configs/trainer.toml"' in script
     assert _trainer_parallel(run)["activation_checkpointing"] is True
+    # 2 nodes x 2 GPUs at dp_shard 2 x cp 2: batches are written in 2 parts
+    assert tomllib.loads((run / "configs" / "orchestrator.toml").read_text())["trainer_dp_size"] == 2
     assert "wrote" in capsys.readouterr().out
 
 
@@ -99,7 +104,8 @@ def test_parallel_dims_that_do_not_fit_the_trainer_world_fail_before_launch(
 def test_expert_parallel_is_checked_against_the_model_config(tmp_path, capsys):
     model = tmp_path / "m"
     model.mkdir()
-    (model / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 6}')
+    config = replace(preset_args("tiny-moe"), num_experts=6).to_hf_config()
+    (model / "config.json").write_text(json.dumps(config))
     cfg = _write(tmp_path)
     cfg.write_text(cfg.read_text().replace('"models/m"', f'"{model}"').replace("ep = 2", "ep = 4"))
     assert rl.main(["@", str(cfg), "--dry-run"]) == 2

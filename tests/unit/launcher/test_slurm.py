@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tomllib
 
 import pytest
 
@@ -59,6 +60,19 @@ def test_dry_run_writes_script_and_configs_for_2_inference_and_4_trainer_nodes(t
     assert "export HF_HUB_OFFLINE=1" in script and "export NCCL_DEBUG=WARN" in script
     assert script.index("source /opt/venv/bin/activate") < script.index("srun")
     assert 'exit "$status"' in script
+
+
+def test_rendered_configs_leave_the_device_to_each_node(tmp_path):
+    # a GPU node must train and serve on its GPUs unless the config says otherwise
+    assert slurm.main(["@", str(_write(tmp_path)), "--dry-run"]) == 0
+    configs = tmp_path / "run" / "configs"
+    trainer = tomllib.loads((configs / "trainer.toml").read_text())
+    inference = tomllib.loads((configs / "inference-0.toml").read_text())
+    assert trainer["model"]["device"] == "auto" and inference["device"] == "auto"
+    toml = _write(tmp_path)
+    toml.write_text(toml.read_text() + '[trainer.model]\ndevice = "cpu"\n')
+    assert slurm.main(["@", str(toml), "--dry-run"]) == 0
+    assert tomllib.loads((configs / "trainer.toml").read_text())["model"]["device"] == "cpu"
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -38,6 +38,20 @@ def test_done_child_ends_the_run_and_stops_the_rest(tmp_path, capsys):
     assert "step 1" in (tmp_path / "t.log").read_text()
 
 
+def test_the_run_waits_for_every_done_child(tmp_path):
+    sup = Supervisor(
+        [
+            ChildSpec(name="server", argv=_py("import time; time.sleep(60)"), log=tmp_path / "s.log"),
+            ChildSpec(name="trainer", argv=_py("pass"), log=tmp_path / "t.log", done_ok=True),
+            ChildSpec(name="orchestrator", argv=_py("import time; time.sleep(1); print('evaluated')"),
+                      log=tmp_path / "o.log", done_ok=True),
+        ],
+        poll_s=0.05,
+    )  # fmt: skip
+    assert sup.run() == 0
+    assert "evaluated" in (tmp_path / "o.log").read_text()  # the trainer's exit did not cut it short
+
+
 def test_failing_child_is_named_and_grandchildren_are_killed(tmp_path, capsys):
     pidfile = tmp_path / "grandchild.pid"
     spawn_and_die = (

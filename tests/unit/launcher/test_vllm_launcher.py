@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import shlex
+import subprocess
 import sys
 
 import pytest
@@ -168,6 +172,23 @@ def test_dry_run_prints_the_vllm_command_and_says_replay_is_off(model_dir, tmp_p
     assert "router replay OFF" in out
 
 
+def test_the_printed_vllm_command_finds_the_worker_extension(model_dir, tmp_path, capsys):
+    code = main(["rl", "--model", str(model_dir), "--run-dir", str(tmp_path / "run"), "--inference.backend",
+                 "vllm", "--inference.vllm.python", sys.executable, "--dry-run"])  # fmt: skip
+    assert code == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("inference-0:"))
+    words = shlex.split(line.split(":", 1)[1])
+    assigned = list(itertools.takewhile(lambda w: "=" in w and not w.startswith("-"), words))
+    argv = words[len(assigned) :]
+    assert argv[argv.index("--worker-extension-cls") + 1] == WORKER_EXTENSION_CLS
+    # The server's interpreter, started with exactly the printed environment, finds the extension's
+    # module (located, not imported: it imports vLLM).
+    env = {k: v for k, v in (w.split("=", 1) for w in assigned)} | {"PATH": os.environ["PATH"]}
+    module = WORKER_EXTENSION_CLS.split(".")[0]
+    find = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    assert subprocess.run([argv[0], "-c", find], env=env, check=False).returncode == 0
+
+
 def test_slurm_renders_vllm_servers(model_dir, tmp_path):
     cfg = load_config(SlurmRLConfig, {
         "model": str(model_dir), "run_dir": str(tmp_path), "api_key": "k",
@@ -185,6 +206,6 @@ def test_slurm_renders_vllm_servers(model_dir, tmp_path):
     assert "asyncrl inference @" not in script
 
 
-def test_asyncrl_inference_refuses_the_vllm_backend(model_dir):
-    with pytest.raises(SystemExit, match="served by vLLM itself"):
-        main(["inference", "--model", str(model_dir), "--backend", "vllm"])
+def test_asyncrl_inference_refuses_the_vllm_backend(model_dir, capsys):
+    assert main(["inference", "--model", str(model_dir), "--backend", "vllm"]) == 2
+    assert "served by vLLM itself" in capsys.readouterr().err

@@ -1,9 +1,12 @@
-"""Helpers for model tests: random transformers checkpoints written to a temp directory."""
+"""Helpers for model tests: random transformers checkpoints in a temp directory; a count of host reads."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def randomize_(module: torch.nn.Module, seed: int, std: float = 0.05) -> None:
@@ -13,6 +16,31 @@ def randomize_(module: torch.nn.Module, seed: int, std: float = 0.05) -> None:
         for name, p in module.named_parameters():
             noise = torch.randn(p.shape, generator=gen) * std
             p.copy_(1.0 + noise if "norm" in name else noise * (10 if "gate.weight" in name else 1))
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the tensor -> Python scalar reads (`int(t)`, `t.item()`) inside it: each syncs a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def count_host_reads(fn: Callable[[], object]) -> int:
+    """How many tensor values `fn()` reads back to Python (each one a device sync on a GPU)."""
+    with torch.no_grad(), _HostReads() as reads:
+        fn()
+    return reads.count
+
+
+@pytest.fixture
+def host_reads():
+    """`host_reads(fn)`: how many tensor values `fn()` reads back to Python."""
+    return count_host_reads
 
 
 @pytest.fixture

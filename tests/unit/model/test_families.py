@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from asyncrl.model import from_pretrained, load_args, save_pretrained
-from asyncrl.model.hf import mtp_tensor_names
+from asyncrl.model.hf import HFReader
 
 TOL = 1e-4
 
@@ -129,13 +129,16 @@ def test_dsa_selection_changes_the_result(family_checkpoint):
     assert (sparse[:, :6] - dense[:, :6]).abs().max() <= 1e-5  # the first 6 queries see <= 6 keys anyway
 
 
-def test_mtp_tensor_names_reads_headers_only(family_checkpoint):
-    """The multi-process trainer refuses MTP checkpoints by these names (asyncrl.trainer.scaleout)."""
+def test_mtp_shapes_come_from_the_headers(family_checkpoint):
+    """A sharded trainer builds its MTP placeholders from these (asyncrl.model.hf.build_meta_model)."""
     path, _ = family_checkpoint("deepseek_v3", seed=9)
     args = load_args(path)
-    assert mtp_tensor_names(path, args) == []
+    with HFReader(path, args) as reader:
+        assert reader.mtp_shapes() == {}
     shard = path / "model.safetensors"
     save_file(
         load_file(shard) | {"model.layers.3.enorm.weight": torch.ones(64)}, shard, metadata={"format": "pt"}
     )
-    assert mtp_tensor_names(path, args) == ["model.layers.3.enorm.weight"]
+    with HFReader(path, args) as reader:
+        assert reader.mtp_shapes() == {"model.layers.3.enorm.weight": (64,)}
+        assert reader.bytes_read == 0

@@ -7,7 +7,8 @@ It keeps a prefix cache the way the engine does: keyed by (`cache_salt`, the ver
 the tokens), reporting `num_cached_tokens`; every request is logged in `seen` (salt, version on
 arrival, cached tokens, per-token versions). It can add a heavy-tailed delay per request, hold a
 response after its first tokens (`hold_after_tokens`, released by `release()`), fail updates, and
-refuse requests that do not fit a context limit (`max_model_len`) with the engine's 400.
+refuse requests that do not fit a context limit (`max_model_len`) with the engine's 400, and
+answer with a length that depends on the version (`reply_len`).
 `update_weights` only records the version and path.
 """
 
@@ -17,6 +18,7 @@ import asyncio
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,6 +75,7 @@ class FakeServer:
         hold_after_tokens: int | None = None,
         fail_updates: int = 0,
         max_model_len: int | None = None,
+        reply_len: Callable[[int], int] | None = None,
     ) -> None:
         """`hang_after`: requests after the first N never answer (a server that stops responding).
         `hang_first_prompt`: requests with the first request's prompt never answer (one straggler group).
@@ -80,12 +83,14 @@ class FakeServer:
         `fail_updates`: the next N `/update_weights` calls answer 500 (the weights stay as they are).
         `max_model_len`: requests whose prompt + max_tokens exceed it get the engine's 400 (counted in
         `num_rejected`).
+        `reply_len(version)`: the letters of every reply (before eos), by the version on arrival.
         """
         self.version = 0
         self.seen: list[Seen] = []
         self.hold_after_tokens = hold_after_tokens
         self.fail_updates = fail_updates
         self.max_model_len, self.num_rejected = max_model_len, 0
+        self.reply_len = reply_len
         self._cache: set[tuple[str | None, int, tuple[int, ...]]] = set()  # cached block-free prefixes
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -138,6 +143,8 @@ class FakeServer:
             self.seen.append(seen)
             self._store(req.cache_salt, seen.version, prompt)
             n = self.rng.randint(1, min(6, req.max_tokens))
+            if self.reply_len is not None:
+                n = min(self.reply_len(seen.version) + 1, req.max_tokens)
             tokens = [self.rng.randint(97, 122) for _ in range(n - 1)] + [EOS]
             for i in range(n):
                 if i == self.hold_after_tokens:

@@ -14,6 +14,7 @@ from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.config.sampling import SamplingParams
 from asyncrl.orchestrator.checkpoint import load_latest_state
 from asyncrl.orchestrator.main import run_orchestrator
+from asyncrl.transport.rollouts import read_batch_part
 
 from .conftest import fake_trainer
 from .fake_server import FakeServer
@@ -70,6 +71,19 @@ def test_synchronous_mode_trains_only_on_policy_tokens(tmp_path, tokenizer_dir, 
         per_sample = [np.unique(s.advantages[s.loss_mask]) for s in b.samples]
         assert all(len(a) == 1 for a in per_sample)
         assert sum(float(a[0]) for a in per_sample) == pytest.approx(0, abs=1e-5)
+
+
+def test_batches_are_written_in_one_part_per_trainer_data_rank(tmp_path, tokenizer_dir, servers):
+    (server,) = servers(1)
+    cfg = _cfg(tmp_path, tokenizer_dir, [server], max_steps=2, trainer_dp_size=3)
+    batches, _ = asyncio.run(_run(cfg))
+    for b in batches:
+        shares = [read_batch_part(cfg.run_dir, b.step, rank=r, num_ranks=3, timeout_s=0) for r in range(3)]
+        assert shares[0].manifest.num_parts == 3
+        ids = [s.episode_id for share in shares for s in share.batch.samples]
+        assert sorted(ids) == sorted(s.episode_id for s in b.samples)
+        loads = [share.batch.num_tokens for share in shares]
+        assert max(loads) - min(loads) <= max(s.num_tokens for s in b.samples)
 
 
 def test_heavy_tailed_latency_respects_max_off_policy_steps(tmp_path, tokenizer_dir, servers):
@@ -161,3 +175,18 @@ def test_a_known_context_limit_caps_every_request(tmp_path, tokenizer_dir, serve
     assert [b.step for b in batches] == [1, 2]
     assert server.num_rejected == 0 and records[-1]["episodes/failed_total"] == 0
     assert all(s.num_tokens <= 38 for b in batches for s in b.samples)
+
+
+def test_each_envs_named_rewards_and_episode_metrics_reach_the_step_record(tmp_path, tokenizer_dir, servers):
+    (server,) = servers(1)
+    cfg = _cfg(tmp_path, tokenizer_dir, [server], max_steps=2)
+    _, records = asyncio.run(_run(cfg))
+    for r in records:
+        episodes = r["env/reverse-text/episodes"]
+        assert episodes >= cfg.group_size and episodes % cfg.group_size == 0
+        # lcs is the env's one weighted reward, exact a weight-0 metric: both are named rewards
+        assert r["env/reverse-text/lcs"] == pytest.approx(r["reward/reverse-text"])
+        assert 0.0 <= r["env/reverse-text/exact"] <= r["env/reverse-text/lcs"]
+        assert r["env/reverse-text/num_turns"] == 1.0 and r["env/reverse-text/num_tool_calls"] == 0.0
+        assert r["env/reverse-text/failed"] == 0.0
+        assert r["env/reverse-text/stop_done"] + r.get("env/reverse-text/stop_max_tokens", 0.0) == 1.0

@@ -12,8 +12,8 @@ from asyncrl.envs.builtin.reverse_text import ReverseTextEnv
 from asyncrl.envs.registry import available_envs, register_env
 from asyncrl.orchestrator import dispatcher as dispatcher_module
 from asyncrl.orchestrator.main import run_orchestrator
+from asyncrl.run_dir import weights_dir
 from asyncrl.transport.metrics import read_metrics
-from asyncrl.transport.weights import weights_dir
 from integration.faults.audit import audit_run
 
 from .conftest import fake_trainer
@@ -88,11 +88,11 @@ def test_a_full_disk_blocks_and_retries_without_losing_groups(
     cfg = _cfg(tmp_path, tokenizer_dir, [server], max_steps=3, max_async_steps=1)
     real_write, refused = dispatcher_module.write_batch, []
 
-    def full_disk(run_dir, batch, attachments=None):
+    def full_disk(run_dir, batch, attachments=None, **kwargs):
         if batch.step == 2 and len(refused) < 3:
             refused.append(batch.step)
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(run_dir, batch, attachments)
+        return real_write(run_dir, batch, attachments, **kwargs)
 
     monkeypatch.setattr(dispatcher_module, "write_batch", full_disk)
     with caplog.at_level(logging.ERROR, logger="asyncrl.orchestrator.dispatcher"):

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from asyncrl.orchestrator.metrics import Counters, StepMetrics, batch_metrics, format_line
+from asyncrl.orchestrator.metrics import Counters, StepMetrics, format_line, step_record
 from asyncrl.wire import RolloutBatch, RolloutSample
 
 
@@ -26,7 +26,7 @@ def test_step_metrics_leave_out_episode_means_when_no_episode_finished():
     # there is no finished-episode reward to report (a 0 would read as a reward and bias averages).
     batch = RolloutBatch(step=3, samples=[dataclasses.replace(_sample(3), reward=0.75)])
     kw = {"policy_version": 2, "num_dropped_stale_queue": 0, "step_seconds": 0.1, "inference": {}}
-    empty = batch_metrics(batch, StepMetrics(), Counters(), **kw)
+    empty = step_record(batch, StepMetrics(), Counters(), **kw)
     assert "reward/mean" not in empty and "episode/tokens" not in empty
     assert empty["reward/batch_mean"] == 0.75
     assert "| reward   -   | v2" in format_line({**empty, "step": 3, "inference/prefix_cache_hit_rate": 0.0,
@@ -34,5 +34,5 @@ def test_step_metrics_leave_out_episode_means_when_no_episode_finished():
     since = StepMetrics()
     since.rewards["e"].extend([1.0, 0.0])
     since.episodes.extend([{"num_prompt_tokens": 3, "num_completion_tokens": 2}] * 2)
-    full = batch_metrics(batch, since, Counters(), **kw)
+    full = step_record(batch, since, Counters(), **kw)
     assert full["reward/mean"] == 0.5 and full["reward/e"] == 0.5 and full["episode/tokens"] == 5.0

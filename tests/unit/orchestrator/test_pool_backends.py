@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from asyncrl.envs import InferenceBackend, InferenceError, ServerUnavailable
+from asyncrl.client import InferenceBackend, InferenceError, ServerUnavailable
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
 from asyncrl.transport.weights import stage_weights
@@ -92,6 +92,22 @@ def test_sessions_stick_and_failures_take_a_backend_out_of_rotation():
     with pytest.raises(InferenceError, match="bad request"):
         asyncio.run(pool.session("e3").generate([1], SamplingParams()))
     assert [s.url for s in pool.healthy_servers] == ["mem://b"]
+
+
+def test_an_uncounted_session_is_routed_like_the_others_but_left_out_of_the_stats():
+    a, b = MemoryBackend("mem://a"), MemoryBackend("mem://b")
+    pool = ServerPool([a, b])
+
+    async def go():
+        train, ev = pool.session("train/0"), pool.session("eval/0", cache_salt=lambda: "3", count=False)
+        await asyncio.gather(
+            train.generate([4, 9], SamplingParams()), ev.generate([1, 2, 3], SamplingParams())
+        )
+        await ev.generate([1, 2, 3, 7], SamplingParams())
+
+    asyncio.run(go())
+    assert a.calls == ["generate"] and b.calls == ["generate", "generate"]  # least-loaded, then sticky
+    assert pool.stats.requests == 1 and pool.stats.prompt_tokens == 2 and pool.stats.generated_tokens == 1
 
 
 def test_weight_updates_go_through_the_backend_seam(tmp_path):

@@ -18,8 +18,9 @@ from asyncrl.orchestrator.checkpoint import (
     load_state,
 )
 from asyncrl.orchestrator.main import run_orchestrator
+from asyncrl.run_dir import batch_dir
 from asyncrl.transport.metrics import read_metrics
-from asyncrl.transport.rollouts import batch_dir, write_batch
+from asyncrl.transport.rollouts import write_batch
 from asyncrl.wire import RolloutBatch, RolloutSample
 from integration.faults.audit import audit_run
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from asyncrl.client import build_backends
 from asyncrl.config.envs import EnvConfig
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.envs import Environment, Reward, Rubric, Task
@@ -56,7 +57,7 @@ def _dispatcher(tmp_path, tokenizer_dir, servers: list[FakeServer]) -> Dispatche
     cfg = OrchestratorConfig(run_dir=str(tmp_path / "run"), model=str(tokenizer_dir),
                              servers=[s.url for s in servers], batch_size=4, group_size=4,
                              max_episode_retries=2, sampling=SamplingParams(max_tokens=8))  # fmt: skip
-    pool = ServerPool.from_urls(cfg.servers)
+    pool = ServerPool(build_backends(cfg.servers))
     return Dispatcher(cfg, pool, None, ChatTokenizer.from_pretrained(tokenizer_dir))
 
 
@@ -137,7 +138,7 @@ def test_later_turns_share_the_prefix_cache_and_a_retry_names_the_current_versio
 def test_a_server_that_failed_an_update_serves_again_after_it_rejoins(tmp_path, tokenizer_dir, servers):
     a, b = servers(1), servers(1, fail_updates=1)
     (a,), (b,) = a, b
-    pool = ServerPool.from_urls([a.url, b.url])
+    pool = ServerPool(build_backends([a.url, b.url]))
     updater = WeightUpdater(pool, tmp_path)
     with stage_weights(tmp_path, 1) as tmp:
         (tmp / "config.json").write_text("{}")

@@ -7,7 +7,8 @@ import logging
 
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
-from asyncrl.transport.weights import stage_weights, weights_dir
+from asyncrl.run_dir import weights_dir
+from asyncrl.transport.weights import stage_weights
 from asyncrl.wire import WeightsInfo
 
 from .test_pool_backends import MemoryBackend

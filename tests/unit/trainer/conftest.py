@@ -1,4 +1,4 @@
-"""Tiny models and a single-process StepEngine for trainer unit tests."""
+"""Tiny models and a single-process StepRunner for trainer unit tests."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from asyncrl.config.trainer import OptimConfig, ScheduleConfig
 from asyncrl.distributed import DistInfo
 from asyncrl.model import Transformer, preset_args
-from asyncrl.trainer.engine import StepEngine
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
+from asyncrl.trainer.step import StepRunner
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -21,12 +21,12 @@ def build_tiny_model(preset: str = "tiny-moe", seed: int = 0) -> Transformer:
     return model
 
 
-def build_engine(
+def build_step_runner(
     model: Transformer, lr: float = 1e-3, chunk_size: int = 1024, max_grad_norm: float = 1.0
-) -> StepEngine:
+) -> StepRunner:
     optimizer = build_optimizer(model, OptimConfig(lr=lr))
     scheduler = build_scheduler(optimizer, ScheduleConfig(), max_steps=100)
-    return StepEngine(model, optimizer, scheduler, SINGLE, max_grad_norm=max_grad_norm, chunk_size=chunk_size)
+    return StepRunner(model, optimizer, scheduler, SINGLE, max_grad_norm=max_grad_norm, chunk_size=chunk_size)
 
 
 @pytest.fixture
@@ -36,6 +36,6 @@ def tiny_model():
 
 
 @pytest.fixture
-def make_engine():
-    """Factory: make_engine(model, lr=1e-3, chunk_size=1024) -> a single-process StepEngine."""
-    return build_engine
+def make_step_runner():
+    """Factory: make_step_runner(model, lr=1e-3, chunk_size=1024) -> a single-process StepRunner."""
+    return build_step_runner

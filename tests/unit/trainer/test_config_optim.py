@@ -8,7 +8,13 @@ import math
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.config.trainer import RLTrainerConfig, ScheduleConfig
+from asyncrl.config.trainer import (
+    RLTrainerConfig,
+    ScheduleConfig,
+    SequenceLossConfig,
+    TISLossConfig,
+    TrustRegionLossConfig,
+)
 from asyncrl.trainer.optim import lr_factor
 
 
@@ -27,6 +33,43 @@ def test_unknown_key_and_bad_variant_are_named(tmp_path):
         load_config(RLTrainerConfig, ["@", str(toml), "--loss.kl-coeff", "0.1"])
     with pytest.raises(ConfigError, match=r"'loss\.variant'"):
         load_config(RLTrainerConfig, ["@", str(toml), "--loss.variant", "ppo"])
+
+
+def test_a_key_of_another_loss_variant_fails_as_the_config_is_read(tmp_path):
+    toml = tmp_path / "rl.toml"
+    toml.write_text('max_steps = 10\n[model]\npath = "m"\n[loss]\nvariant = "trust_region"\nmis_low = 0.3\n')
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'loss.mis_low': it belongs to variant = 'mis', and this table's variant is "
+        r"'trust_region'",
+    ):
+        load_config(RLTrainerConfig, ["@", str(toml)])
+    # without `variant` the table is the default variant's
+    with pytest.raises(ConfigError, match=r"'loss.seq_high': it belongs to variant = 'sequence'"):
+        load_config(RLTrainerConfig, ["--model.path", "m", "--max-steps", "1", "--loss.seq-high", "3"])
+    with pytest.raises(ConfigError, match=r"'loss.ratio_cap': it belongs to variant = 'trust_region' or"):
+        load_config(RLTrainerConfig, ["@", str(toml), "--loss.variant", "tis", "--loss.ratio-cap", "3"])
+
+
+def test_each_loss_variant_reads_its_own_keys():
+    base = ["--model.path", "m", "--max-steps", "1"]
+    cfg = load_config(RLTrainerConfig, [*base, "--loss.kl-coef", "0.01"])
+    assert isinstance(cfg.loss, TrustRegionLossConfig) and cfg.loss.kl_coef == 0.01
+    cfg = load_config(RLTrainerConfig, [*base, "--loss.variant", "tis", "--loss.tis-cap", "1.5"])
+    assert isinstance(cfg.loss, TISLossConfig) and cfg.loss.tis_cap == 1.5
+    cfg = load_config(RLTrainerConfig, [*base, "--loss.variant", "sequence", "--loss.seq-low", "0.8"])
+    assert isinstance(cfg.loss, SequenceLossConfig) and (cfg.loss.seq_low, cfg.loss.ratio_cap) == (0.8, 2.0)
+    with pytest.raises(ConfigError, match=r"'loss': mis_low \(2.0\) must be below mis_high \(2.0\)"):
+        load_config(RLTrainerConfig, [*base, "--loss.variant", "mis", "--loss.mis-low", "2"])
+
+
+def test_publish_has_no_kind_and_the_device_defaults_to_auto():
+    base = ["--model.path", "m", "--max-steps", "1"]
+    assert load_config(RLTrainerConfig, base).model.device == "auto"
+    with pytest.raises(ConfigError, match=r"'model.device': Input should be 'auto', 'cpu' or 'cuda'"):
+        load_config(RLTrainerConfig, [*base, "--model.device", "gpu"])
+    with pytest.raises(ConfigError, match=r"unknown key 'publish.kind'"):
+        load_config(RLTrainerConfig, [*base, "--publish.kind", "filesystem"])
 
 
 def test_warmup_then_cosine_schedule():

@@ -6,9 +6,16 @@ import math
 
 import pytest
 import torch
+from pydantic import TypeAdapter
 
 from asyncrl.config import load_config
-from asyncrl.config.trainer import LossConfig
+from asyncrl.config.trainer import (
+    LossConfig,
+    MISLossConfig,
+    SequenceLossConfig,
+    TISLossConfig,
+    TrustRegionLossConfig,
+)
 from asyncrl.trainer.loss import LossInputs, mismatch_kl, rl_loss, sft_loss
 
 PI = [0.5, 0.5, 0.2, 0.9]
@@ -54,12 +61,12 @@ def test_trust_region_masks_in_the_advantage_direction():
     # pi - mu = [0.1, -0.3, -0.3, 0.3]: only token 2 (A < 0, pi fell by 0.3 > delta_low) leaves the region.
     # Token 1 fell by 0.3 too, but its advantage is positive, so the update pushes it back: kept.
     # Token 3 rose by 0.3, but its advantage is negative: kept.
-    cfg = LossConfig(variant="trust_region", delta_low=0.2, delta_high=0.2, kl_coef=KL_COEF)
+    cfg = TrustRegionLossConfig(delta_low=0.2, delta_high=0.2, kl_coef=KL_COEF)
     _check(cfg, _inputs(), keep=[True, True, False, True], weights=RATIO)
 
 
 def test_trust_region_boundaries():
-    cfg = LossConfig(variant="trust_region", delta_low=0.2, delta_high=0.1, kl_coef=0.0)
+    cfg = TrustRegionLossConfig(delta_low=0.2, delta_high=0.1, kl_coef=0.0)
     mu = [0.5, 0.5, 0.5, 0.5]
     pi = [0.6 - 1e-6, 0.6 + 1e-6, 0.3 + 1e-6, 0.3 - 1e-6]  # just inside/outside +0.1 and -0.2
     res = rl_loss(_inputs(pi=pi, mu=mu, adv=[1.0, 1.0, -1.0, -1.0]), cfg, 4.0)
@@ -78,6 +85,12 @@ def _rare_token_inputs() -> LossInputs:
     return _inputs(pi=[0.15, 0.15, 0.3], mu=[1e-4, 1e-4, 0.2], adv=[1.0, -1.0, 1.0])
 
 
+def _loss(variant: str, **keys) -> LossConfig:
+    """A -r * A variant with its own mask bounds opened wide, so only the ratio cap acts."""
+    wide = {"mis": {"mis_high": 1e4}, "sequence": {"seq_high": 1e4}}.get(variant, {})
+    return TypeAdapter(LossConfig).validate_python({"variant": variant, **wide, **keys})
+
+
 def _pg_grads(cfg: LossConfig, inp: LossInputs, num_loss_tokens: float = 3.0) -> tuple[list[float], int]:
     """d loss / d logpi with the (log r)^2 penalty taken out, times N; and the masked count."""
     res = rl_loss(inp, cfg, num_loss_tokens)
@@ -88,7 +101,7 @@ def _pg_grads(cfg: LossConfig, inp: LossInputs, num_loss_tokens: float = 3.0) ->
 
 
 def test_trust_region_caps_the_importance_weight_by_default():
-    cfg = LossConfig()  # trust_region, ratio_cap 2.0, truncate
+    cfg = TrustRegionLossConfig()  # the default variant, ratio_cap 2.0, truncate
     assert cfg.variant == "trust_region" and cfg.ratio_cap == 2.0 and cfg.ratio_cap_mode == "truncate"
     inp = _rare_token_inputs()
     res = rl_loss(inp, cfg, 3.0)
@@ -103,13 +116,13 @@ def test_trust_region_caps_the_importance_weight_by_default():
 
 
 def test_uncapped_trust_region_weighs_the_rare_token_1500():
-    grads, _ = _pg_grads(load_config(LossConfig, ["--ratio-cap", "inf"]), _rare_token_inputs())
+    grads, _ = _pg_grads(load_config(TrustRegionLossConfig, ["--ratio-cap", "inf"]), _rare_token_inputs())
     assert grads == pytest.approx([-1500.0, 1500.0, -1.5], rel=1e-6)
 
 
 def test_ratio_cap_mask_mode_drops_capped_tokens():
     for variant in ("trust_region", "sequence", "mis"):
-        cfg = LossConfig(variant=variant, ratio_cap=2.0, ratio_cap_mode="mask", mis_high=1e4, seq_high=1e4)
+        cfg = _loss(variant, ratio_cap=2.0, ratio_cap_mode="mask")
         grads, masked = _pg_grads(cfg, _rare_token_inputs())
         assert grads == pytest.approx([0.0, 0.0, -1.5], abs=1e-9), variant
         assert masked == 2, variant
@@ -117,7 +130,7 @@ def test_ratio_cap_mask_mode_drops_capped_tokens():
 
 def test_ratio_cap_applies_to_mis_and_sequence_and_stays_finite():
     for variant in ("mis", "sequence"):
-        cfg = LossConfig(variant=variant, mis_high=1e4, seq_high=1e4)
+        cfg = _loss(variant)
         grads, _ = _pg_grads(cfg, _rare_token_inputs())
         assert grads == pytest.approx([-2.0, 2.0, -1.5], rel=1e-9), variant
     # r overflows float32 (log r = 100; A < 0, so the trust region keeps the token that rose):
@@ -129,18 +142,18 @@ def test_ratio_cap_applies_to_mis_and_sequence_and_stays_finite():
         loss_mask=torch.tensor([True]),
         seq_ids=torch.tensor([0]),
     )
-    res = rl_loss(inp, LossConfig(kl_coef=0.0), 1.0)
+    res = rl_loss(inp, TrustRegionLossConfig(kl_coef=0.0), 1.0)
     res.loss.backward()
     assert res.loss.item() == pytest.approx(2.0) and inp.logprobs.grad.item() == pytest.approx(2.0)
 
 
 def test_ratio_cap_below_one_is_rejected():
     with pytest.raises(ValueError, match="ratio_cap"):
-        LossConfig(ratio_cap=0.5)
+        TrustRegionLossConfig(ratio_cap=0.5)
 
 
 def test_tis_truncates_a_detached_weight():
-    cfg = LossConfig(variant="tis", tis_cap=1.3, kl_coef=KL_COEF)
+    cfg = TISLossConfig(tis_cap=1.3, kl_coef=KL_COEF)
     inp = _inputs()
     res = rl_loss(inp, cfg, 8.0)
     res.loss.backward()
@@ -156,26 +169,26 @@ def test_tis_truncates_a_detached_weight():
 
 
 def test_mis_masks_ratios_outside_bounds():
-    cfg = LossConfig(variant="mis", mis_low=0.5, mis_high=1.4, kl_coef=KL_COEF)
+    cfg = MISLossConfig(mis_low=0.5, mis_high=1.4, kl_coef=KL_COEF)
     _check(cfg, _inputs(), keep=[True, True, False, False], weights=RATIO)  # r = 0.4 and 1.5 are out
 
 
 def test_mis_bounds_are_inclusive():
-    cfg = LossConfig(variant="mis", mis_low=0.5, mis_high=2.0, kl_coef=0.0)
+    cfg = MISLossConfig(mis_low=0.5, mis_high=2.0, kl_coef=0.0)
     res = rl_loss(_inputs(pi=[0.25, 0.5, 0.2, 0.9], mu=[0.5, 0.25, 0.4, 0.45]), cfg, 4.0)
     assert res.num_masked.item() == 0  # ratios exactly 0.5 and 2.0 stay
 
 
 def test_sequence_masking_drops_whole_sequences():
     # geometric-mean ratios: seq 0 sqrt(1.25 * 0.625) = 0.884, seq 1 sqrt(0.4 * 1.5) = 0.775
-    cfg = LossConfig(variant="sequence", seq_low=0.8, seq_high=1.2, kl_coef=KL_COEF)
+    cfg = SequenceLossConfig(seq_low=0.8, seq_high=1.2, kl_coef=KL_COEF)
     _check(cfg, _inputs(seq_ids=[0, 0, 1, 1]), keep=[True, True, False, False], weights=RATIO)
-    cfg = LossConfig(variant="sequence", seq_low=0.7, seq_high=1.2, kl_coef=KL_COEF)
+    cfg = SequenceLossConfig(seq_low=0.7, seq_high=1.2, kl_coef=KL_COEF)
     _check(cfg, _inputs(seq_ids=[0, 0, 1, 1]), keep=[True] * 4, weights=RATIO)
 
 
 def test_tokens_outside_the_loss_mask_do_not_count():
-    cfg = LossConfig(kl_coef=KL_COEF)
+    cfg = TrustRegionLossConfig(kl_coef=KL_COEF)
     pi, mu = [*PI, 0.01], [*MU, 0.99]  # a wild prompt token that must be ignored
     inp = _inputs(pi=pi, mu=mu, adv=[*ADV, 5.0], mask=[True] * 4 + [False])
     res = rl_loss(inp, cfg, 8.0)
@@ -194,7 +207,7 @@ def test_on_policy_ratio_is_one_and_kl_zero(variant):
         loss_mask=torch.ones(4, dtype=torch.bool),
         seq_ids=torch.tensor([0, 0, 1, 1]),
     )
-    res = rl_loss(inp, LossConfig(variant=variant), 4.0)
+    res = rl_loss(inp, TypeAdapter(LossConfig).validate_python({"variant": variant}), 4.0)
     res.loss.backward()
     assert res.mismatch_kl_sum.item() == 0.0 and res.num_masked.item() == 0
     # With r == 1 every variant is the plain policy gradient -A * grad(logpi) / N.
@@ -214,4 +227,4 @@ def test_sft_loss_is_mean_negative_logprob_over_loss_tokens():
 
 def test_config_rejects_inverted_bounds():
     with pytest.raises(ValueError, match="mis_low"):
-        LossConfig(variant="mis", mis_low=2.0, mis_high=1.0)
+        MISLossConfig(mis_low=2.0, mis_high=1.0)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.config.trainer import LossConfig
+from asyncrl.config.trainer import TrustRegionLossConfig
 from asyncrl.trainer.loss import LossInputs, rl_loss
 from asyncrl.trainer.packing import build_micro_batch, pack_samples, plan_bins, shard_samples
 from asyncrl.trainer.synthetic import synthetic_batch
@@ -98,13 +98,13 @@ def test_shards_are_disjoint_complete_and_balanced():
     assert max(loads) - min(loads) <= 2, loads
 
 
-def _loss_and_grads(make_engine, model, micro_batches, chunk_size=1024):
-    engine = make_engine(model, chunk_size=chunk_size)
+def _loss_and_grads(make_step_runner, model, micro_batches, chunk_size=1024):
+    runner = make_step_runner(model, chunk_size=chunk_size)
     total = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
     model.zero_grad()
     loss = 0.0
     for mb in micro_batches:
-        lp, _ = engine.forward_micro_batch(mb)
+        lp, _ = runner.forward_micro_batch(mb)
         inp = LossInputs(
             logprobs=lp,
             inference_logprobs=mb.inference_logprobs,
@@ -112,36 +112,36 @@ def _loss_and_grads(make_engine, model, micro_batches, chunk_size=1024):
             loss_mask=mb.loss_mask,
             seq_ids=mb.seq_ids,
         )
-        res = rl_loss(inp, LossConfig(), total)
+        res = rl_loss(inp, TrustRegionLossConfig(), total)
         res.loss.backward()
         loss += res.loss.item()
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     return loss, grads
 
 
-def test_packed_and_unpacked_give_the_same_loss_and_gradients(tiny_model, make_engine):
+def test_packed_and_unpacked_give_the_same_loss_and_gradients(tiny_model, make_step_runner):
     model = tiny_model()
     batch = synthetic_batch(model, step=1, num_samples=6, prompt_len=8, completion_len=12, seed=3)
     packed = pack_samples(batch.samples, seq_len=64, replay=True)
     assert len(packed) < len(batch.samples)  # really packed several per row
     unpacked = [build_micro_batch([s], replay=True) for s in batch.samples]
-    loss_p, grads_p = _loss_and_grads(make_engine, model, packed)
-    loss_u, grads_u = _loss_and_grads(make_engine, model, unpacked)
+    loss_p, grads_p = _loss_and_grads(make_step_runner, model, packed)
+    loss_u, grads_u = _loss_and_grads(make_step_runner, model, unpacked)
     assert loss_p == pytest.approx(loss_u, rel=1e-5, abs=1e-7)
     torch.testing.assert_close(grads_p, grads_u, rtol=1e-4, atol=1e-6)
 
 
-def test_chunked_lm_head_in_the_step_matches_unchunked(tiny_model, make_engine):
+def test_chunked_lm_head_in_the_step_matches_unchunked(tiny_model, make_step_runner):
     model = tiny_model()
     batch = synthetic_batch(model, step=1, num_samples=4, prompt_len=8, completion_len=12, seed=4)
     mbs = pack_samples(batch.samples, seq_len=128, replay=True)
-    loss_small, grads_small = _loss_and_grads(make_engine, model, mbs, chunk_size=5)
-    loss_big, grads_big = _loss_and_grads(make_engine, model, mbs, chunk_size=4096)
+    loss_small, grads_small = _loss_and_grads(make_step_runner, model, mbs, chunk_size=5)
+    loss_big, grads_big = _loss_and_grads(make_step_runner, model, mbs, chunk_size=4096)
     assert loss_small == pytest.approx(loss_big, rel=1e-6, abs=1e-8)
     torch.testing.assert_close(grads_small, grads_big, rtol=1e-5, atol=1e-7)
 
 
-def test_samples_without_routing_train_in_their_own_micro_batches(tiny_model, make_engine):
+def test_samples_without_routing_train_in_their_own_micro_batches(tiny_model, make_step_runner):
     """Per-sample "no routing": the unrouted sample is packed apart and routed by the trainer's router."""
     model = tiny_model()
     batch = synthetic_batch(model, step=1, num_samples=4, prompt_len=8, completion_len=12, seed=5)
@@ -151,6 +151,6 @@ def test_samples_without_routing_train_in_their_own_micro_batches(tiny_model, ma
     assert len(packed) == 2 and packed[0].num_sequences == 3 and packed[1].num_sequences == 1
     assert packed[0].routed_experts is not None and packed[1].routed_experts is None
     # The unrouted micro-batch gives exactly the loss of that sample trained without replay.
-    loss_mixed, _ = _loss_and_grads(make_engine, model, packed[1:])
-    loss_plain, _ = _loss_and_grads(make_engine, model, [build_micro_batch([unrouted], replay=False)])
+    loss_mixed, _ = _loss_and_grads(make_step_runner, model, packed[1:])
+    loss_plain, _ = _loss_and_grads(make_step_runner, model, [build_micro_batch([unrouted], replay=False)])
     assert loss_mixed == pytest.approx(loss_plain, rel=1e-6)

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.distributed import ParallelDimsError
-from asyncrl.launcher.init_model import init_model
 from asyncrl.model import HFCheckpointWriter, from_pretrained, save_pretrained
 from asyncrl.model.hf import to_hf_state_dict
+from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.session import TrainSession
 
 

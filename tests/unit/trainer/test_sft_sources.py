@@ -52,7 +52,8 @@ def test_bad_rows_name_the_line_and_field(tokenizer, tmp_path):
         '{"prompt": "x"}': "expected field 'messages', or fields 'prompt' and 'completion'",
         '{"prompt": "x", "completion": 3}': "field 'completion' must be a string",
         '{"messages": [{"role": "user", "content": "x"}]}': "no assistant turn",
-        "{nope": "invalid JSON",
+        "{nope": "not valid JSON",
+        "[1, 2]": "a row must be a JSON object, got list",
     }
     for line, message in cases.items():
         path = tmp_path / "bad.jsonl"

@@ -6,13 +6,14 @@ import json
 
 import pytest
 
-from asyncrl.transport import METRICS_FILE, MetricsWriter
+from asyncrl.run_dir import metrics_file
+from asyncrl.transport import MetricsWriter
 
 
 def test_lines_of_both_roles_share_one_schema(tmp_path):
     MetricsWriter(tmp_path, "trainer").write(1, {"step": 1, "loss": 0.5})
     MetricsWriter(tmp_path, "orchestrator").write(1, {"reward/mean": 0.25})
-    lines = [json.loads(x) for x in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    lines = [json.loads(x) for x in metrics_file(tmp_path).read_text().splitlines()]
     assert [list(r)[:3] for r in lines] == [["role", "step", "time"]] * 2
     assert [(r["role"], r["step"]) for r in lines] == [("trainer", 1), ("orchestrator", 1)]
     assert lines[0]["loss"] == 0.5 and lines[1]["reward/mean"] == 0.25
@@ -23,4 +24,4 @@ def test_lines_of_both_roles_share_one_schema(tmp_path):
 def test_metrics_cannot_override_the_header(tmp_path, metrics):
     with pytest.raises(ValueError, match="the writer owns role, step, time"):
         MetricsWriter(tmp_path, "trainer").write(1, metrics)
-    assert not (tmp_path / METRICS_FILE).exists()
+    assert not metrics_file(tmp_path).exists()

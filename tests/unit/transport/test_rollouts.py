@@ -1,4 +1,5 @@
-"""Filesystem rollout transport: atomic writes, waiting reads, and errors that name file and field."""
+"""Filesystem rollout transport: per-rank parts, atomic writes, waiting reads, the single-file layout,
+and errors that name file and field."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 import asyncrl.transport.rollouts as rollouts
+from asyncrl.run_dir import batch_dir
 from asyncrl.transport import (
-    BATCH_FILE,
     DiskFullError,
     RolloutTimeoutError,
-    batch_dir,
     read_batch,
     write_batch,
 )
+from asyncrl.transport.rollouts import LEGACY_BATCH_FILE, MANIFEST_FILE
 from asyncrl.wire import BatchFormatError, RolloutBatch, RolloutSample, encode_batch
 
 
@@ -86,15 +87,15 @@ def test_writing_the_same_step_twice_is_refused(tmp_path):
 def _write_raw(tmp_path, step: int, arrays, meta) -> str:
     d = batch_dir(tmp_path, step)
     d.mkdir(parents=True)
-    save_file(arrays, str(d / BATCH_FILE), metadata=meta)
-    return str(d / BATCH_FILE)
+    save_file(arrays, str(d / LEGACY_BATCH_FILE), metadata=meta)
+    return str(d / LEGACY_BATCH_FILE)
 
 
 def test_corrupt_file_names_the_file(tmp_path):
     d = batch_dir(tmp_path, 1)
     d.mkdir(parents=True)
-    (d / BATCH_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    with pytest.raises(BatchFormatError, match=f"{d / BATCH_FILE}.*safetensors"):
+    (d / LEGACY_BATCH_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(BatchFormatError, match=f"{d / LEGACY_BATCH_FILE}.*safetensors"):
         read_batch(tmp_path, 1, timeout_s=1)
 
 
@@ -123,7 +124,7 @@ def test_step_mismatch_is_reported(tmp_path):
 
 def test_step_directory_without_batch_file(tmp_path):
     batch_dir(tmp_path, 3).mkdir(parents=True)
-    with pytest.raises(BatchFormatError, match="missing batch file"):
+    with pytest.raises(BatchFormatError, match=f"missing {MANIFEST_FILE} \\(and no {LEGACY_BATCH_FILE}"):
         read_batch(tmp_path, 3, timeout_s=1)
 
 

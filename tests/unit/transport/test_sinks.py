@@ -16,12 +16,14 @@ _RECORDS = [
     {"role": "orchestrator", "step": 2, "time": 1.0, "reward/mean": 0.5, "note": "x"},
     {"role": "trainer", "step": 1, "time": 2.0, "loss": 0.25, "skipped": False, "grad_norm": float("nan")},
     {"role": "trainer", "step": 2, "time": 3.0, "loss": 0.125, "skipped": False},
+    {"role": "eval", "step": 2, "time": 4.0, "version": 2, "eval/rt/pass@4": 0.75},
 ]
 
 
-def test_scalars_prefix_the_role_and_keep_finite_numbers_only():
+def test_scalars_prefix_the_role_once_and_keep_finite_numbers_only():
     assert scalars(_RECORDS[0]) == {"orchestrator/reward/mean": 0.5}
     assert scalars(_RECORDS[1]) == {"trainer/loss": 0.25, "trainer/skipped": 0.0}
+    assert scalars(_RECORDS[3]) == {"eval/version": 2.0, "eval/rt/pass@4": 0.75}  # not eval/eval/...
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard not installed")
@@ -34,7 +36,9 @@ def test_tensorboard_writes_an_event_file_with_the_scalars(tmp_path):
     sinks.close()
     (event_file,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
     acc = EventAccumulator(str(event_file)).Reload()
-    assert set(acc.Tags()["tensors"]) == {"trainer/loss", "trainer/skipped", "orchestrator/reward/mean"}
+    assert set(acc.Tags()["tensors"]) == {
+        "trainer/loss", "trainer/skipped", "orchestrator/reward/mean", "eval/version", "eval/rt/pass@4"
+    }  # fmt: skip
     loss = [(e.step, float(e.tensor_proto.float_val[0])) for e in acc.Tensors("trainer/loss")]
     assert loss == [(1, 0.25), (2, 0.125)]
 
@@ -58,6 +62,7 @@ def test_wandb_offline_run_dir_holds_the_logged_keys(tmp_path, monkeypatch):
     assert _logged(data, "trainer/step") == {1, 2}
     assert _logged(data, "orchestrator/reward/mean") == {0.5}
     assert _logged(data, "orchestrator/step") == {2}
+    assert _logged(data, "eval/rt/pass@4") == {0.75} and _logged(data, "eval/step") == {2}
     assert b"trainer/grad_norm" not in data  # NaN is left out
 
 

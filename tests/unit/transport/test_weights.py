@@ -9,16 +9,22 @@ import threading
 
 import pytest
 
+from asyncrl.run_dir import weights_dir
 from asyncrl.transport import (
     STABLE_MARKER,
     DiskFullError,
     WeightsTimeoutError,
+    begin_publication,
+    commit_publication,
+    discard_publication,
     latest_stable_step,
+    prune_weights,
+    read_keep_set,
     retract_weights_after,
     stable_steps,
     stage_weights,
     wait_for_weights,
-    weights_dir,
+    write_keep_set,
 )
 
 
@@ -45,12 +51,62 @@ def test_publish_links_step_n_to_a_complete_publication(tmp_path):
     assert latest_stable_step(tmp_path) == 1
 
 
+def test_a_shared_publication_appears_only_when_committed_and_a_discarded_one_leaves_nothing(tmp_path):
+    _publish(tmp_path, 1)
+    content = begin_publication(tmp_path, 2)
+    for rank in range(2):  # several writers fill one publication
+        (content / f"model-{rank}.safetensors").write_bytes(b"w")
+    assert stable_steps(tmp_path) == [1] and not weights_dir(tmp_path, 2).exists()
+    commit_publication(tmp_path, 2, content, keep_last=1)
+    assert stable_steps(tmp_path) == [2] and weights_dir(tmp_path, 2).resolve() == content
+    assert sorted(p.name for p in content.iterdir()) == [
+        STABLE_MARKER,
+        "model-0.safetensors",
+        "model-1.safetensors",
+    ]
+    abandoned = begin_publication(tmp_path, 3)
+    (abandoned / "model-0.safetensors").write_bytes(b"w")
+    discard_publication(abandoned)
+    assert _names(tmp_path) == [content.name, "step_2"]
+
+
 def test_keep_last_prunes_oldest(tmp_path):
     for step in range(1, 6):
         _publish(tmp_path, step, keep_last=2)
     assert stable_steps(tmp_path) == [4, 5]
     assert [n for n in _names(tmp_path) if "step_1" in n or "step_2" in n or "step_3" in n] == []
     assert len(_names(tmp_path)) == 4  # step_4, step_5 and their publications
+
+
+def test_the_keep_set_survives_pruning_until_it_leaves_the_set(tmp_path):
+    for step in (1, 2):
+        _publish(tmp_path, step)
+    write_keep_set(tmp_path, {2: "best by eval/reverse-text/pass@4 (0.5)", 3: "eval in progress"})
+    assert read_keep_set(tmp_path) == {2: "best by eval/reverse-text/pass@4 (0.5)", 3: "eval in progress"}
+    for step in range(3, 7):
+        _publish(tmp_path, step, keep_last=1)
+    assert stable_steps(tmp_path) == [2, 3, 6]
+    assert (weights_dir(tmp_path, 2) / "model.safetensors").read_bytes() == b"w"
+    write_keep_set(tmp_path, {2: "best"})  # the eval of v3 ended: v3 goes at the next publish
+    _publish(tmp_path, 7, keep_last=1)
+    assert stable_steps(tmp_path) == [2, 7]
+    assert prune_weights(tmp_path, 1) == [2]  # without the keep-set, the pruner keeps only the newest
+    assert [n for n in _names(tmp_path) if n.startswith(".keep")] == []  # no temp file left behind
+
+
+def test_retraction_ignores_the_keep_set_file(tmp_path):
+    _publish(tmp_path, 1)
+    write_keep_set(tmp_path, {1: "best"})
+    assert retract_weights_after(tmp_path, 0) == [1]
+    assert read_keep_set(tmp_path) == {1: "best"}  # its writer (the orchestrator) updates it
+
+
+def test_a_keep_set_that_is_not_one_is_an_error_naming_the_file(tmp_path):
+    assert read_keep_set(tmp_path) == {}
+    _publish(tmp_path, 1)
+    (tmp_path / "weights" / "keep.json").write_text('{"steps": [3]}')
+    with pytest.raises(ValueError, match=r"keep\.json is not a keep-set .*fix or delete it"):
+        _publish(tmp_path, 2, keep_last=1)
 
 
 def test_failure_inside_publish_leaves_nothing(tmp_path):

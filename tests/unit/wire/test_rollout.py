@@ -14,6 +14,8 @@ from asyncrl.wire import (
     RoutedExperts,
     decode_batch,
     encode_batch,
+    select_encoded,
+    split_by_tokens,
 )
 
 
@@ -125,3 +127,48 @@ def test_routed_experts_base64_round_trip(dtype):
     msg = RoutedExperts.from_array(arr, start=2)
     back = RoutedExperts.model_validate_json(msg.model_dump_json()).to_array()
     assert back.dtype == dtype and np.array_equal(back, arr) and msg.start == 2
+
+
+@pytest.mark.parametrize("num_parts", [1, 2, 3, 4, 7])
+def test_split_puts_every_sample_in_one_part_balanced_by_tokens(num_parts):
+    lengths = np.random.default_rng(num_parts).integers(1, 500, 61).tolist()
+    parts = split_by_tokens(lengths, num_parts)
+    assert len(parts) == num_parts
+    assert sorted(i for p in parts for i in p) == list(range(61))
+    assert all(p == sorted(p) for p in parts)
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    # longest first to the lightest part: no part exceeds another by more than the last sample it took
+    assert max(loads) - min(loads) <= max(lengths)
+    assert max(loads) <= sum(lengths) / num_parts + max(lengths)
+
+
+def test_split_is_longest_first_to_the_lightest_part():
+    assert split_by_tokens([9, 2, 7, 4], 2) == [[0, 1], [2, 3]]
+    assert split_by_tokens([5, 5, 5], 2) == [[0, 2], [1]]  # ties go to the lower part
+    assert split_by_tokens([3], 3) == [[0], [], []]
+    with pytest.raises(ValueError, match="num_parts must be >= 1"):
+        split_by_tokens([3], 0)
+
+
+def test_select_encoded_reads_only_the_chosen_samples_rows():
+    samples = [_sample(5, 1), _sample(9, 2, routing=False), _sample(4, 3), _sample(7, 4)]
+    arrays, meta = encode_batch(RolloutBatch(step=2, samples=samples, metrics={"m": 1.0}))
+    asked = []
+
+    def rows(name):
+        def read(start, stop):
+            asked.append((name, start, stop))
+            return arrays[name][start:stop]
+
+        return read
+
+    picked, picked_meta = select_encoded({name: rows(name) for name in arrays}, meta, [3, 1])
+    back = decode_batch(picked, picked_meta)
+    want = decode_batch(*encode_batch(RolloutBatch(step=2, samples=[samples[3], samples[1]])))
+    assert [s.episode_id for s in back.samples] == ["ep4", "ep2"] and back.metrics == {"m": 1.0}
+    for a, b in zip(back.samples, want.samples):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_array_equal(a.inference_logprobs, b.inference_logprobs)
+        assert (a.routed_experts is None) == (b.routed_experts is None)
+    # token columns are read over samples 3 (rows 18:25) and 1 (rows 5:14) only
+    assert {(start, stop) for name, start, stop in asked if name == "token_ids"} == {(18, 25), (5, 14)}
