@@ -10,10 +10,10 @@ attention over those keys only, in the latent space (`asyncrl.model.latent_atten
 all of them while a context is shorter than index_topk. "shared" layers reuse the selection of
 the nearest "full" layer below, as transformers does.
 
-The indexer runs without gradient and is frozen in training: the selection is discrete, so the
-policy loss gives it no gradient, and training it needs its own loss (a KL to the main
-attention's distribution, as DeepSeek-V3.2 and GLM-5 do in pre-training), not implemented;
-docs/trainer.md says why RL leaves it as the checkpoint has it. The attention backend does the
+The indexer runs without gradient and is frozen (requires_grad False, so no optimizer holds
+it): the selection is discrete, so the policy loss gives it no gradient, and training it needs its
+own loss (a KL to the main attention's distribution, as DeepSeek-V3.2 and GLM-5 do in
+pre-training), not implemented; docs/trainer.md says why RL leaves it as the checkpoint has it. The attention backend does the
 selection because only it knows each query's context: the whole row while training, the cached
 prefix plus new tokens in the engine, which caches each token's index key next to its MLA latent.
 
@@ -50,6 +50,9 @@ class Indexer(nn.Module):
         self.wk = Linear(args.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = Linear(args.hidden_size, self.num_heads, bias=False)
+        # Frozen here, where every world size builds it: the optimizer then holds no state for it,
+        # so a checkpoint has none to miss on resume (docs/trainer.md says why RL keeps it frozen).
+        self.requires_grad_(False)
 
     def _rope(self, x_BHTd: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x_rot, x_pass = x_BHTd.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)

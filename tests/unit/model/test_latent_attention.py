@@ -78,12 +78,14 @@ def test_sparse_dsa_logits_and_gradients_equal_the_dense_masked_reference(length
 
 
 def test_the_indexer_is_frozen_in_training():
-    """The indexer gets no gradient, so an optimizer step (weight decay too) leaves it unchanged."""
+    """The indexer does not require grad and gets none, so an optimizer step (weight decay too)
+    leaves it unchanged."""
     model = _model(GLM5)
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(0))
     model(ids).logits.logsumexp(-1).mean().backward()
     indexer = {n: p for n, p in model.named_parameters() if ".indexer." in n}
-    assert indexer and all(p.grad is None for p in indexer.values())
+    assert indexer and all(not p.requires_grad and p.grad is None for p in indexer.values())
+    assert all(p.requires_grad for n, p in model.named_parameters() if n not in indexer)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1).step()
     for n, p in model.named_parameters():
