@@ -77,7 +77,7 @@ def stage_weights(run_dir: str | os.PathLike, step: int, keep_last: int | None =
             discard_publication(content)
             raise
     if keep_last is not None:
-        prune_weights(run_dir, keep_last)
+        prune_weights(run_dir, keep_last, keep=read_keep_set(run_dir))
 
 
 def begin_publication(run_dir: str | os.PathLike, step: int) -> Path:

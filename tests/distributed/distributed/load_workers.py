@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from asyncrl.config import load_config
-from asyncrl.config.trainer import RLTrainerConfig
+from asyncrl.config.trainer import PublishConfig, RLTrainerConfig
 from asyncrl.distributed import DistInfo, ParallelDims, gather_to_rank0, save_dcp
 from asyncrl.model import Transformer, from_pretrained, load_args
 from asyncrl.model.hf import HFReader, is_hf_tensor
@@ -116,5 +116,6 @@ def worker_mtp_publish(rank: int, world_size: int, path: str, run_dir: str, dcp_
     for name, t in model.mtp.items():
         assert torch.equal(t.to_local(), before[name]), name
     info = DistInfo(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
-    FilesystemWeightPublisher(Path(run_dir), Path(path), 2, info).publish(model, 1)
+    cfg = PublishConfig(keep_last=2, dtype="float32", overlap=False)  # the master weights, as they are
+    FilesystemWeightPublisher(Path(run_dir), Path(path), cfg, info).publish(model, 1)
     save_dcp(dcp_dir, model)
