@@ -1,8 +1,9 @@
 """Long context on a GLM-5-shaped model: DSA sparse against the dense masked reference, MLA decode
 on the latent against the expanded one; engine prefill and decode, trainer step time and memory.
 
-    python benchmarks/bench_long_context.py [--lengths 4096 16384 32768] [--topk 512]
-        [--decode-tokens 8] [--mem-cap-gb 8] [--threads N] [--skip-engine] [--skip-trainer] [--write]
+    PYTHONPATH=src python benchmarks/bench_long_context.py [--lengths 4096 16384 32768] [--topk 512]
+        [--decode-tokens 8] [--prefill-chunk 2048] [--dense-prefill-max 16384] [--mem-cap-gb 8]
+        [--threads N] [--skip-engine] [--skip-trainer] [--write]
 
 The model is tiny-glm5 widened so that attention matters (`bench_args`: hidden 256, 2 layers, 8
 heads, latent 128 + rope 32, an indexer of 4 heads x 32 in every layer, `--topk` selected keys),
@@ -177,6 +178,13 @@ def engine_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def decode_summary(rows: list[dict]) -> str:
+    """Sparse latent decode's CPU time per token at each length, relative to the first."""
+    cpu = [r["decode sparse, latent"][1] for r in rows]
+    steps = ", ".join(f"{r['length']}: {c / cpu[0]:.2f}" for r, c in zip(rows, cpu, strict=True))
+    return f"Sparse latent decode, CPU time per token relative to {rows[0]['length']} tokens: {steps}."
+
+
 # -- trainer -------------------------------------------------------------------------------------
 def _statm_bytes(field: int) -> int:
     """/proc/self/statm: field 0 is the address space in use, 1 the resident set."""
@@ -267,6 +275,27 @@ def trainer_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _cpuinfo(key: str) -> str:
+    """The first /proc/cpuinfo value of `key` ("" where there is none)."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return ""
+    with open("/proc/cpuinfo") as f:
+        return next((ln.split(":", 1)[1].strip() for ln in f if ln.split(":")[0].strip() == key), "")
+
+
+def machine() -> str:
+    """CPU model, cores, memory and the matmul extensions torch's CPU kernels can use."""
+    flags = set(_cpuinfo("flags").split())
+    has = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    lacks = [f for f in ("avx512_bf16", "amx_bf16") if f not in flags]
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{_cpuinfo('model name') or platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs), "
+        f"{mem:.0f} GiB; flags {' '.join(has) or 'none of avx512f/avx512_bf16/amx'}"
+        + (f", no {' / '.join(lacks)}" if lacks else "")
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
@@ -286,28 +315,45 @@ def main() -> None:
     if a.trainer_child:
         print(json.dumps(trainer_step(a.topk, a.trainer_child[0], bool(a.trainer_child[1]))))
         return
-    load_at_start = os.getloadavg()[0]
+    load_at_start, started = os.getloadavg()[0], time.perf_counter()
     parts = []
     if not a.skip_engine:
         model = build_model(a.topk, max(a.lengths) + 64).eval()
         rows = engine_rows(model, a.lengths, a.decode_tokens, a.prefill_chunk, a.dense_prefill_max)
-        parts += ["Engine (one sequence):", engine_table(rows)]
+        parts += [
+            f"Engine, one sequence: its prompt prefilled in chunks of {a.prefill_chunk} tokens by a sparse "
+            f"and (up to {a.dense_prefill_max} tokens) a dense engine, then {a.decode_tokens} timed decode "
+            "tokens per path, the paths switched between steps of the same request. Speed-up: time per "
+            "token of dense expanded (how the engine decoded before) over sparse latent.",
+            engine_table(rows),
+            decode_summary(rows),
+        ]
     if not a.skip_trainer:
         rows = trainer_rows(a.topk, a.lengths, a.mem_cap_gb)
         parts += [
-            "Trainer (one row, forward + backward; peak = RSS growth over the step):",
+            "Trainer, one row, forward + backward (peak = RSS growth over the step; a dense step that "
+            f'does not fit under the {a.mem_cap_gb:g} GiB address-space cap is "not run", with a lower '
+            "bound of what it needs: the room it had, or its fp32 attention probabilities kept for "
+            "backward, whichever is larger):",
             trainer_table(rows),
         ]
+    args = bench_args(a.topk, 0)
     header = (
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-        f"{torch.__version__}, fp32; model: {bench_args(a.topk, 0).num_params() / 1e6:.1f}M parameters, "
-        f"index_topk {a.topk}; 1-minute load average {load_at_start:.1f} at start, "
-        f"{os.getloadavg()[0]:.1f} at end."
+        f"One run. Command: `PYTHONPATH=src python benchmarks/bench_long_context.py {' '.join(sys.argv[1:])}` "
+        f"({(time.perf_counter() - started) / 60:.0f} min).\n"
+        f"Machine: {machine()}; torch {torch.__version__}, {torch.get_num_threads()} torch thread(s); "
+        f"1-minute load average {load_at_start:.1f} at start, {os.getloadavg()[0]:.1f} at end.\n"
+        f"Model: tiny-glm5 widened, fp32, random weights: hidden {args.hidden_size}, "
+        f"{args.num_hidden_layers} layers, {args.num_attention_heads} heads, latent {args.kv_lora_rank} + rope "
+        f"{args.qk_rope_head_dim}, indexer {args.index_n_heads} heads x {args.index_head_dim} in every layer, "
+        f'index_topk {a.topk} ({args.num_params() / 1e6:.1f}M parameters). Cells are "wall (cpu)" seconds, '
+        f"or tokens per wall (cpu) second; on a shared machine the CPU figures, and ratios of them, are "
+        f"the ones to read."
     )
     body = "\n\n".join([header, *parts])
     print("\n" + body)
     if a.write:
-        write_section(TITLE, f"{TITLE}\n\n`python benchmarks/bench_long_context.py`\n\n{body}\n")
+        write_section(TITLE, f"{TITLE}\n\n{body}\n")
 
 
 if __name__ == "__main__":
