@@ -182,7 +182,10 @@ def decode_summary(rows: list[dict]) -> str:
     """Sparse latent decode's CPU time per token at each length, relative to the first."""
     cpu = [r["decode sparse, latent"][1] for r in rows]
     steps = ", ".join(f"{r['length']}: {c / cpu[0]:.2f}" for r, c in zip(rows, cpu, strict=True))
-    return f"Sparse latent decode, CPU time per token relative to {rows[0]['length']} tokens: {steps}."
+    return (
+        f"Sparse latent decode, CPU time per token relative to {rows[0]['length']} tokens: {steps} "
+        "(attention reads index_topk rows whatever the context; the indexer still scores every cached key)."
+    )
 
 
 # -- trainer -------------------------------------------------------------------------------------
