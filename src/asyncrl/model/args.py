@@ -7,8 +7,13 @@ Families (HF `model_type`):
 - qwen3, qwen3_moe: GQA with q/k norm; softmax top-k router.
 - glm4_moe (GLM-4.5/4.6): GQA with partial rotary and optional q/k norm; sigmoid router with a
   score-correction bias and grouped top-k, shared experts, the first layers dense.
-- deepseek_v3 (DeepSeek-V3, Kimi-K2): Multi-head Latent Attention (MLA) + the same MoE.
+- deepseek_v3 (DeepSeek-V3, Kimi-K2): Multi-head Latent Attention (MLA) + the same MoE. Kimi-K2's
+  config says `model_type: kimi_k2` with the DeepseekV3ForCausalLM architecture; it is read as
+  deepseek_v3 (the same layout) and written back as deepseek_v3, which transformers loads.
 - glm_moe_dsa (GLM-5): MLA + DeepSeek Sparse Attention (a lightning indexer) + the same MoE.
+
+RoPE is plain or YaRN-scaled (`rope_type: yarn`, in `rope_parameters` or the older `rope_scaling`
+key, as DeepSeek-V3 and Kimi-K2 ship it) for every family; `asyncrl.model.rope` has the maths.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelArgs", "ModelConfigError"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelArgs", "ModelConfigError", "YarnScaling"]
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "glm_moe_dsa")
 _ARCHITECTURES = {
@@ -29,10 +34,52 @@ _ARCHITECTURES = {
 MLA_TYPES = ("deepseek_v3", "glm_moe_dsa")
 SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "glm_moe_dsa")
 MOE_TYPES = ("qwen3_moe", *SIGMOID_ROUTER_TYPES)
+# Other names of a supported layout: model_type -> (ours, the architecture the config must name)
+_ALIASES = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}
+ROPE_TYPES = ("default", "yarn")
 
 
 class ModelConfigError(ValueError):
     """config.json is missing, malformed, or describes something this implementation doesn't run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class YarnScaling:
+    """YaRN RoPE scaling, with transformers' keys and defaults.
+
+    Example (DeepSeek-V3)::
+
+        YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                    mscale=1.0, mscale_all_dim=1.0)
+
+    `attention_factor` (None: derived from factor, mscale and mscale_all_dim) multiplies cos and sin;
+    MLA families also multiply the softmax scale by mscale(factor, mscale_all_dim)^2.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True  # round the ramp's ends outwards to whole dims
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 1.0:
+            raise ModelConfigError(
+                f"config.json: YaRN 'factor' must be >= 1 (new context / original context), got {self.factor}"
+            )
+        if self.original_max_position_embeddings <= 0 or min(self.beta_fast, self.beta_slow) <= 0:
+            raise ModelConfigError(
+                "config.json: YaRN 'original_max_position_embeddings', 'beta_fast' and 'beta_slow' must be "
+                f"positive, got {self.original_max_position_embeddings}, {self.beta_fast}, {self.beta_slow}"
+            )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `rope_parameters` keys (besides rope_type and rope_theta); unset optional ones left out."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in out.items() if v is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +105,7 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = None  # None: plain RoPE
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -260,21 +308,13 @@ class ModelArgs:
     # -- HF conversion -------------------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
-        if "model_type" not in cfg:
-            raise ModelConfigError(
-                f"config.json has no 'model_type'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        model_type = cfg["model_type"]
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelConfigError(
-                f"unsupported model_type '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        model_type = _model_type(cfg)
         _reject_unsupported_features(cfg)
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             if key not in cfg:
                 raise ModelConfigError(f"config.json ({model_type}) is missing required key '{key}'")
         heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
+        rope = _rope_parameters(cfg)
         kwargs: dict[str, Any] = {
             "model_type": model_type,
             "vocab_size": cfg["vocab_size"],
@@ -286,6 +326,7 @@ class ModelArgs:
             "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
             "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
             "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            "rope_scaling": _yarn_scaling(cfg, rope) if _rope_type(rope) == "yarn" else None,
             "max_position_embeddings": cfg.get("max_position_embeddings", 32768),
             "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
             "attention_bias": cfg.get("attention_bias", False),
@@ -320,6 +361,8 @@ class ModelArgs:
     def to_hf_config(self, dtype: str = "float32") -> dict[str, Any]:
         cfg: dict[str, Any] = dict(self.extra)
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope = {"rope_type": "yarn", "rope_theta": self.rope_theta} | self.rope_scaling.to_hf()
         cfg |= {
             "architectures": [_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
@@ -390,8 +433,8 @@ class ModelArgs:
 
 # Keys read into typed fields under another name, or recomputed on save (not kept in `extra`).
 _CONSUMED_KEYS = {
-    "rope_parameters", "num_local_experts", "n_routed_experts", "mlp_layer_types",
-    "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset",
+    "rope_parameters", "rope_scaling", "original_max_position_embeddings", "num_local_experts",
+    "n_routed_experts", "mlp_layer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset",
 }  # fmt: skip
 
 
@@ -465,9 +508,62 @@ def _reject_unsupported_features(cfg: dict[str, Any]) -> None:
         )
     if cfg.get("use_sliding_window"):
         raise ModelConfigError("config.json: use_sliding_window=true is not supported")
-    rope_type = (cfg.get("rope_parameters") or {}).get("rope_type", "default")
-    scaling = cfg.get("rope_scaling")
-    if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) != "default"):
-        raise ModelConfigError(f"config.json: RoPE scaling is not supported (got {scaling or rope_type!r})")
+    rope_type = _rope_type(_rope_parameters(cfg))
+    if rope_type not in ROPE_TYPES:
+        raise ModelConfigError(
+            f"config.json: RoPE scaling '{rope_type}' is not supported; supported rope types: "
+            f"{', '.join(ROPE_TYPES)}"
+        )
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
         raise ModelConfigError("config.json: only the sigmoid 'noaux_tc' router (DeepSeek-V3) is supported")
+
+
+def _model_type(cfg: dict[str, Any]) -> str:
+    """Our family of a config: its model_type, or the layout an alias with the right architecture names."""
+    supported = ", ".join((*SUPPORTED_MODEL_TYPES, *_ALIASES))
+    if "model_type" not in cfg:
+        raise ModelConfigError(f"config.json has no 'model_type'; supported: {supported}")
+    name = cfg["model_type"]
+    if name in _ALIASES:
+        ours, architecture = _ALIASES[name]
+        if architecture not in (cfg.get("architectures") or []):
+            raise ModelConfigError(
+                f"config.json: model_type '{name}' is read as {ours} only with architectures "
+                f"['{architecture}'], got {cfg.get('architectures')}"
+            )
+        return ours
+    if name not in SUPPORTED_MODEL_TYPES:
+        raise ModelConfigError(f"unsupported model_type '{name}'; supported: {supported}")
+    return name
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers' rule: the older `rope_scaling` key, when set, replaces `rope_parameters`."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ModelConfigError(f"config.json: RoPE parameters must be an object, got {rope!r}")
+    return rope
+
+
+def _rope_type(rope: dict[str, Any]) -> str:
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def _yarn_scaling(cfg: dict[str, Any], rope: dict[str, Any]) -> YarnScaling:
+    """transformers' reading: a top-level original_max_position_embeddings wins over the rope dict's,
+    which defaults to max_position_embeddings; a missing factor is their ratio; betas default 32 / 1."""
+    max_positions = cfg.get("max_position_embeddings", 32768)
+    original = cfg.get("original_max_position_embeddings") or rope.get(
+        "original_max_position_embeddings", max_positions
+    )
+    factor = rope.get("factor")
+    return YarnScaling(
+        factor=float(max_positions / original if factor is None else factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        mscale=rope.get("mscale"),
+        mscale_all_dim=rope.get("mscale_all_dim"),
+        attention_factor=rope.get("attention_factor"),
+        truncate=rope.get("truncate", True),
+    )

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncrl.model.args import ModelArgs
+from asyncrl.model.args import ModelArgs, YarnScaling
 from asyncrl.model.compute import Linear, sdpa
 from asyncrl.model.latent_attention import LatentProjections, attend_masked, attend_selected
+from asyncrl.model.rope import cos_sin_factor, inverse_frequencies
 from asyncrl.model.sparse_index import IndexQuery, causal_key_ranges, select_topk
 
 __all__ = [
@@ -52,22 +53,26 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE cos/sin tables [B, T, head_dim] (= cat(freqs, freqs)), built in fp32 from position ids.
+    """RoPE cos/sin tables [B, T, head_dim] (= cat(freqs, freqs)), built in fp32 from position ids,
+    plain or YaRN-scaled (`asyncrl.model.rope`).
 
     The inverse frequencies are recomputed per call (Dh/2 values) rather than kept in a buffer, so a
     model materialised from the meta device needs no re-initialisation.
     """
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: YarnScaling | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.factor = cos_sin_factor(scaling)
 
     def forward(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=position_ids_BT.device)
-        inv_freq = 1.0 / (self.theta ** (exponents.float() / self.head_dim))
+        inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling, position_ids_BT.device)
         freqs_BTf = position_ids_BT[..., None].float() * inv_freq
         emb_BTd = torch.cat((freqs_BTf, freqs_BTf), dim=-1)
-        return emb_BTd.cos().to(dtype), emb_BTd.sin().to(dtype)
+        cos_BTd, sin_BTd = emb_BTd.cos(), emb_BTd.sin()
+        if self.factor != 1.0:
+            cos_BTd, sin_BTd = cos_BTd * self.factor, sin_BTd * self.factor
+        return cos_BTd.to(dtype), sin_BTd.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

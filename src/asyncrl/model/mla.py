@@ -30,6 +30,7 @@ from asyncrl.model.args import ModelArgs
 from asyncrl.model.compute import Linear, as_fp32, cpu_upcast
 from asyncrl.model.fp8 import FP8Linear
 from asyncrl.model.layers import AttentionBackend, RMSNorm, apply_rope, apply_rope_interleaved
+from asyncrl.model.rope import softmax_gain
 
 __all__ = ["MLAProjection", "MLAttention"]
 
@@ -69,6 +70,8 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(self.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = Linear(H * self.v_dim, d, bias=False)
         self._rope = apply_rope_interleaved if args.rope_interleave else apply_rope
+        # YaRN's larger softmax scale, folded into the queries so every attention backend keeps its own
+        self.softmax_gain = softmax_gain(args)
 
     def project(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> MLAProjection:
         B, T, _ = x_BTD.shape
@@ -81,6 +84,8 @@ class MLAttention(nn.Module):
         q_BHTd = q.view(B, T, self.num_heads, -1).transpose(1, 2)
         q_nope, q_rot = q_BHTd.split([self.nope_dim, self.rope_dim], dim=-1)
         q_BHTd = torch.cat((q_nope, self._rope(q_rot, cos, sin)), dim=-1)
+        if self.softmax_gain != 1.0:
+            q_BHTd = q_BHTd * self.softmax_gain
         latent_BTR, k_rot_BTr = self.kv_a_proj_with_mqa(x_BTD).split(
             [self.kv_lora_rank, self.rope_dim], dim=-1
         )

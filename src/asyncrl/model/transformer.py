@@ -119,7 +119,7 @@ class Transformer(nn.Module):
         self.args = args
         self.model = _Backbone(args)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(args.rope_dim, args.rope_theta)
+        self.rotary = RotaryEmbedding(args.rope_dim, args.rope_theta, args.rope_scaling)
         self.mtp = PassthroughTensors()  # checkpoint MTP layers, kept and written back unchanged
         self.tie_weights()
 

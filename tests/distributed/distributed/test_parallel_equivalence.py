@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import dist_workers as W
+import pytest
 
 from asyncrl.model import preset_args
+from asyncrl.model.args import YarnScaling
 
 
 def test_two_process_layouts_match_single_process():
@@ -69,3 +71,12 @@ def test_glm5_two_process_layouts_match_single_process():
         args,
         [({"dp_shard": 2}, False), ({"dp_shard": 2, "ep": 2}, True), ({"dp_shard": 1, "cp": 2}, False)],
     )
+
+
+@pytest.mark.slow  # ~20 s: two processes, two AdamW steps
+def test_yarn_dsv3_context_parallel_matches_single_process():
+    """DeepSeek-V3 with YaRN (cos/sin factor and MLA softmax gain both on; sequences run past the
+    original 8 positions) under CP2: each rank takes the rope of its chunk's positions from the model."""
+    yarn = YarnScaling(factor=4.0, original_max_position_embeddings=8, mscale=0.9, mscale_all_dim=0.6)
+    args = replace(preset_args("tiny-dsv3"), rope_scaling=yarn)
+    W.launch(W.worker_family_layouts, 2, args, [({"dp_shard": 1, "cp": 2}, False)])

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions
 from asyncrl.model import Transformer, preset_args, save_pretrained
+from asyncrl.model.args import YarnScaling
 
 # index_topk 8 so that the prompts below (up to 30 tokens) make the indexer choose. 16 index heads:
 # an index score is an exact tie (all relu terms zero) with odds ~2^-16, so transformers' topk and
@@ -108,3 +109,27 @@ def test_mla_cache_holds_latents_not_heads(model):
         assert engine.cache.latent_LPc.shape[-1] + engine.cache.index_k_LPd.shape[-1] == per_token < expanded
     else:
         assert engine.cache.latent_LPc.numel() == 0 and engine.cache.k_LPGd.shape[-1] == args.head_dim
+
+
+def test_yarn_model_is_served_as_it_computes_and_as_transformers_generates(tmp_path):
+    """YaRN (cos/sin factor and MLA softmax gain both on) past the original 8 positions: the engine
+    takes its rope from the model, so logprobs equal a teacher-forced forward, and greedy equals
+    transformers' greedy on the saved model."""
+    yarn = YarnScaling(factor=4.0, original_max_position_embeddings=8, mscale=0.9, mscale_all_dim=0.6)
+    model = Transformer(replace(preset_args("tiny-dsv3"), rope_scaling=yarn))
+    model.init_weights(seed=5, std=0.08)
+    model.eval()
+    engine = _engine(model, max_num_seqs=2)
+    prompts = random_prompts([20, 13], seed=2)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingOptions(temperature=0.0, max_tokens=12, ignore_eos=True))
+    results = drain(engine)
+    for i, p in enumerate(prompts):
+        tokens = results[f"r{i}"].tokens
+        ref = teacher_logprobs(model, p, tokens, 0.0)
+        assert (ref - torch.tensor(results[f"r{i}"].logprobs)).abs().max() <= 1e-5
+    save_pretrained(model, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert results["r0"].tokens == ref[0, len(prompts[0]) :].tolist()

@@ -44,7 +44,7 @@ def test_unsupported_model_type(hf_checkpoint):
 def test_unsupported_features_are_not_silently_ignored(hf_checkpoint):
     path, _ = hf_checkpoint("qwen3")
     cfg = _config(path)
-    _write_config(path, cfg | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+    _write_config(path, cfg | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 4.0}})
     with pytest.raises(ModelConfigError, match="RoPE scaling"):
         from_pretrained(path)
     _write_config(path, cfg | {"use_sliding_window": True})

@@ -12,16 +12,8 @@ from asyncrl.distributed import ParallelDimsError
 from asyncrl.inference.kv_cache import KVCache
 from asyncrl.model import Transformer, preset_args
 from asyncrl.model.layers import PackedCausalAttention
-from asyncrl.tools.plan import (
-    GB,
-    Layout,
-    _attention_elements,
-    _layer_unit_params,
-    build_plan,
-    load_model_config,
-    main,
-    read_model_config,
-)
+from asyncrl.tools.plan import GB, Layout, build_plan, load_model_config, main, read_model_config
+from asyncrl.tools.plan_trainer import _attention_elements, _layer_unit_params
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "configs"
 SEED = DOCS / "seed-800b-78l.json"
@@ -93,7 +85,8 @@ def test_published_glm5_and_kimi_k2_parameter_counts_match_the_announced_figures
     assert kimi_plan.total_params == pytest.approx(1.04e12, rel=0.02)
     assert kimi_plan.active_params == pytest.approx(32.6e9, rel=0.02)
     assert glm5.uses_dsa and kimi.uses_mla and not glm5_notes
-    assert any("kimi_k2" in n for n in kimi_notes) and any("rope_scaling (yarn)" in n for n in kimi_notes)
+    assert kimi.model_type == "deepseek_v3" and kimi.rope_scaling.factor == 32.0
+    assert len(kimi_notes) == 1 and "quantization_config (fp8)" in kimi_notes[0]
     # the planner's per-layer FSDP units (MLA, indexer, router + bias, shared expert, experts) add
     # up to the model's parameter count
     for args in (glm5, kimi):
@@ -105,7 +98,9 @@ def test_published_configs_fit_28_nodes_at_131k_tokens_with_cp_and_checkpointing
     glm5, kimi = load_model_config(GLM5_PUBLISHED), load_model_config(KIMI_K2)
     at = dict(nodes=28, gpus_per_node=8, seq_len=131072, ep=8)
     assert build_plan(glm5, Layout(**at, cp=8)).fits
-    assert not build_plan(glm5, Layout(**at, cp=4)).fits
+    # sparse DSA keeps no [S/cp, S] mask and never expands the row's latent: CP 4 just fits, CP 2 not
+    assert build_plan(glm5, Layout(**at, cp=4)).fits
+    assert not build_plan(glm5, Layout(**at, cp=2)).fits
     assert not build_plan(glm5, Layout(**at, cp=8, activation_checkpointing=False)).fits
     assert build_plan(kimi, Layout(**at, cp=16)).fits
     assert not build_plan(kimi, Layout(**at, cp=8)).fits
@@ -151,3 +146,23 @@ def test_mla_attention_activation_estimate_is_close_to_what_autograd_keeps():
     measured = sum(saved.values()) / 4 / T
     local, row = _attention_elements(args, cp=1)
     assert row == 0 and 0.8 < measured / local < 1.25
+
+
+def test_published_deepseek_v3_config_is_read_with_its_yarn_and_counts_671b():
+    """DeepSeek-V3: 671B total, 37B active (DeepSeek's report; its MTP layer not counted)."""
+    args, notes = read_model_config(DOCS / "deepseek-v3.json")
+    assert args.rope_scaling.factor == 40.0 and args.rope_scaling.mscale_all_dim == 1.0
+    assert notes == ["quantization_config (fp8) ignored: the plan assumes fp32 master weights and compute in "
+                     "--param-dtype"]  # fmt: skip
+    assert args.num_params() == pytest.approx(671e9, rel=0.01)
+    assert args.num_params(active=True) == pytest.approx(37e9, rel=0.02)
+
+
+def test_context_parallel_attention_is_counted_over_the_whole_row():
+    """Under CP each rank's queries attend over the whole gathered row through a boolean mask, which
+    SDPA computes in full: halving the tokens per GPU leaves its attention work the same, where a
+    causal count would halve it again. At 64k tokens attention is nearly all of tiny-moe's work."""
+    args = preset_args("tiny-moe")
+    causal = build_plan(args, Layout(nodes=1, gpus_per_node=1, seq_len=65536))
+    masked = build_plan(args, Layout(nodes=1, gpus_per_node=2, seq_len=65536, cp=2))
+    assert masked.step_flops / causal.step_flops == pytest.approx(1.0, rel=0.01)
