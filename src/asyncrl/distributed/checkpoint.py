@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
+    set_state_dict,
 )
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -103,29 +103,13 @@ def load_dcp(
     kind); they are filled from the checkpoint and returned.
     """
     state = _dcp_state(model, optimizer, extra)
-    if optimizer is not None:
-        _drop_unsaved_optim_state(state["optim"], path)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    set_model_state_dict(model, state["model"])
-    if optimizer is not None:
-        # not strict: parameters without saved state stay without (the template checked the rest)
-        options = StateDictOptions(strict=False)
-        set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return {key: state[key] for key in extra or {}}
-
-
-def _drop_unsaved_optim_state(optim_sd: dict[str, Any], path: str | Path) -> None:
-    """Leave out of the load template the optimizer state of parameters the checkpoint has none for.
-
-    AdamW creates a parameter's state at its first gradient, so a parameter that never had one (a
-    DSA indexer trained by no loss) has no state in the checkpoint, while the template made for
-    loading holds state for every parameter. Left out, such a parameter stays without state, as in
-    the run that wrote the checkpoint."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for fqn in list(optim_sd["state"]):
-        if not any(key.startswith(f"optim.state.{fqn}.") for key in saved):
-            del optim_sd["state"][fqn]
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None) -> None:
