@@ -19,7 +19,7 @@ update reports how long generation stalled (`paused_seconds`) and how long the c
 (`load_seconds`); the table also gives the update's wall time. On the `--pause-preset` model
 (default moe-50m), median of `--updates` updates. vLLM comes from `.venv-vllm` (`bash scripts/setup-vllm.sh`).
 `--updates 0` skips the pauses. With --write the tables replace the `## Backends: embedded vs vLLM`
-section of BENCHMARKS.md.
+section of BENCHMARKS.md (or the `--section` named).
 """
 
 from __future__ import annotations
@@ -199,6 +199,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-src", help="`src` of another checkout: adds baseline and baseline-bf16")
     p.add_argument("--repeats", type=int, default=1, help="runs of every server, in rounds; median")
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+    p.add_argument("--section", default=SECTION, help="the BENCHMARKS.md section --write replaces (or adds)")
     return p
 
 
@@ -236,7 +237,7 @@ def main() -> None:
     table = format_tables(args, kinds, tok_s, cpu_ms, pauses)
     print(table)
     if args.write:
-        write_section(REPO / "BENCHMARKS.md", table)
+        write_section(REPO / "BENCHMARKS.md", table, args.section)
 
 
 def machine_line() -> str:
@@ -313,10 +314,10 @@ def _rate_table(args, kinds: list[str], rate: dict[tuple[str, str], float], unit
     return rows
 
 
-def write_section(path: Path, table: str) -> None:
+def write_section(path: Path, table: str, section: str = SECTION) -> None:
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    body = f"{SECTION}\n\n`benchmarks/bench_backends.py` (docs/inference.md, Backends).\n\n{table}\n"
-    section_re = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    body = f"{section}\n\n`benchmarks/bench_backends.py` (docs/inference.md, Backends).\n\n{table}\n"
+    section_re = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = section_re.sub(body, text) if section_re.search(text) else text.rstrip() + "\n\n" + body
     path.write_text(text.rstrip() + "\n")
 

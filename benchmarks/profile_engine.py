@@ -3,7 +3,8 @@
     PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/profile_engine.py [--presets tiny-moe,moe-50m]
 
 For each preset and dtype: `--concurrency` requests (token-id prompts of 16-64 tokens, greedy, EOS
-ignored) are prefilled, then `--steps` pure decode steps are timed, split by phase:
+ignored) are prefilled and decode `--warm-tokens` tokens (the middle of a 128-token answer), then
+`--steps` pure decode steps are timed, split by phase:
 
 - schedule: `Scheduler.schedule`;
 - inputs: from the schedule to the model call (token/position tensors, KV slots, attention metadata);
@@ -21,7 +22,7 @@ the server's tokens/s to set against the engine-only tokens/s printed here.
 The phases are found by wrapping names both today's engine and older ones have (`Engine.step`,
 `Scheduler.schedule`, the model and lm_head modules, `engine.sample`, `PagedAttention.__call__`,
 `GroupedExperts.forward`, `Router.forward`), so the same script profiles an older checkout run
-with its own PYTHONPATH. With --markdown it prints the tables in BENCHMARKS.md's format.
+with its own PYTHONPATH. With --markdown it also prints the rows of BENCHMARKS.md's table.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def build_engine(model_dir: Path, dtype: str, concurrency: int) -> Engine:
     return Engine(from_pretrained(model_dir, dtype=torch_dtype(dtype)), cfg)
 
 
-def start_decoding(engine: Engine, concurrency: int, max_tokens: int) -> None:
-    """Add `concurrency` requests and step until every one is past its prefill."""
+def start_decoding(engine: Engine, concurrency: int, max_tokens: int, warm_tokens: int) -> None:
+    """Add `concurrency` requests, step until every one is past its prefill, then `warm_tokens` more."""
     g = torch.Generator().manual_seed(0)
     for i in range(concurrency):
         plen = int(torch.randint(16, 65, (1,), generator=g))
@@ -109,7 +110,7 @@ def start_decoding(engine: Engine, concurrency: int, max_tokens: int) -> None:
         r.num_computed_tokens < r.num_tokens - 1 or not r.output_token_ids for r in engine.requests.values()
     ):
         engine.step()
-    for _ in range(3):  # warm-up decode steps
+    for _ in range(warm_tokens):  # the context grows as in a served request (decode cost grows with it)
         engine.step()
 
 
@@ -165,26 +166,32 @@ def forward_ops(engine: Engine, steps: int, top: int) -> list[tuple[str, float]]
 
 def profile(model_dir: Path, dtype: str, args: argparse.Namespace) -> tuple[dict[str, float], list]:
     engine = build_engine(model_dir, dtype, args.concurrency)
-    start_decoding(engine, args.concurrency, max_tokens=args.steps * 2 + args.profile_steps + 16)
+    max_tokens = args.warm_tokens + args.steps + args.profile_steps + 8
+    start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
     ms = phase_times(engine, args.steps)
     ops = forward_ops(engine, args.profile_steps, args.top_ops)
     return ms, ops
 
 
-def print_report(label: str, ms: dict[str, float], ops: list, concurrency: int, markdown: bool) -> None:
+def print_report(label: str, ms: dict[str, float], ops: list, concurrency: int) -> None:
     step = ms["step"]
     print(f"\n{label}: {step:.2f} ms per decode step, {1000 * concurrency / step:.0f} tok/s (engine only)")
-    if markdown:
-        print("\n| phase | ms / step | share |\n|---|---:|---:|")
     for name in PHASES:
-        v = ms[name]
-        print(
-            f"| {name} | {v:.2f} | {v / step:.0%} |"
-            if markdown
-            else f"  {name:18s} {v:7.2f} ms  {v / step:5.0%}"
-        )
-    print("\ntop aten ops (self CPU, whole step under torch.profiler):")
-    print(", ".join(f"{name[6:]} {share:.0%}" for name, share in ops))
+        print(f"  {name:18s} {ms[name]:7.2f} ms  {ms[name] / step:5.0%}")
+    print("top aten ops (self CPU, whole step under torch.profiler):")
+    print("  " + ", ".join(f"{name[6:]} {share:.0%}" for name, share in ops))
+
+
+def markdown_header() -> str:
+    cols = ["model, dtype, engine", "step ms", "tok/s", *PHASES, "top aten ops"]
+    return f"| {' | '.join(cols)} |\n" + "|---" * len(cols) + "|"
+
+
+def markdown_row(label: str, ms: dict[str, float], ops: list, concurrency: int) -> str:
+    step = ms["step"]
+    cells = [label, f"{step:.2f}", f"{1000 * concurrency / step:.0f}", *(f"{ms[n]:.2f}" for n in PHASES)]
+    cells.append(", ".join(f"{name[6:]} {share:.0%}" for name, share in ops[:4]))
+    return f"| {' | '.join(cells)} |"
 
 
 def main() -> None:
@@ -193,24 +200,28 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--steps", type=int, default=40, help="timed decode steps")
+    p.add_argument("--warm-tokens", type=int, default=64, help="tokens decoded before the timed steps")
     p.add_argument("--profile-steps", type=int, default=5, help="decode steps under torch.profiler")
     p.add_argument("--top-ops", type=int, default=10)
-    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="also print the rows of BENCHMARKS.md's table")
+    p.add_argument("--label", default="", help="engine name in the markdown rows (e.g. before, after)")
     args = p.parse_args()
     import asyncrl
 
     print(f"asyncrl from {Path(asyncrl.__file__).parent}; torch {torch.__version__}, "
           f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"{platform.machine()} {os.cpu_count()} cores")  # fmt: skip
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
             model_dir = Path(tmp) / preset
             init_model(preset, model_dir, seed=0)
             for dtype in args.dtypes.split(","):
                 ms, ops = profile(model_dir, dtype, args)
-                print_report(
-                    f"{preset} {dtype} c={args.concurrency}", ms, ops, args.concurrency, args.markdown
-                )
+                print_report(f"{preset} {dtype} c={args.concurrency}", ms, ops, args.concurrency)
+                rows.append(markdown_row(f"{preset}, {dtype}, {args.label}", ms, ops, args.concurrency))
+    if args.markdown:
+        print("\n" + "\n".join([markdown_header(), *rows]))
 
 
 if __name__ == "__main__":

@@ -32,13 +32,11 @@ capabilities, once (`cpu_kernels()`), because native is not always faster there:
 - the MoE experts' grouped GEMM: native on AMX, and for experts of at least `MIN_NATIVE_EXPERT`
   weights per matrix elsewhere. Below that (tiny experts, a few rows each), oneDNN's per-call bf16
   overhead exceeds the matmul, and the fp32 path on the kept fp32 weights is ~2x faster.
-- attention with a few queries per (sequence, kv head) and an explicit mask (the engine's decode
-  step): two bf16 batched matmuls and an fp32 softmax (`matmul_attention`), ~1.7x faster there
-  than the flash kernel, which is built for long query blocks. Causal and long-query attention
-  keep the flash kernel.
+- attention: native (torch's flash kernel reads the engine's strided K/V views as they are; an fp32
+  path would copy them).
 
 `set_cpu_upcast(True | False | None)` forces the choice (None: detect), for tests and benchmarks:
-True takes the fp32 path everywhere, False the native kernels everywhere (flash attention included).
+True takes the fp32 path everywhere, False the native kernels everywhere.
 `cpu_kernels().describe()` is the line a server prints at start.
 """
 
@@ -70,8 +68,6 @@ _FORCED: bool | None = None
 # Elements of one expert matrix from which native bf16 beats the fp32 path without AMX (measured on
 # AVX-512 BF16: 128 x 128 experts ~2x faster in fp32, 448 x 512 ~2x faster native).
 MIN_NATIVE_EXPERT = 65536
-# Most queries per (sequence, kv head) that `matmul_attention` takes (a decode step's H / G).
-_MAX_MATMUL_ATTENTION_QUERIES = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,17 +86,12 @@ class CpuKernels:
     def native_experts(self, weight_numel: int) -> bool:
         return self.native_bf16 and (self.amx or weight_numel >= MIN_NATIVE_EXPERT)
 
-    @property
-    def matmul_attention(self) -> bool:
-        return self.native_bf16 and not self.amx
-
     def describe(self) -> str:
         """One line: the ISA and where bf16 ops go native or through fp32."""
         if not self.native_bf16:
             return f"CPU {self.isa}: no native bf16, bf16 matmuls and attention computed in fp32"
         experts = "native" if self.amx else f"native from {MIN_NATIVE_EXPERT} weights per expert, else fp32"
-        attention = "flash" if not self.matmul_attention else "bf16 matmuls for decode, flash for prefill"
-        return f"CPU {self.isa}: bf16 linear native, MoE experts {experts}, attention {attention}"
+        return f"CPU {self.isa}: bf16 linear and attention native, MoE experts {experts}"
 
 
 @functools.cache
@@ -183,43 +174,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
-    """F.scaled_dot_product_attention; in fp32 where `cpu_upcast(q)` (a float mask is upcast too),
-    as `matmul_attention` for a few masked bf16 queries where the CPU is faster so."""
+    """F.scaled_dot_product_attention; in fp32 where `cpu_upcast(q)` (a float mask is upcast too)."""
     if not cpu_upcast(q):
-        if _takes_matmul_attention(q, k, kw):
-            return matmul_attention(q, k, v, attn_mask=kw.get("attn_mask"), scale=kw.get("scale"))
         return F.scaled_dot_product_attention(q, k, v, **kw)
     mask = kw.get("attn_mask")
     if mask is not None and mask.is_floating_point():
         kw["attn_mask"] = mask.float()
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
-
-
-def _takes_matmul_attention(q: torch.Tensor, k: torch.Tensor, kw: dict) -> bool:
-    if _FORCED is not None or q.device.type != "cpu" or q.dtype != torch.bfloat16:
-        return False
-    if kw.get("is_causal") or kw.get("enable_gqa") or kw.get("dropout_p") or q.shape[1] != k.shape[1]:
-        return False
-    return q.shape[-2] <= _MAX_MATMUL_ATTENTION_QUERIES and cpu_kernels().matmul_attention
-
-
-def matmul_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v for [..., T, d] queries over [..., C, d] keys: the scores and
-    the weighted sum as batched matmuls in q's dtype, the softmax in fp32 (a bool mask keeps True)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores.masked_fill_(~attn_mask, float("-inf"))
-        else:
-            scores += attn_mask
-    return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
 
 
 class Linear(nn.Linear):
