@@ -209,7 +209,8 @@ def main() -> None:
     if args.baseline_src:
         args.baseline_src = str(Path(args.baseline_src).resolve())
         kinds += ["baseline", "baseline-bf16"]
-    runs: dict[tuple[str, str], list[float]] = {}
+    runs: dict[tuple[str, str], list[Rate]] = {}
+    failed: dict[str, str] = {}
     pauses: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -221,13 +222,18 @@ def main() -> None:
             "mixed": workload(args.requests, 1, (16, args.max_tokens)),
         }
         for rep in range(args.repeats):
-            for kind in kinds:
-                with serve(kind, root / "tput", args, root / f"{kind}-tput.log") as server:
-                    for name, reqs in loads.items():
-                        rate = asyncio.run(throughput(kind, server, reqs, args.concurrency))
-                        runs.setdefault((kind, name), []).append(rate)
-                        print(f"run {rep}: {kind:13s} {name:5s}: {rate.tok_s:8.1f} tok/s, "
-                              f"{rate.cpu_ms_per_token:.3f} CPU ms/token", flush=True)  # fmt: skip
+            for kind in [k for k in kinds if k not in failed]:
+                try:
+                    with serve(kind, root / "tput", args, root / f"{kind}-tput.log") as server:
+                        for name, reqs in loads.items():
+                            rate = asyncio.run(throughput(kind, server, reqs, args.concurrency))
+                            runs.setdefault((kind, name), []).append(rate)
+                            print(f"run {rep}: {kind:13s} {name:5s}: {rate.tok_s:8.1f} tok/s, "
+                                  f"{rate.cpu_ms_per_token:.3f} CPU ms/token", flush=True)  # fmt: skip
+                except RuntimeError as e:  # a server that does not start here (vLLM in fp32, say)
+                    failed[kind] = str(e)
+                    print(f"{kind}: {e}\n{_log_tail(root / f'{kind}-tput.log')}", flush=True)
+        kinds = [k for k in kinds if k not in failed]
         for kind in kinds if args.updates else []:
             with serve(kind, root / "pause-v0", args, root / f"{kind}-pause.log") as server:
                 pauses[kind] = asyncio.run(update_pauses(kind, server.url, root / "pause-v1", args.updates))
@@ -235,9 +241,14 @@ def main() -> None:
     tok_s = {key: statistics.median(r.tok_s for r in rates) for key, rates in runs.items()}
     cpu_ms = {key: statistics.median(r.cpu_ms_per_token for r in rates) for key, rates in runs.items()}
     table = format_tables(args, kinds, tok_s, cpu_ms, pauses)
+    table += "".join(f"\n\n`{k}` did not run here: {why}" for k, why in failed.items())
     print(table)
     if args.write:
         write_section(REPO / "BENCHMARKS.md", table, args.section)
+
+
+def _log_tail(log: Path, lines: int = 15) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
 
 
 def machine_line() -> str:
