@@ -31,6 +31,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -247,6 +248,10 @@ def main() -> None:
         write_section(REPO / "BENCHMARKS.md", table, args.section)
 
 
+def _argv() -> str:
+    return " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
 def _log_tail(log: Path, lines: int = 15) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
 
@@ -269,8 +274,8 @@ def machine_line() -> str:
 def format_tables(args, kinds, tok_s, cpu_ms, pauses) -> str:
     per_cpu_s = {key: 1000 / ms for key, ms in cpu_ms.items()}
     rows = [
-        "Command: `PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_backends.py --write`; vLLM from "
-        "`scripts/setup-vllm.sh`'s venv.",
+        f"Command: `PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_backends.py {_argv()}`; vLLM "
+        "from `scripts/setup-vllm.sh`'s venv.",
         "",
         f"Machine: {machine_line()}; shared. Median of {args.repeats} run(s) of each server, in rounds. "
         f"Model {args.preset}, {args.requests} requests, token-id prompts of 16-64 tokens, concurrency "
