@@ -7,6 +7,7 @@
             ...                        # (the last also: finish_reason, context_version, routing)
 
 One `step()` = schedule, one forward of all scheduled tokens as a single row, sample, commit.
+A request added with `stream=False` gets no deltas: one output when it finishes, with every token.
 The engine is token-in/token-out and single-threaded; `async_engine.AsyncEngine` drives it from a
 background thread for the HTTP server. Weight updates happen between steps (`load_weights`).
 
