@@ -7,14 +7,19 @@ Both backends run as servers and are driven through the orchestrator's own seam 
 the requested tokens, at most `--concurrency` requests in flight. Two workloads: fixed output
 length (`--fixed-tokens`) and mixed lengths (uniform in [16, `--max-tokens`]). Throughput counts
 generated tokens over wall time, after a short warm-up. Servers (`--backends`): `embedded` (float32,
-its exact mode), `embedded-bf16` and `vllm` (bfloat16, vLLM's CPU build).
+its exact mode), `embedded-bf16`, `vllm` (bfloat16, vLLM's CPU build) and `vllm-fp32`; with
+`--baseline-src DIR` (the `src` of another checkout, e.g. a git worktree of an older commit) also
+`baseline` and `baseline-bf16`, the embedded engine of that checkout. `--repeats N` runs every
+server N times, in rounds (one server at a time), and reports the median; the header gives the CPU,
+its ISA and whether it has native bf16 (AVX512_BF16, AMX).
 
 The weight-update pause is measured as the orchestrator's updater drives it: one `update_weights` with
 8 long requests in flight, the backend pausing itself for as long as it needs (keep mode). Each
 update reports how long generation stalled (`paused_seconds`) and how long the checkpoint read took
 (`load_seconds`); the table also gives the update's wall time. On the `--pause-preset` model
 (default moe-50m), median of `--updates` updates. vLLM comes from `.venv-vllm` (`bash scripts/setup-vllm.sh`).
-With --write the tables replace the `## Backends: embedded vs vLLM` section of BENCHMARKS.md.
+`--updates 0` skips the pauses. With --write the tables replace the `## Backends: embedded vs vLLM`
+section of BENCHMARKS.md (or the `--section` named).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -33,9 +39,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import torch
 
 from asyncrl.client import HttpBackend, VLLMBackend
 from asyncrl.config import InferenceConfig
@@ -55,19 +63,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pgid: int  # the server's processes (vLLM's engine core included) form this process group
+
+
+def cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of the live processes of a process group (Linux /proc)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def serve(kind: str, model: Path, args: argparse.Namespace, log: Path) -> Iterator[str]:
-    """One server of `kind` over `model`, in its own process group; yields its URL once healthy."""
+def serve(kind: str, model: Path, args: argparse.Namespace, log: Path) -> Iterator[Server]:
+    """One server of `kind` over `model`, in its own process group; yields it once healthy."""
     port = _free_port()
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    if kind.startswith("embedded"):
-        dtype = "bfloat16" if kind == "embedded-bf16" else "float32"
+    dtype = "bfloat16" if kind.endswith("bf16") or kind == "vllm" else "float32"
+    if not kind.startswith("vllm"):
+        if kind.startswith("baseline"):
+            env["PYTHONPATH"] = args.baseline_src
         argv = [sys.executable, "-m", "asyncrl", "inference", "--model", str(model), "--port", str(port),
                 "--dtype", dtype, "--device", "cpu", "--max-num-seqs", str(args.concurrency),
                 "--kv-cache-tokens", "65536", "--log-level", "warning"]  # fmt: skip
     else:
         cfg = InferenceConfig(
-            model=str(model), backend="vllm", port=port, dtype="bfloat16", max_num_seqs=args.concurrency,
+            model=str(model), backend="vllm", port=port, dtype=dtype, max_num_seqs=args.concurrency,
             max_model_len=1024, log_level="warning", vllm={"cpu_kv_cache_space_gb": 2},
         )  # fmt: skip
         command = build_vllm_command(cfg, python=args.vllm_python)
@@ -86,7 +113,7 @@ def serve(kind: str, model: Path, args: argparse.Namespace, log: Path) -> Iterat
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{kind} server not healthy after 900 s; log: {log}")
             time.sleep(1)
-        yield url
+        yield Server(url=url, pgid=proc.pid)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -98,7 +125,7 @@ def serve(kind: str, model: Path, args: argparse.Namespace, log: Path) -> Iterat
 
 
 def _backend(kind: str, url: str) -> HttpBackend:
-    return (VLLMBackend if kind == "vllm" else HttpBackend)(url, timeout_s=1800)
+    return (VLLMBackend if kind.startswith("vllm") else HttpBackend)(url, timeout_s=1800)
 
 
 def workload(n: int, seed: int, lengths: tuple[int, int]) -> list[GenerateRequest]:
@@ -115,9 +142,10 @@ def workload(n: int, seed: int, lengths: tuple[int, int]) -> list[GenerateReques
     ]
 
 
-async def throughput(kind: str, url: str, requests: list[GenerateRequest], concurrency: int) -> float:
-    """Generated tokens per second with at most `concurrency` requests in flight."""
-    backend = _backend(kind, url)
+async def throughput(kind: str, server: Server, requests: list[GenerateRequest], concurrency: int) -> Rate:
+    """Generated tokens per second with at most `concurrency` requests in flight, and the server's
+    CPU time per token (less sensitive than wall time to other jobs on a shared machine)."""
+    backend = _backend(kind, server.url)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(r: GenerateRequest) -> int:
@@ -126,11 +154,18 @@ async def throughput(kind: str, url: str, requests: list[GenerateRequest], concu
 
     try:
         await asyncio.gather(*(one(r) for r in workload(8, 99, (8, 8))))  # warm-up
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), cpu_seconds(server.pgid)
         tokens = sum(await asyncio.gather(*(one(r) for r in requests)))
-        return tokens / (time.perf_counter() - t0)
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(server.pgid) - cpu0
+        return Rate(tok_s=tokens / wall, cpu_ms_per_token=1000 * cpu / tokens)
     finally:
         await backend.aclose()
+
+
+@dataclass(frozen=True)
+class Rate:
+    tok_s: float
+    cpu_ms_per_token: float
 
 
 async def update_pauses(kind: str, url: str, new_weights: Path, num_updates: int) -> list[dict[str, float]]:
@@ -162,14 +197,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--updates", type=int, default=3)
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--backends", default="embedded,embedded-bf16,vllm")
+    p.add_argument("--baseline-src", help="`src` of another checkout: adds baseline and baseline-bf16")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every server, in rounds; median")
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+    p.add_argument("--section", default=SECTION, help="the BENCHMARKS.md section --write replaces (or adds)")
     return p
 
 
 def main() -> None:
     args = _parser().parse_args()
     kinds = args.backends.split(",")
-    tok_s: dict[tuple[str, str], float] = {}
+    if args.baseline_src:
+        args.baseline_src = str(Path(args.baseline_src).resolve())
+        kinds += ["baseline", "baseline-bf16"]
+    runs: dict[tuple[str, str], list[Rate]] = {}
+    failed: dict[str, str] = {}
     pauses: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -180,43 +222,77 @@ def main() -> None:
             "fixed": workload(args.requests, 0, (args.fixed_tokens, args.fixed_tokens)),
             "mixed": workload(args.requests, 1, (16, args.max_tokens)),
         }
-        for kind in kinds:
-            with serve(kind, root / "tput", args, root / f"{kind}-tput.log") as url:
-                for name, reqs in loads.items():
-                    tok_s[kind, name] = asyncio.run(throughput(kind, url, reqs, args.concurrency))
-                    print(f"{kind:8s} {name:5s}: {tok_s[kind, name]:8.1f} tok/s", flush=True)
-            with serve(kind, root / "pause-v0", args, root / f"{kind}-pause.log") as url:
-                pauses[kind] = asyncio.run(update_pauses(kind, url, root / "pause-v1", args.updates))
+        for rep in range(args.repeats):
+            for kind in [k for k in kinds if k not in failed]:
+                try:
+                    with serve(kind, root / "tput", args, root / f"{kind}-tput.log") as server:
+                        for name, reqs in loads.items():
+                            rate = asyncio.run(throughput(kind, server, reqs, args.concurrency))
+                            runs.setdefault((kind, name), []).append(rate)
+                            print(f"run {rep}: {kind:13s} {name:5s}: {rate.tok_s:8.1f} tok/s, "
+                                  f"{rate.cpu_ms_per_token:.3f} CPU ms/token", flush=True)  # fmt: skip
+                except RuntimeError as e:  # a server that does not start here (vLLM in fp32, say)
+                    failed[kind] = str(e)
+                    print(f"{kind}: {e}\n{_log_tail(root / f'{kind}-tput.log')}", flush=True)
+        kinds = [k for k in kinds if k not in failed]
+        for kind in kinds if args.updates else []:
+            with serve(kind, root / "pause-v0", args, root / f"{kind}-pause.log") as server:
+                pauses[kind] = asyncio.run(update_pauses(kind, server.url, root / "pause-v1", args.updates))
                 print(f"{kind:8s} update: {pauses[kind]}", flush=True)
-    table = format_tables(args, kinds, tok_s, pauses)
+    tok_s = {key: statistics.median(r.tok_s for r in rates) for key, rates in runs.items()}
+    cpu_ms = {key: statistics.median(r.cpu_ms_per_token for r in rates) for key, rates in runs.items()}
+    table = format_tables(args, kinds, tok_s, cpu_ms, pauses)
+    table += "".join(f"\n\n`{k}` did not run here: {why}" for k, why in failed.items())
     print(table)
     if args.write:
-        write_section(REPO / "BENCHMARKS.md", table)
+        write_section(REPO / "BENCHMARKS.md", table, args.section)
 
 
-def format_tables(args, kinds, tok_s, pauses) -> str:
-    vllm = "vllm" in kinds
-    embedded = [k for k in kinds if k != "vllm"]
+def _argv() -> str:
+    return " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _log_tail(log: Path, lines: int = 15) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+
+
+def machine_line() -> str:
+    """The CPU, its core count and the ISA flags that decide bf16 kernels."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    flags = [torch.backends.cpu.get_cpu_capability()]
+    flags += ["AVX512_BF16"] * torch.cpu._is_avx512_bf16_supported()
+    flags += ["AMX"] * torch.cpu._is_amx_tile_supported()
+    native = "native bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no native bf16"
+    return f"{model}, {os.cpu_count()} cores; ISA {' '.join(flags)} ({native}); torch {torch.__version__}"
+
+
+def format_tables(args, kinds, tok_s, cpu_ms, pauses) -> str:
+    per_cpu_s = {key: 1000 / ms for key, ms in cpu_ms.items()}
     rows = [
-        "Command: `PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_backends.py --write`; vLLM from "
-        "`scripts/setup-vllm.sh`'s venv.",
+        f"Command: `PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_backends.py {_argv()}`; vLLM "
+        "from `scripts/setup-vllm.sh`'s venv.",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, shared; one run. Model {args.preset}, "
-        f"{args.requests} requests, token-id prompts of 16-64 tokens, concurrency {args.concurrency}, greedy, "
-        "EOS ignored; `embedded` float32, `embedded-bf16` bfloat16, vLLM 0.32 CPU build bfloat16, all over "
-        "HTTP through the orchestrator's backend classes.",
+        f"Machine: {machine_line()}; shared. Median of {args.repeats} run(s) of each server, in rounds. "
+        f"Model {args.preset}, {args.requests} requests, token-id prompts of 16-64 tokens, concurrency "
+        f"{args.concurrency}, greedy, EOS ignored; `-bf16`/`vllm` bfloat16, `embedded`/`baseline`/`vllm-fp32` "
+        "float32, all over HTTP through the orchestrator's backend classes.",
         "",
-        f"| workload | {' | '.join(f'{k} tok/s' for k in kinds)} |"
-        + "".join(f" {k} / vLLM |" for k in embedded if vllm),
-        "|---" * (len(kinds) + 1 + (len(embedded) if vllm else 0)) + "|",
+        "Generated tokens per second (wall time):",
+        "",
+        *_rate_table(args, kinds, tok_s, "tok/s"),
+        "",
+        "Generated tokens per CPU second of the server's processes (user + system; other jobs on the "
+        "machine inflate it less than wall time):",
+        "",
+        *_rate_table(args, kinds, per_cpu_s, "tok/CPU-s"),
     ]
-    for name, what in (
-        ("fixed", f"fixed {args.fixed_tokens} tokens"),
-        ("mixed", f"mixed 16-{args.max_tokens}"),
-    ):
-        cells = [f"{tok_s[k, name]:.0f}" for k in kinds]
-        ratios = "".join(f" {tok_s[k, name] / tok_s['vllm', name]:.2f}x |" for k in embedded if vllm)
-        rows.append(f"| {what} | {' | '.join(cells)} |{ratios}")
+    if not pauses:
+        return "\n".join(rows)
     rows += [
         "",
         f"Weight update on {args.pause_preset}, as the orchestrator drives it (one `update_weights`, 8 "
@@ -232,10 +308,32 @@ def format_tables(args, kinds, tok_s, pauses) -> str:
     return "\n".join(rows)
 
 
-def write_section(path: Path, table: str) -> None:
+def _rate_table(args, kinds: list[str], rate: dict[tuple[str, str], float], unit: str) -> list[str]:
+    """One row per workload: each server's rate, then ratios against vLLM, bf16 / fp32 and baseline."""
+    ref = next((k for k in kinds if k.startswith("vllm")), None)
+    ratios = [(k, ref) for k in kinds if ref and not k.startswith("vllm")]
+    pairs = (("embedded-bf16", "embedded"), ("baseline-bf16", "baseline"), ("vllm", "vllm-fp32"))
+    ratios += [(b, f) for b, f in pairs if b in kinds and f in kinds]
+    ratios += [(k, f"baseline{k[8:]}") for k in ("embedded", "embedded-bf16") if f"baseline{k[8:]}" in kinds]
+    rows = [
+        f"| workload | {' | '.join(f'{k} {unit}' for k in kinds)} |"
+        + "".join(f" {a} / {b} |" for a, b in ratios),
+        "|---" * (len(kinds) + 1 + len(ratios)) + "|",
+    ]
+    for name, what in (
+        ("fixed", f"fixed {args.fixed_tokens} tokens"),
+        ("mixed", f"mixed 16-{args.max_tokens}"),
+    ):
+        cells = [f"{rate[k, name]:.0f}" for k in kinds]
+        shown = "".join(f" {rate[a, name] / rate[b, name]:.2f}x |" for a, b in ratios)
+        rows.append(f"| {what} | {' | '.join(cells)} |{shown}")
+    return rows
+
+
+def write_section(path: Path, table: str, section: str = SECTION) -> None:
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    body = f"{SECTION}\n\n`benchmarks/bench_backends.py` (docs/inference.md, Backends).\n\n{table}\n"
-    section_re = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    body = f"{section}\n\n`benchmarks/bench_backends.py` (docs/inference.md, Backends).\n\n{table}\n"
+    section_re = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = section_re.sub(body, text) if section_re.search(text) else text.rstrip() + "\n\n" + body
     path.write_text(text.rstrip() + "\n")
 

@@ -7,6 +7,7 @@
             ...                        # (the last also: finish_reason, context_version, routing)
 
 One `step()` = schedule, one forward of all scheduled tokens as a single row, sample, commit.
+A request added with `stream=False` gets no deltas: one output when it finishes, with every token.
 The engine is token-in/token-out and single-threaded; `async_engine.AsyncEngine` drives it from a
 background thread for the HTTP server. Weight updates happen between steps (`load_weights`).
 
@@ -133,8 +134,14 @@ class Engine:
         cache_salt: str | None = None,
         return_routed_experts: bool = False,
         routed_experts_start: int = 0,
+        stream: bool = True,
     ) -> None:
-        """Queue a request; raises InvalidRequestError naming the field for input it cannot serve."""
+        """Queue a request; raises InvalidRequestError naming the field for input it cannot serve.
+
+        stream=False: `step()` returns nothing for this request until it finishes; its final
+        output then carries all its tokens, logprobs and versions (what a non-streaming HTTP
+        response needs, without a Python object per token and step).
+        """
         self._validate(request_id, prompt_token_ids, options)
         _validate_options(options)
         if cache_salt is not None and not _is_utf8(cache_salt):
@@ -147,7 +154,7 @@ class Engine:
         req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), options=options,
             cache_salt=cache_salt, return_routed_experts=return_routed_experts,
-            arrival=next(self._arrivals), generator=generator,
+            arrival=next(self._arrivals), generator=generator, stream=stream,
         )  # fmt: skip
         self.requests[request_id] = req
         self._routing_start[request_id] = min(routed_experts_start, len(prompt_token_ids))
@@ -243,18 +250,8 @@ class Engine:
         if not batch:
             return []
         self.num_steps += 1
-        ids_N, pos_N, seqs, slots = [], [], [], []
-        for s in batch:
-            req, start = s.request, s.request.num_computed_tokens
-            req.note_kv_version(self.version)  # this step's KV joins the request's context
-            end = start + s.num_new_tokens
-            ids_N += _token_slice(req, start, end)
-            pos_N += range(start, end)
-            block_ids = self.cache.block_table(req)
-            q_start = len(ids_N) - s.num_new_tokens
-            seqs.append(SeqSlice(q_start=q_start, q_len=s.num_new_tokens, num_ctx=end, block_ids=block_ids))
-            slots.append(self._new_slots(req, start, end))
-        backend = PagedAttention(self.cache, seqs, _as_slot_tensor(slots, self.device), self.attention_paths)
+        ids_N, pos_N, seqs, slots_N = self._inputs(batch)
+        backend = PagedAttention(self.cache, seqs, slots_N, self.attention_paths)
         out = self.model(
             torch.tensor([ids_N], device=self.device),
             torch.tensor([pos_N], device=self.device),
@@ -263,18 +260,32 @@ class Engine:
             compute_logits=False,
         )
         backend.write_routing(out.routed_experts[0])
-        last_rows = [seq.q_start + seq.q_len - 1 for seq in seqs]
-        return self._sample_and_commit(batch, out.hidden_states[0], last_rows)
+        return self._sample_and_commit(batch, out.hidden_states[0], seqs)
 
-    def _new_slots(self, req: Request, start: int, end: int) -> int | torch.Tensor:
-        """KV slots of positions [start, end): a plain int for a decode token (no tensor ops)."""
-        if end - start == 1:
-            block, offset = divmod(start, self.cache.block_size)
-            return req.block_ids[block] * self.cache.block_size + offset
-        return self.cache.slots(req, end)[start:]
+    def _inputs(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[int], list[SeqSlice], torch.Tensor]:
+        """The step's flattened token ids and positions, each sequence's slice, and the KV slots [N]."""
+        ids_N: list[int] = []
+        pos_N: list[int] = []
+        seqs, slots = [], []
+        bs = self.cache.block_size
+        for s in batch:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            req.note_kv_version(self.version)  # this step's KV joins the request's context
+            q_start = len(ids_N)
+            if n == 1:  # a decode token: plain ints, no tensor ops
+                ids_N.append(_token_at(req, start))
+                pos_N.append(start)
+                slots.append(req.block_ids[start // bs] * bs + start % bs)
+            else:
+                ids_N += _token_slice(req, start, start + n)
+                pos_N += range(start, start + n)
+                slots.append(self.cache.slots(req, start + n)[start:])
+            block_ids = self.cache.block_table(req)
+            seqs.append(SeqSlice(q_start=q_start, q_len=n, num_ctx=start + n, block_ids=block_ids))
+        return ids_N, pos_N, seqs, _as_slot_tensor(slots, self.device)
 
     def _sample_and_commit(
-        self, batch: list[ScheduledSeq], hidden_ND: torch.Tensor, last_rows: list[int]
+        self, batch: list[ScheduledSeq], hidden_ND: torch.Tensor, seqs: list[SeqSlice]
     ) -> list[RequestOutput]:
         to_sample = [
             i for i, s in enumerate(batch)
@@ -283,7 +294,8 @@ class Engine:
         ]  # fmt: skip
         tokens, logprobs, failures = [], [], {}
         if to_sample:
-            logits_SV = self.model.lm_head(hidden_ND[[last_rows[i] for i in to_sample]])
+            last_rows = [seqs[i].q_start + seqs[i].q_len - 1 for i in to_sample]
+            logits_SV = self.model.lm_head(hidden_ND[last_rows])
             reqs = [batch[i].request for i in to_sample]
             tokens, logprobs, failures = sample(
                 logits_SV, [r.options for r in reqs], [r.generator for r in reqs]
@@ -299,29 +311,32 @@ class Engine:
             elif req.needs_final_routing and req.num_computed_tokens == req.num_tokens:
                 req.needs_final_routing = False
                 outputs.append(self._finish(req, [], [], []))
-            elif i in sampled:
-                outputs.append(self._append_token(req, *sampled[i]))
+            elif i in sampled and (out := self._append_token(req, *sampled[i])) is not None:
+                outputs.append(out)
         return outputs
 
-    def _append_token(self, req: Request, token: int, logprob: float) -> RequestOutput:
+    def _append_token(self, req: Request, token: int, logprob: float) -> RequestOutput | None:
+        """Record a sampled token; its output delta (None for a request that does not stream)."""
         req.output_token_ids.append(token)
         req.output_logprobs.append(logprob)
         req.output_versions.append(self.version)
         self.num_generated_tokens += 1
-        new = ([token], [logprob], [self.version])
         req.finish_reason = check_stop(req, self.eos_token_ids, self.max_model_len, self.detokenize)
-        if req.finish_reason is None:
-            return RequestOutput(request_id=req.request_id, new_token_ids=[token], new_logprobs=[logprob],
-                                 new_versions=[self.version])  # fmt: skip
-        if req.return_routed_experts:
+        if req.finish_reason is not None and req.return_routed_experts:
             req.needs_final_routing = True  # one more forward gives the last token's routing
-            return RequestOutput(request_id=req.request_id, new_token_ids=[token], new_logprobs=[logprob],
-                                 new_versions=[self.version])  # fmt: skip
-        return self._finish(req, *new)
+        elif req.finish_reason is not None:
+            return self._finish(req, [token], [logprob], [self.version])
+        if not req.stream:
+            return None
+        return RequestOutput(request_id=req.request_id, new_token_ids=[token], new_logprobs=[logprob],
+                             new_versions=[self.version])  # fmt: skip
 
     def _finish(
         self, req: Request, tokens: list[int], logprobs: list[float], versions: list[int]
     ) -> RequestOutput:
+        """The final output: the last delta (`tokens`...), or all tokens for a request that does not stream."""
+        if not req.stream:
+            tokens, logprobs, versions = req.output_token_ids, req.output_logprobs, req.output_versions
         routing = self._routing(req) if req.return_routed_experts else None
         self.scheduler.remove(req)
         del self.requests[req.request_id]
@@ -401,6 +416,11 @@ def _as_slot_tensor(slots: list[int | torch.Tensor], device: torch.device) -> to
     if all(isinstance(x, int) for x in slots):  # a pure decode step: one tensor from a list
         return torch.tensor(slots, dtype=torch.long, device=device)
     return torch.cat([torch.tensor([x], device=device) if isinstance(x, int) else x for x in slots])
+
+
+def _token_at(req: Request, pos: int) -> int:
+    num_prompt = len(req.prompt_token_ids)
+    return req.output_token_ids[pos - num_prompt] if pos >= num_prompt else req.prompt_token_ids[pos]
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 from transformers import AutoTokenizer
@@ -19,6 +20,7 @@ from asyncrl.inference.async_engine import AsyncEngine
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.server import build_app
 from asyncrl.model import ModelConfigError
+from asyncrl.model.compute import cpu_kernels
 
 __all__ = ["build_server_app", "main"]
 
@@ -37,6 +39,13 @@ def build_server_app(config: InferenceConfig) -> FastAPI:
     engine = Engine.from_config(config, detokenize=detokenize)
     name = config.served_model_name or Path(config.model).resolve().name
     return build_app(AsyncEngine(engine), tokenizer, config, name)
+
+
+def _kernels_note(engine: Engine) -> str:
+    """How this CPU runs the engine's bf16/fp16 ops (decided at start); empty otherwise."""
+    if engine.device.type != "cpu" or engine.dtype == torch.float32:
+        return ""
+    return f"; {cpu_kernels().describe()}"
 
 
 def main(argv: list[str]) -> int:
@@ -59,9 +68,9 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"asyncrl inference: cannot load model '{config.model}': {e}") from None
     engine = app.state.server.engine.engine
     log.info(
-        "serving %s on http://%s:%d (%s, %s, KV pool %d blocks x %d tokens, %.1f MiB)",
+        "serving %s on http://%s:%d (%s, %s, KV pool %d blocks x %d tokens, %.1f MiB%s)",
         app.state.server.model_name, config.host, config.port, config.dtype, engine.device,
-        engine.pool.num_blocks, config.block_size, engine.cache.nbytes() / 2**20,
+        engine.pool.num_blocks, config.block_size, engine.cache.nbytes() / 2**20, _kernels_note(engine),
     )  # fmt: skip
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
     return 0

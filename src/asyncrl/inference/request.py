@@ -80,6 +80,8 @@ class Request:
     cache_salt: str | None = None
     return_routed_experts: bool = False
     arrival: int = 0  # admission order; preemption evicts the latest arrival first
+    # False: no per-step outputs; the final output carries every token (built once per request)
+    stream: bool = True
 
     # generation state
     output_token_ids: list[int] = field(default_factory=list)

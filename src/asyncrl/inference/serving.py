@@ -1,7 +1,7 @@
 """What the HTTP handlers share: the server state, and running one request to completion.
 
-`collect` accumulates a request's RequestOutput deltas and aborts the request when the HTTP
-client disconnects before it is done.
+`collect` runs a request without streaming (the engine hands over one output, when it is done) and
+aborts the request when the HTTP client disconnects before then.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ async def collect(
     result = Collected()
 
     async def consume() -> None:
-        async for out in state.engine.generate(uuid.uuid4().hex, prompt, options, **kwargs):
+        # not streamed: the engine sends one output, at the end, with every token
+        async for out in state.engine.generate(uuid.uuid4().hex, prompt, options, stream=False, **kwargs):
             result.add(out)
 
     task = asyncio.ensure_future(consume())

@@ -25,7 +25,19 @@ stride, with an unchanged version counter. Writes a version counter cannot see (
 alias of the storage, or to an inference tensor) must call `drop_fp32_copies`; `hf.load_into`, the
 engine's weight swap, does so for every tensor it sets.
 
-`set_cpu_upcast(True | False | None)` forces the choice (None: detect), for tests and benchmarks.
+On a CPU with native bf16 (AVX-512 BF16, AMX) the choice is made per op from the CPU's
+capabilities, once (`cpu_kernels()`), because native is not always faster there:
+
+- linear: native.
+- the MoE experts' grouped GEMM: native on AMX, and for experts of at least `MIN_NATIVE_EXPERT`
+  weights per matrix elsewhere. Below that (tiny experts, a few rows each), oneDNN's per-call bf16
+  overhead exceeds the matmul, and the fp32 path on the kept fp32 weights is ~2x faster.
+- attention: native (torch's flash kernel reads the engine's strided K/V views as they are; an fp32
+  path would copy them).
+
+`set_cpu_upcast(True | False | None)` forces the choice (None: detect), for tests and benchmarks:
+True takes the fp32 path everywhere, False the native kernels everywhere.
+`cpu_kernels().describe()` is the line a server prints at start.
 """
 
 from __future__ import annotations
@@ -33,14 +45,62 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "as_fp32", "cpu_upcast", "drop_fp32_copies", "linear", "sdpa", "set_cpu_upcast"]
+__all__ = [
+    "MIN_NATIVE_EXPERT",
+    "CpuKernels",
+    "Linear",
+    "as_fp32",
+    "cpu_kernels",
+    "cpu_upcast",
+    "drop_fp32_copies",
+    "linear",
+    "sdpa",
+    "set_cpu_upcast",
+]
 
 _FORCED: bool | None = None
+# Elements of one expert matrix from which native bf16 beats the fp32 path without AMX (measured on
+# AVX-512 BF16: 128 x 128 experts ~2x faster in fp32, 448 x 512 ~2x faster native).
+MIN_NATIVE_EXPERT = 65536
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuKernels:
+    """Which low-precision kernels this CPU runs natively, and so how bf16 ops run on it.
+
+    Example::
+
+        CpuKernels(isa="AVX512 AVX512_BF16", native_bf16=True, amx=False)
+    """
+
+    isa: str  # torch's CPU capability, and AVX512_BF16 / AMX where present
+    native_bf16: bool  # oneDNN has bf16 kernels (AVX-512 BF16 or AMX)
+    amx: bool
+
+    def native_experts(self, weight_numel: int) -> bool:
+        return self.native_bf16 and (self.amx or weight_numel >= MIN_NATIVE_EXPERT)
+
+    def describe(self) -> str:
+        """One line: the ISA and where bf16 ops go native or through fp32."""
+        if not self.native_bf16:
+            return f"CPU {self.isa}: no native bf16, bf16 matmuls and attention computed in fp32"
+        experts = "native" if self.amx else f"native from {MIN_NATIVE_EXPERT} weights per expert, else fp32"
+        return f"CPU {self.isa}: bf16 linear and attention native, MoE experts {experts}"
+
+
+@functools.cache
+def cpu_kernels() -> CpuKernels:
+    """This CPU's kernels, detected once."""
+    amx = torch.cpu._is_amx_tile_supported()
+    flags = [torch.backends.cpu.get_cpu_capability()]
+    flags += ["AVX512_BF16"] * torch.cpu._is_avx512_bf16_supported() + ["AMX"] * amx
+    return CpuKernels(isa=" ".join(flags), native_bf16=_cpu_native(torch.bfloat16), amx=amx)
 
 
 @functools.cache
@@ -56,11 +116,20 @@ def set_cpu_upcast(value: bool | None) -> None:
     _FORCED = value
 
 
-def cpu_upcast(x: torch.Tensor) -> bool:
-    """Whether ops on `x` take the fp32 path: a bf16/fp16 CPU tensor without native kernels."""
+def cpu_upcast(x: torch.Tensor, expert_numel: int | None = None) -> bool:
+    """Whether ops on `x` take the fp32 path: a bf16/fp16 CPU tensor without native kernels, or
+    (given `expert_numel`, the size of one expert matrix) MoE experts too small for them."""
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    return _FORCED if _FORCED is not None else not _cpu_native(x.dtype)
+    if _FORCED is not None:
+        return _FORCED
+    if not _cpu_native(x.dtype):
+        return True
+    return (
+        expert_numel is not None
+        and x.dtype == torch.bfloat16
+        and not cpu_kernels().native_experts(expert_numel)
+    )
 
 
 _KEPT = "_asyncrl_fp32"

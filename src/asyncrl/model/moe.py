@@ -127,8 +127,8 @@ def grouped_swiglu(
     Module-free so that an expert-parallel wrapper (asyncrl.distributed) computes its local
     experts with exactly the same arithmetic. `linear(x, w)` replaces `x @ w.T` (FP8 hook).
     """
-    if linear is None and cpu_upcast(x_sorted):
-        # no native low-precision kernels on this CPU: the whole SwiGLU in fp32, one cast each way
+    if linear is None and cpu_upcast(x_sorted, expert_numel=gate_EID[0].numel()):
+        # no native low-precision kernels fast at this size: the whole SwiGLU in fp32, one cast each way
         args = (counts_E, as_fp32(gate_EID), as_fp32(up_EID), as_fp32(down_EDI))
         return grouped_swiglu(x_sorted.float(), *args).to(x_sorted.dtype)
     if linear is None and _use_grouped_mm(x_sorted, gate_EID, down_EDI):

@@ -1,5 +1,7 @@
 """Config parsing for `asyncrl inference`, and the engine on a dense model and in bf16."""
 
+import copy
+
 import pytest
 import torch
 from inference_helpers import drain, greedy_reference, random_prompts, teacher_logprobs
@@ -7,7 +9,9 @@ from inference_helpers import drain, greedy_reference, random_prompts, teacher_l
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import SamplingOptions
+from asyncrl.inference.main import _kernels_note
 from asyncrl.model import Transformer, preset_args
+from asyncrl.model.compute import cpu_kernels
 
 
 def test_cli_flags_and_toml(tmp_path):
@@ -50,3 +54,9 @@ def test_bfloat16_engine_tracks_the_bf16_model(make_engine, tiny_moe):
     res = drain(engine)["b"]
     ref = teacher_logprobs(model, prompt, res.tokens, 1.0)
     assert (ref - torch.tensor(res.logprobs)).abs().max() < 0.1  # bf16: close, not exact
+
+
+def test_startup_line_states_the_cpu_bf16_kernels(make_engine, tiny_moe):
+    assert _kernels_note(make_engine()) == ""  # fp32: nothing to decide
+    note = _kernels_note(make_engine(copy.deepcopy(tiny_moe).bfloat16(), dtype="bfloat16"))
+    assert note == f"; {cpu_kernels().describe()}" and "CPU AVX" in note

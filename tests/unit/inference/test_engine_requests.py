@@ -64,3 +64,38 @@ def test_duplicate_request_id_rejected(make_engine):
     engine.add_request("r", [1, 2], SamplingOptions())
     with pytest.raises(InvalidRequestError, match="request_id"):
         engine.add_request("r", [1, 2], SamplingOptions())
+
+
+def _add_sampled(engine, prompts, stream: bool, return_routed_experts: bool = False) -> None:
+    for i, p in enumerate(prompts):
+        opts = SamplingOptions(temperature=1.0, seed=i, max_tokens=3 + 2 * i, ignore_eos=True)
+        engine.add_request(f"r{i}", p, opts, stream=stream, return_routed_experts=return_routed_experts)
+
+
+def test_unstreamed_request_yields_one_output_with_every_token(make_engine):
+    prompts = random_prompts([5, 9, 3], seed=4)
+    streamed = make_engine()
+    _add_sampled(streamed, prompts, stream=True, return_routed_experts=True)
+    ref = drain(streamed)
+    engine = make_engine()
+    _add_sampled(engine, prompts, stream=False, return_routed_experts=True)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert sorted(o.request_id for o in outputs) == ["r0", "r1", "r2"]  # one output each, the final one
+    for out in outputs:
+        want = ref[out.request_id]
+        assert out.finished and len(out.new_token_ids) == 3 + 2 * int(out.request_id[1])
+        assert out.new_token_ids == want.tokens and out.new_logprobs == want.logprobs
+        assert out.new_versions == want.versions
+        assert (out.routed_experts == want.final.routed_experts).all()
+
+
+def test_unstreamed_request_aborted_keeps_its_tokens(make_engine):
+    engine = make_engine()
+    engine.add_request(
+        "r", [1, 2, 3], SamplingOptions(temperature=0, max_tokens=20, ignore_eos=True), stream=False
+    )
+    assert [engine.step() for _ in range(4)] == [[], [], [], []]
+    out = engine.abort("r")
+    assert out.finish_reason == "abort" and len(out.new_token_ids) == len(out.new_logprobs) == 4

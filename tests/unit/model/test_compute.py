@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.model import Transformer, preset_args
+from asyncrl.model import Transformer, compute, preset_args
 from asyncrl.model.compute import as_fp32, cpu_upcast, drop_fp32_copies, linear, sdpa, set_cpu_upcast
 
 
@@ -134,3 +134,28 @@ def test_drop_fp32_copies_forgets_writes_the_version_counter_cannot_see():
     drop_fp32_copies([w])
     with torch.inference_mode():
         assert torch.equal(as_fp32(w), torch.full((4, 3), 2.0))
+
+
+@pytest.fixture
+def avx512_bf16(monkeypatch):
+    """Detection as on a CPU with AVX-512 BF16 and no AMX, whatever this one has."""
+    monkeypatch.setattr(compute, "_cpu_native", lambda dtype: True)
+    kernels = compute.CpuKernels(isa="AVX512 AVX512_BF16", native_bf16=True, amx=False)
+    monkeypatch.setattr(compute, "cpu_kernels", lambda: kernels)
+
+
+def test_avx512_bf16_cpu_upcasts_only_small_experts(avx512_bf16):
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    assert cpu_upcast(x, expert_numel=128 * 128)
+    assert not cpu_upcast(x, expert_numel=448 * 512)
+    assert not cpu_upcast(x.float(), expert_numel=128 * 128)
+    assert not cpu_upcast(x)  # linear and attention native
+
+
+def test_cpu_kernels_decisions_and_startup_line():
+    avx2 = compute.CpuKernels(isa="AVX2", native_bf16=False, amx=False)
+    amx = compute.CpuKernels(isa="AVX512 AVX512_BF16 AMX", native_bf16=True, amx=True)
+    assert "no native bf16" in avx2.describe() and not avx2.native_experts(10**6)
+    assert amx.native_experts(16)
+    assert "AMX" in amx.describe() and amx.describe().endswith("MoE experts native")
+    assert "CPU AVX" in compute.cpu_kernels().describe()  # this machine's line

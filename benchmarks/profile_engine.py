@@ -1,0 +1,228 @@
+"""Where an embedded-engine decode step spends its time, at a given concurrency, per model and dtype.
+
+    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/profile_engine.py [--presets tiny-moe,moe-50m]
+
+For each preset and dtype: `--concurrency` requests (token-id prompts of 16-64 tokens, greedy, EOS
+ignored) are prefilled and decode `--warm-tokens` tokens (the middle of a 128-token answer), then
+`--steps` pure decode steps are timed, split by phase:
+
+- schedule: `Scheduler.schedule`;
+- inputs: from the schedule to the model call (token/position tensors, KV slots, attention metadata);
+- forward: the model call, split into attention (paged attention incl. KV writes), MoE experts,
+  router, and the rest (embedding, norms, q/k/v/o projections, RoPE, dense MLPs);
+- lm_head, sampling (the sampler call), and commit + outputs (scheduler commit, stop checks,
+  `RequestOutput`s): the rest of `Engine.step`.
+
+Times are CPU time of the engine's thread (`time.thread_time`, torch on one thread), so that other
+jobs on a shared machine inflate them little; the tokens/s printed is concurrency / CPU time per
+step. A second pass runs `torch.profiler` over a few decode steps and lists the top aten ops of the
+model forward by self CPU time. HTTP and JSON are not in these numbers: `bench_backends.py` gives
+the server's tokens/s to set against the engine-only tokens/s printed here.
+
+The phases are found by wrapping names both today's engine and older ones have (`Engine.step`,
+`Scheduler.schedule`, the model and lm_head modules, `engine.sample`, `PagedAttention.__call__`,
+`GroupedExperts.forward`, `Router.forward`), so the same script profiles an older checkout run
+with its own PYTHONPATH. With --markdown it also prints the rows of BENCHMARKS.md's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import platform
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+import asyncrl.inference.engine as engine_mod
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.inference import Engine, SamplingOptions
+from asyncrl.inference.kv_cache import PagedAttention
+from asyncrl.model import from_pretrained, torch_dtype
+from asyncrl.model.moe import GroupedExperts, Router
+from asyncrl.tools.init_model import init_model
+
+PHASES = ("schedule", "inputs", "attention", "experts", "router", "forward other", "lm_head", "sampling",
+          "commit + outputs")  # fmt: skip
+
+
+class Clock:
+    """Accumulated seconds per phase, from wrapped callables (nested phases are subtracted)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.marks: dict[str, float] = {}
+        self.on = False
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            t0 = time.thread_time()
+            self.marks[f"{name}:start"] = t0
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                t1 = time.thread_time()
+                self.marks[f"{name}:end"] = t1
+                self.total[name] += t1 - t0
+
+        return timed
+
+
+@contextlib.contextmanager
+def patched(obj, name: str, value) -> Iterator[None]:
+    old = obj.__dict__.get(name, None) if isinstance(obj, type) else getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if old is None and isinstance(obj, type):
+            delattr(obj, name)
+        else:
+            setattr(obj, name, old)
+
+
+def build_engine(model_dir: Path, dtype: str, concurrency: int) -> Engine:
+    cfg = InferenceConfig(
+        model=str(model_dir), max_num_seqs=concurrency, device="cpu", kv_cache_tokens=65536, dtype=dtype
+    )
+    return Engine(from_pretrained(model_dir, dtype=torch_dtype(dtype)), cfg)
+
+
+def start_decoding(engine: Engine, concurrency: int, max_tokens: int, warm_tokens: int) -> None:
+    """Add `concurrency` requests, step until every one is past its prefill, then `warm_tokens` more."""
+    g = torch.Generator().manual_seed(0)
+    for i in range(concurrency):
+        plen = int(torch.randint(16, 65, (1,), generator=g))
+        prompt = torch.randint(0, 256, (plen,), generator=g).tolist()
+        engine.add_request(
+            str(i), prompt, SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        )
+    while any(
+        r.num_computed_tokens < r.num_tokens - 1 or not r.output_token_ids for r in engine.requests.values()
+    ):
+        engine.step()
+    for _ in range(warm_tokens):  # the context grows as in a served request (decode cost grows with it)
+        engine.step()
+
+
+def phase_times(engine: Engine, steps: int) -> dict[str, float]:
+    """Milliseconds per decode step in each phase, and the step's total."""
+    clock = Clock()
+    step = clock.wrap("step", engine.step)
+    model = engine.model
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            patched(engine.scheduler, "schedule", clock.wrap("schedule", engine.scheduler.schedule))
+        )
+        stack.enter_context(patched(model, "forward", clock.wrap("forward", model.forward)))
+        stack.enter_context(patched(model.lm_head, "forward", clock.wrap("lm_head", model.lm_head.forward)))
+        stack.enter_context(patched(engine_mod, "sample", clock.wrap("sampling", engine_mod.sample)))
+        stack.enter_context(
+            patched(PagedAttention, "__call__", clock.wrap("attention", PagedAttention.__call__))
+        )
+        stack.enter_context(patched(GroupedExperts, "forward", clock.wrap("experts", GroupedExperts.forward)))
+        stack.enter_context(patched(Router, "forward", clock.wrap("router", Router.forward)))
+        inputs = 0.0
+        clock.on = True
+        for _ in range(steps):
+            step()
+            inputs += clock.marks["forward:start"] - clock.marks["schedule:end"]
+        clock.on = False
+    t = clock.total
+    ms = {
+        "schedule": t["schedule"],
+        "inputs": inputs,
+        "attention": t["attention"],
+        "experts": t["experts"],
+        "router": t["router"],
+        "forward other": t["forward"] - t["attention"] - t["experts"] - t["router"],
+        "lm_head": t["lm_head"],
+        "sampling": t["sampling"],
+    }
+    ms["commit + outputs"] = t["step"] - t["schedule"] - inputs - t["forward"] - t["lm_head"] - ms["sampling"]
+    ms["step"] = t["step"]
+    return {k: 1000 * v / steps for k, v in ms.items()}
+
+
+def forward_ops(engine: Engine, steps: int, top: int) -> list[tuple[str, float]]:
+    """(aten op, share of the profiled steps' self CPU time), the `top` largest."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [(e.key, e.self_cpu_time_total / total) for e in events[:top]]
+
+
+def profile(model_dir: Path, dtype: str, args: argparse.Namespace) -> tuple[dict[str, float], list]:
+    engine = build_engine(model_dir, dtype, args.concurrency)
+    max_tokens = args.warm_tokens + args.steps + args.profile_steps + 8
+    start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
+    ms = phase_times(engine, args.steps)
+    ops = forward_ops(engine, args.profile_steps, args.top_ops)
+    return ms, ops
+
+
+def print_report(label: str, ms: dict[str, float], ops: list, concurrency: int) -> None:
+    step = ms["step"]
+    print(f"\n{label}: {step:.2f} ms per decode step, {1000 * concurrency / step:.0f} tok/s (engine only)")
+    for name in PHASES:
+        print(f"  {name:18s} {ms[name]:7.2f} ms  {ms[name] / step:5.0%}")
+    print("top aten ops (self CPU, whole step under torch.profiler):")
+    print("  " + ", ".join(f"{name[6:]} {share:.0%}" for name, share in ops))
+
+
+def markdown_header() -> str:
+    cols = ["model, dtype, engine", "step ms", "tok/s", *PHASES, "top aten ops"]
+    return f"| {' | '.join(cols)} |\n" + "|---" * len(cols) + "|"
+
+
+def markdown_row(label: str, ms: dict[str, float], ops: list, concurrency: int) -> str:
+    step = ms["step"]
+    cells = [label, f"{step:.2f}", f"{1000 * concurrency / step:.0f}", *(f"{ms[n]:.2f}" for n in PHASES)]
+    cells.append(", ".join(f"{name[6:]} {share:.0%}" for name, share in ops[:4]))
+    return f"| {' | '.join(cells)} |"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", default="tiny-moe,moe-50m")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--steps", type=int, default=40, help="timed decode steps")
+    p.add_argument("--warm-tokens", type=int, default=64, help="tokens decoded before the timed steps")
+    p.add_argument("--profile-steps", type=int, default=5, help="decode steps under torch.profiler")
+    p.add_argument("--top-ops", type=int, default=10)
+    p.add_argument("--markdown", action="store_true", help="also print the rows of BENCHMARKS.md's table")
+    p.add_argument("--label", default="", help="engine name in the markdown rows (e.g. before, after)")
+    args = p.parse_args()
+    import asyncrl
+
+    print(f"asyncrl from {Path(asyncrl.__file__).parent}; torch {torch.__version__}, "
+          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
+          f"{platform.machine()} {os.cpu_count()} cores")  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in args.presets.split(","):
+            model_dir = Path(tmp) / preset
+            init_model(preset, model_dir, seed=0)
+            for dtype in args.dtypes.split(","):
+                ms, ops = profile(model_dir, dtype, args)
+                print_report(f"{preset} {dtype} c={args.concurrency}", ms, ops, args.concurrency)
+                rows.append(markdown_row(f"{preset}, {dtype}, {args.label}", ms, ops, args.concurrency))
+    if args.markdown:
+        print("\n" + "\n".join([markdown_header(), *rows]))
+
+
+if __name__ == "__main__":
+    main()
