@@ -12,6 +12,7 @@
       report/               report_dir       `asyncrl report`'s page and plots
       tensorboard/          tensorboard_dir  the TensorBoard sink's event files
       slurm.sbatch          sbatch_file      `asyncrl slurm`'s job script
+      slurm.check           slurm_check_file the nonce that job's head node writes for every node to read
 
 `rollouts_root`, `weights_root` and `checkpoints_root` are the parents of the step directories;
 `step_name` and `step_of` turn a step into its directory's name and back, and `steps_in` lists the
@@ -39,6 +40,7 @@ __all__ = [
     "report_dir",
     "rollouts_root",
     "sbatch_file",
+    "slurm_check_file",
     "step_name",
     "step_of",
     "steps_in",
@@ -134,3 +136,7 @@ def tensorboard_dir(run_dir: RunDir) -> Path:
 
 def sbatch_file(run_dir: RunDir) -> Path:
     return Path(run_dir) / "slurm.sbatch"
+
+
+def slurm_check_file(run_dir: RunDir) -> Path:
+    return Path(run_dir) / "slurm.check"

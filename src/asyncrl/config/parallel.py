@@ -60,5 +60,5 @@ class SlurmConfig(BaseConfig):
     setup: list[str] = Field(default_factory=list, description="shell lines run first on every node")
     env: dict[str, str] = Field(default_factory=dict, description="exported to every process")
     extra_sbatch: list[str] = Field(
-        default_factory=list, description="more '#SBATCH' options, e.g. '--exclusive'"
+        default_factory=list, description="more '#SBATCH' options, e.g. '--qos=high'"
     )

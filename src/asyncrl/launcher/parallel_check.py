@@ -33,14 +33,19 @@ def _num_experts(model_dir: Path) -> int | None:
     return args.num_experts if args.is_moe else 0
 
 
-def check_trainer_parallel(trainer: RLTrainerConfig, *, world_size: int, where: str) -> None:
-    """Raise ConfigError naming the violated constraint (see asyncrl.distributed.ParallelDims)."""
+def check_trainer_parallel(
+    trainer: RLTrainerConfig, *, world_size: int, where: str, model_dir: Path | None = None
+) -> None:
+    """Raise ConfigError naming the violated constraint (see asyncrl.distributed.ParallelDims).
+
+    `model_dir`: where to read the model's config.json, when not from the trainer's model path (a
+    job rendered away from the filesystem that holds the model)."""
     # Imported here: asyncrl.distributed and asyncrl.model pull in torch, which `asyncrl rl --help`
     # does not need.
     from asyncrl.distributed import ParallelDims, ParallelDimsError
 
     p = trainer.parallel
-    num_experts = _num_experts(trainer.model.path)
+    num_experts = _num_experts(model_dir or trainer.model.path)
     ep = p.ep if num_experts is not None else 1
     try:
         ParallelDims.build(

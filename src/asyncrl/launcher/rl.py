@@ -23,7 +23,8 @@ Other flags:
   --dry-run     resolve and write the configs, print the commands, start nothing (and check no
                 input: the files may live where the processes will run)
   --slurm       render RUN/slurm.sbatch from the `[slurm]` table and submit it with sbatch
-                (with --dry-run: only write it); same as `asyncrl slurm`, see asyncrl.launcher.slurm
+                (with --dry-run: only write it; with --resume: a job that resumes the run when it
+                starts); same as `asyncrl slurm`, see asyncrl.launcher.slurm
 
 The trainer's `[trainer.parallel]` table (FSDP2 / EP / CP degrees, docs/scaling.md) is passed
 through to RUN/configs/trainer.toml; set `[deployment] trainer_nproc` (one node) or

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import tomllib
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from asyncrl.launcher import slurm
+from asyncrl.launcher import rl, slurm
+from asyncrl.transport.rollouts import write_batch
+from asyncrl.wire import RolloutBatch, RolloutSample
 
 TOML = """
 model = "models/m"
@@ -29,6 +32,14 @@ time = "12:00:00"
 setup = ["source /opt/venv/bin/activate"]
 env = {{ NCCL_DEBUG = "WARN", HF_HUB_OFFLINE = "1" }}
 """
+
+
+def _batch(step: int) -> RolloutBatch:
+    n = 4
+    sample = RolloutSample(token_ids=np.ones(n, np.int32), loss_mask=np.ones(n, bool),
+                           inference_logprobs=np.zeros(n, np.float32), advantages=np.zeros(n, np.float32),
+                           temperatures=np.ones(n, np.float32), policy_versions=np.zeros(n, np.int32))  # fmt: skip
+    return RolloutBatch(step=step, samples=[sample])
 
 
 def _write(tmp_path, servers=4, per=2):
@@ -54,8 +65,9 @@ def test_dry_run_writes_script_and_configs_for_2_inference_and_4_trainer_nodes(t
     assert "--nnodes=4 --nproc-per-node=8 --rdzv-backend=c10d" in script
     assert '--rdzv-endpoint="${TRAINER_MASTER}:29500"' in script
     assert "srun --nodes=4 --ntasks-per-node=1" in script
-    # 2 servers per inference node, 4 GPUs each, on base_port + local index
-    assert "port=$((8100 + j))" in script and "devices=$(seq -s, $((j * 4)) $((j * 4 + 3)))" in script
+    # 2 servers per inference node sharing it (--overlap), 4 GPUs each, on base_port + local index
+    assert "port=$((8100 + j))" in script and 'ASYNCRL_GPU_SLICE="$((j * 4)):4"' in script
+    assert "srun --overlap --nodes=1 --ntasks=1" in script
     assert '--nodelist="${TRAINER_MASTER}"' in script and "orchestrator.toml" in script
     assert "export HF_HUB_OFFLINE=1" in script and "export NCCL_DEBUG=WARN" in script
     assert script.index("source /opt/venv/bin/activate") < script.index("srun")
@@ -75,43 +87,68 @@ def test_rendered_configs_leave_the_device_to_each_node(tmp_path):
     assert tomllib.loads((configs / "trainer.toml").read_text())["model"]["device"] == "cpu"
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_rendered_script_is_valid_bash_and_builds_the_server_list(tmp_path):
-    assert slurm.main(["@", str(_write(tmp_path)), "--dry-run"]) == 0
-    script = (tmp_path / "run" / "slurm.sbatch").read_text()
-    assert subprocess.run(["bash", "-n", "-c", script], check=False).returncode == 0
-    # Execute the node-list and server-list logic with fake Slurm commands.
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "scontrol").write_text("#!/bin/bash\necho n1; echo n2; echo t1; echo t2; echo t3; echo t4\n")
-    # The fake trainer waits (up to 5 s) until the 4 servers and the orchestrator have logged.
-    (fake / "srun").write_text(
-        '#!/bin/bash\nif [[ "$*" == *torch.distributed.run* ]]; then\n'
-        '  for _ in $(seq 50); do [ "$(wc -l < "$SRUN_LOG")" -ge 5 ] && break; sleep 0.1; done\nfi\n'
-        'echo "srun $*" >> "$SRUN_LOG"\n'
-    )
-    for f in fake.iterdir():
-        f.chmod(0o755)
-    body = script.replace("source /opt/venv/bin/activate", "true")
-    log = tmp_path / "srun.log"
-    log.touch()
-    env = {
-        "PATH": f"{fake}:/usr/bin:/bin",
-        "SLURM_JOB_NODELIST": "x",
-        "SLURM_JOB_ID": "7",
-        "SRUN_LOG": str(log),
-    }
-    assert subprocess.run(["bash", "-c", body], env=env, check=False).returncode == 0
-    calls = log.read_text().splitlines()
-    assert sum("inference @" in c for c in calls) == 4
-    assert any("--nodelist=t1,t2,t3,t4" in c and "--rdzv-endpoint=t1:29500" in c for c in calls)
-    orch = next(c for c in calls if "orchestrator @" in c)
-    assert '["http://n1:8100","http://n1:8101","http://n2:8100","http://n2:8101"]' in orch
-
-
 def test_server_count_must_match_the_slurm_layout(tmp_path, capsys):
     assert slurm.main(["@", str(_write(tmp_path, servers=3)), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "deployment.num_inference_servers (3) must equal" in err and "2 * 2 = 4" in err
     assert slurm.main(["@", str(_write(tmp_path, servers=6, per=3)), "--dry-run"]) == 2
     assert "servers_per_inference_node (3) must divide slurm.gpus_per_node (8)" in capsys.readouterr().err
+
+
+SEED = Path(__file__).resolve().parents[3] / "docs" / "configs" / "glm5-seed.toml"
+GLM5 = SEED.with_name("glm5.json")
+
+
+def test_the_reference_glm5_job_renders_where_the_model_is_not(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # its run_dir is relative: outputs/glm5-seed here
+    assert rl.main(["@", str(SEED), "--slurm", "--dry-run"]) == 0
+    assert "/models/GLM-5-FP8/config.json is not readable here" in capsys.readouterr().out
+    run = tmp_path / "outputs" / "glm5-seed"
+    script = (run / "slurm.sbatch").read_text()
+    assert "#SBATCH --nodes=28" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "--nnodes=20 --nproc-per-node=8" in script and "--data-parallel-size 8" in script
+    assert "for path in /models/GLM-5-FP8 .venv-vllm/bin/python" in script  # checked on every node
+    trainer = tomllib.loads((run / "configs" / "trainer.toml").read_text())
+    inference = tomllib.loads((run / "configs" / "inference-7.toml").read_text())
+    assert trainer["model"]["device"] == "auto" and inference["device"] == "auto"
+    assert (trainer["parallel"]["ep"], trainer["parallel"]["cp"]) == (8, 8)
+    assert trainer["publish"]["fp8"] is True and trainer["publish"]["dtype"] == "bfloat16"  # as served
+    orchestrator = tomllib.loads((run / "configs" / "orchestrator.toml").read_text())
+    assert orchestrator["batch_size"] == 256 and orchestrator["trainer_dp_size"] == 20
+
+
+def test_the_reference_job_checks_expert_parallel_against_a_given_model_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["@", str(SEED), "--slurm", "--dry-run", "--model-config", str(GLM5)]
+    assert rl.main(argv) == 0
+    assert "not readable here" not in capsys.readouterr().out
+    # 256 experts: ep = 512 divides neither them nor 160 GPUs; the render says so at once
+    assert rl.main([*argv, "--trainer.parallel.ep", "512"]) == 2
+    assert "[trainer.parallel] with slurm.trainer_nodes * gpus_per_node = 20 * 8" in capsys.readouterr().err
+
+
+def test_resume_renders_a_job_that_applies_the_plan_when_it_starts(tmp_path, monkeypatch, capsys):
+    # an earlier job wrote batches 1..3 and checkpoint 2, then was killed
+    monkeypatch.setattr(slurm, "check_inputs", lambda resolved: None)  # the job start's, on the cluster
+    for step in (1, 2, 3):
+        write_batch(tmp_path / "run", _batch(step))
+    (tmp_path / "run" / "checkpoints" / "step_2").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_2" / ".metadata").write_bytes(b"")
+    toml = _write(tmp_path)
+    assert rl.main(["@", str(toml), "--slurm", "--dry-run"]) == 2  # a new run may not start over it
+    assert "already holds a run" in capsys.readouterr().err
+
+    assert rl.main(["@", str(toml), "--slurm", "--dry-run", "--resume"]) == 0
+    assert "resuming: trainer from checkpoint step 2, retraining batches 3..3" in capsys.readouterr().out
+    script = (tmp_path / "run" / "slurm.sbatch").read_text()
+    rl_toml = tmp_path / "run" / "configs" / "rl.toml"
+    assert f'-m asyncrl slurm --job-start --resume @ "{rl_toml}"' in script
+    # the job's head node plans again from what the run directory holds then, and applies it
+    (tmp_path / "run" / "configs" / "trainer.toml").unlink()
+    assert slurm.main(["--job-start", "--resume", "@", str(rl_toml)]) == 0
+    trainer = tomllib.loads((tmp_path / "run" / "configs" / "trainer.toml").read_text())
+    orchestrator = tomllib.loads((tmp_path / "run" / "configs" / "orchestrator.toml").read_text())
+    assert trainer["resume_step"] == 2 and orchestrator["resume"] is True
+    # the job of a new run refuses to start over it
+    assert slurm.main(["--job-start", "@", str(rl_toml)]) == 2
+    assert "already holds a run" in capsys.readouterr().err

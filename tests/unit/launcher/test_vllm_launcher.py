@@ -198,7 +198,8 @@ def test_slurm_renders_vllm_servers(model_dir, tmp_path):
     })  # fmt: skip
     script = render_sbatch(cfg, tmp_path)
     server = next(x for x in script.splitlines() if "vllm.entrypoints.openai.api_server" in x)
-    assert server.strip().startswith(".venv-vllm/bin/python -m vllm.entrypoints.openai.api_server")
+    assert " .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server" in server
+    assert server.strip().startswith('bash -c "$BIND_GPUS" bind-gpus env ')
     assert '--host 0.0.0.0 --port "$port"' in server and '--seed "$((0 + i))"' in server
     assert "--data-parallel-size 8 --enable-expert-parallel" in server
     assert "VLLM_SERVER_DEV_MODE=1" in script and "export VLLM_API_KEY=" in script
