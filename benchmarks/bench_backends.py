@@ -62,14 +62,37 @@ def serve(kind: str, model: Path, args: argparse.Namespace, log: Path) -> Iterat
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     if kind.startswith("embedded"):
         dtype = "bfloat16" if kind == "embedded-bf16" else "float32"
-        argv = [sys.executable, "-m", "asyncrl", "inference", "--model", str(model), "--port", str(port),
-                "--dtype", dtype, "--device", "cpu", "--max-num-seqs", str(args.concurrency),
-                "--kv-cache-tokens", "65536", "--log-level", "warning"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "inference",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--device",
+            "cpu",
+            "--max-num-seqs",
+            str(args.concurrency),
+            "--kv-cache-tokens",
+            "65536",
+            "--log-level",
+            "warning",
+        ]
     else:
         cfg = InferenceConfig(
-            model=str(model), backend="vllm", port=port, dtype="bfloat16", max_num_seqs=args.concurrency,
-            max_model_len=1024, log_level="warning", vllm={"cpu_kv_cache_space_gb": 2},
-        )  # fmt: skip
+            model=str(model),
+            backend="vllm",
+            port=port,
+            dtype="bfloat16",
+            max_num_seqs=args.concurrency,
+            max_model_len=1024,
+            log_level="warning",
+            vllm={"cpu_kv_cache_space_gb": 2},
+        )
         command = build_vllm_command(cfg, python=args.vllm_python)
         argv, env = command.argv, env | command.env
     with log.open("w") as out:
@@ -202,9 +225,9 @@ def format_tables(args, kinds, tok_s, pauses) -> str:
         "`scripts/setup-vllm.sh`'s venv.",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, shared; one run. Model {args.preset}, "
-        f"{args.requests} requests, token-id prompts of 16-64 tokens, concurrency {args.concurrency}, greedy, "
-        "EOS ignored; `embedded` float32, `embedded-bf16` bfloat16, vLLM 0.32 CPU build bfloat16, all over "
-        "HTTP through the orchestrator's backend classes.",
+        f"{args.requests} requests, token-id prompts of 16-64 tokens, concurrency {args.concurrency}, "
+        "greedy, EOS ignored; `embedded` float32, `embedded-bf16` bfloat16, vLLM 0.32 CPU build bfloat16, "
+        "all over HTTP through the orchestrator's backend classes.",
         "",
         f"| workload | {' | '.join(f'{k} tok/s' for k in kinds)} |"
         + "".join(f" {k} / vLLM |" for k in embedded if vllm),
