@@ -79,16 +79,23 @@ class Engine:
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.cache = KVCache(
-            num_layers=args.num_hidden_layers, num_blocks=num_blocks, block_size=bs,
-            num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
-            routing_top_k=args.routing_top_k, dtype=self.dtype, device=self.device,
+            num_layers=args.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=bs,
+            num_kv_heads=args.num_key_value_heads,
+            head_dim=args.head_dim,
+            routing_top_k=args.routing_top_k,
+            dtype=self.dtype,
+            device=self.device,
             latent_dim=args.kv_lora_rank + args.qk_rope_head_dim if args.uses_mla else 0,
             index_dim=args.index_head_dim if args.uses_dsa else 0,
-        )  # fmt: skip
+        )
         self.scheduler = Scheduler(
-            self.pool, block_size=bs, max_num_seqs=config.max_num_seqs,
+            self.pool,
+            block_size=bs,
+            max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-        )  # fmt: skip
+        )
         self.requests: dict[str, Request] = {}
         self._routing_start: dict[str, int] = {}
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -133,10 +140,14 @@ class Engine:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
         generator = torch.Generator(device=self.device).manual_seed(seed)
         req = Request(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids), options=options,
-            cache_salt=cache_salt, return_routed_experts=return_routed_experts,
-            arrival=next(self._arrivals), generator=generator,
-        )  # fmt: skip
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            options=options,
+            cache_salt=cache_salt,
+            return_routed_experts=return_routed_experts,
+            arrival=next(self._arrivals),
+            generator=generator,
+        )
         self.requests[request_id] = req
         self._routing_start[request_id] = min(routed_experts_start, len(prompt_token_ids))
         self.num_prompt_tokens += len(prompt_token_ids)
@@ -265,10 +276,11 @@ class Engine:
         self, batch: list[ScheduledSeq], hidden_ND: torch.Tensor, last_rows: list[int]
     ) -> list[RequestOutput]:
         to_sample = [
-            i for i, s in enumerate(batch)
+            i
+            for i, s in enumerate(batch)
             if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
             and not s.request.needs_final_routing
-        ]  # fmt: skip
+        ]
         tokens, logprobs, failures = [], [], {}
         if to_sample:
             logits_SV = self.model.lm_head(hidden_ND[[last_rows[i] for i in to_sample]])
@@ -299,12 +311,20 @@ class Engine:
         new = ([token], [logprob], [self.version])
         req.finish_reason = check_stop(req, self.eos_token_ids, self.max_model_len, self.detokenize)
         if req.finish_reason is None:
-            return RequestOutput(request_id=req.request_id, new_token_ids=[token], new_logprobs=[logprob],
-                                 new_versions=[self.version])  # fmt: skip
+            return RequestOutput(
+                request_id=req.request_id,
+                new_token_ids=[token],
+                new_logprobs=[logprob],
+                new_versions=[self.version],
+            )
         if req.return_routed_experts:
             req.needs_final_routing = True  # one more forward gives the last token's routing
-            return RequestOutput(request_id=req.request_id, new_token_ids=[token], new_logprobs=[logprob],
-                                 new_versions=[self.version])  # fmt: skip
+            return RequestOutput(
+                request_id=req.request_id,
+                new_token_ids=[token],
+                new_logprobs=[logprob],
+                new_versions=[self.version],
+            )
         return self._finish(req, *new)
 
     def _finish(
@@ -315,11 +335,16 @@ class Engine:
         del self.requests[req.request_id]
         start = self._routing_start.pop(req.request_id)
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions,
-            finish_reason=req.finish_reason, num_cached_tokens=max(req.num_cached_tokens, 0),
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            new_versions=versions,
+            finish_reason=req.finish_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
             num_prompt_tokens=len(req.prompt_token_ids),
-            routed_experts=None if routing is None else routing[start:], context_version=req.context_version,
-        )  # fmt: skip
+            routed_experts=None if routing is None else routing[start:],
+            context_version=req.context_version,
+        )
 
     def _routing(self, req: Request) -> np.ndarray:
         """Expert ids of every computed token [T, L, K]; uint8, or uint16 past 256 experts."""

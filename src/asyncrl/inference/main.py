@@ -1,4 +1,5 @@
-"""`asyncrl inference --model DIR [--port 8000] [--dtype float32|bfloat16] [--max-num-seqs N] [--api-key KEY]`.
+"""`asyncrl inference --model DIR [--port 8000] [--dtype float32|bfloat16] [--max-num-seqs N]
+[--api-key KEY]`.
 
 Also `asyncrl inference @ inference.toml --port 8001`: every InferenceConfig field can come from
 TOML files and `--dotted.key value` overrides. Serves the API of docs/architecture.md on host:port.
@@ -60,8 +61,14 @@ def main(argv: list[str]) -> int:
     engine = app.state.server.engine.engine
     log.info(
         "serving %s on http://%s:%d (%s, %s, KV pool %d blocks x %d tokens, %.1f MiB)",
-        app.state.server.model_name, config.host, config.port, config.dtype, engine.device,
-        engine.pool.num_blocks, config.block_size, engine.cache.nbytes() / 2**20,
-    )  # fmt: skip
+        app.state.server.model_name,
+        config.host,
+        config.port,
+        config.dtype,
+        engine.device,
+        engine.pool.num_blocks,
+        config.block_size,
+        engine.cache.nbytes() / 2**20,
+    )
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
     return 0

@@ -50,7 +50,8 @@ def _check(cfg: SlurmRLConfig) -> None:
     if d.num_inference_servers != want:
         raise ConfigError(
             f"deployment.num_inference_servers ({d.num_inference_servers}) must equal slurm.inference_nodes "
-            f"* slurm.servers_per_inference_node = {s.inference_nodes} * {s.servers_per_inference_node} = {want}"
+            f"* slurm.servers_per_inference_node = {s.inference_nodes} * {s.servers_per_inference_node} = "
+            f"{want}"
         )
     if s.gpus_per_node % s.servers_per_inference_node:
         raise ConfigError(
@@ -143,10 +144,13 @@ def render_sbatch(cfg: SlurmRLConfig, run_dir: Path) -> str:
     lines += [
         "",
         "# trainer: one torchrun per node, c10d rendezvous on the first trainer node",
-        f'srun --nodes={s.trainer_nodes} --ntasks-per-node=1 --nodelist="$(IFS=,; echo "${{TRAINER_NODES[*]}}")" '
+        f"srun --nodes={s.trainer_nodes} --ntasks-per-node=1 "
+        '--nodelist="$(IFS=,; echo "${TRAINER_NODES[*]}")" '
         f'--output="{log_file(run_dir, "trainer-%t")}" \\',
-        f"  {s.python} -m torch.distributed.run --nnodes={s.trainer_nodes} --nproc-per-node={s.gpus_per_node} "
-        f'--rdzv-backend=c10d --rdzv-endpoint="${{TRAINER_MASTER}}:{s.rdzv_port}" --rdzv-id="$SLURM_JOB_ID" \\',
+        f"  {s.python} -m torch.distributed.run --nnodes={s.trainer_nodes} "
+        f"--nproc-per-node={s.gpus_per_node} "
+        f'--rdzv-backend=c10d --rdzv-endpoint="${{TRAINER_MASTER}}:{s.rdzv_port}" '
+        '--rdzv-id="$SLURM_JOB_ID" \\',
         f'  -m asyncrl trainer @ "{config_file(run_dir, "trainer")}" &',
         "TRAINER_PID=$!",
         "",
@@ -193,7 +197,8 @@ def main(argv: list[str]) -> int:
     path = sbatch_file(run_dir)
     path.write_text(script)
     print(
-        f"asyncrl slurm: wrote {path} ({cfg.slurm.inference_nodes} inference + {cfg.slurm.trainer_nodes} trainer nodes)"
+        f"asyncrl slurm: wrote {path} ({cfg.slurm.inference_nodes} inference + {cfg.slurm.trainer_nodes} "
+        "trainer nodes)"
     )
     if dry_run:
         return 0

@@ -7,8 +7,9 @@ r). Per head, k = [W_kb c ; k_r] and v = W_vb c. Queries go through their own lo
 
 `project` returns that per-token state, concatenated [c ; k_r] (`state_BTc`), and `expand` turns
 a context's state into per-head k/v. Attention runs through `backend.attend_latent(q, state,
-expand, layer)`, so a KV cache keeps the R + r state per token instead of H * (n + r + v) values. HF names: q_proj | q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa,
-kv_a_layernorm, kv_b_proj; o_proj. The two bottleneck norms use eps 1e-6, as transformers does.
+expand, layer)`, so a KV cache keeps the R + r state per token instead of H * (n + r + v) values.
+HF names: q_proj | q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm,
+kv_b_proj; o_proj. The two bottleneck norms use eps 1e-6, as transformers does.
 
 Shape legend: B batch, T tokens, D model dim, H heads, R kv_lora_rank, Q q_lora_rank,
 n qk_nope_head_dim, r qk_rope_head_dim, v v_head_dim.
