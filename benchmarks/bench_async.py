@@ -102,12 +102,37 @@ def start_model(work: Path, a) -> tuple[Path, str]:
     t0 = time.perf_counter()
     _asyncrl(*init, "--init-std", "0.06")
     data = work / "sft.jsonl"
-    _asyncrl("sft-data", "--env", "reverse-text", "--num", "26000", "--out", str(data), "--corrupt-prob", "0.3",
-             "--env-args", ENV_ARGS, "--seed", "0")  # fmt: skip
+    _asyncrl(
+        "sft-data",
+        "--env",
+        "reverse-text",
+        "--num",
+        "26000",
+        "--out",
+        str(data),
+        "--corrupt-prob",
+        "0.3",
+        "--env-args",
+        ENV_ARGS,
+        "--seed",
+        "0",
+    )
     run = work / "sft"
     env = os.environ | {"OMP_NUM_THREADS": "1"}  # as run.sh: SFT is deterministic for a thread count
-    _asyncrl("sft", "@", str(DEMO / "sft.toml"), "--model.path", str(base), "--data.path", str(data),
-             "--run-dir", str(run), "--seed", "0", env=env)  # fmt: skip
+    _asyncrl(
+        "sft",
+        "@",
+        str(DEMO / "sft.toml"),
+        "--model.path",
+        str(base),
+        "--data.path",
+        str(data),
+        "--run-dir",
+        str(run),
+        "--seed",
+        "0",
+        env=env,
+    )
     model = max((run / "weights").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     print(f"[bench_async] SFT done in {time.perf_counter() - t0:.0f}s: {model.name}", flush=True)
     return model, f"the reverse-text demo's SFT model (seed 0, {model.name}; run.sh's stages 1-3)"
@@ -116,9 +141,25 @@ def start_model(work: Path, a) -> tuple[Path, str]:
 def evaluate(model: Path, work: Path, label: str) -> float:
     """Sampled (temperature 1) mean reward on the demo's held-out tasks."""
     out = work / "eval.jsonl"
-    _asyncrl("eval", "--model", str(model), "--label", label, "--env", "reverse-text", "--env-args", ENV_ARGS,
-             "--num", str(EVAL_TASKS), "--max-tokens", str(MAX_TOKENS), "--temperature", "1",
-             "--json-out", str(out))  # fmt: skip
+    _asyncrl(
+        "eval",
+        "--model",
+        str(model),
+        "--label",
+        label,
+        "--env",
+        "reverse-text",
+        "--env-args",
+        ENV_ARGS,
+        "--num",
+        str(EVAL_TASKS),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--temperature",
+        "1",
+        "--json-out",
+        str(out),
+    )
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     return next(r["reward"] for r in reversed(rows) if r["label"] == label)
 
@@ -186,8 +227,11 @@ def main() -> None:
                 print(f"[bench_async] seed {seed}: {name}, {a.steps * factor} steps", flush=True)
                 rows.append(run_mode(model, work, name, lag, seed, a.steps * factor, a))
                 r = rows[-1]
-                print(f"[bench_async]   {r['wall_s']:.0f}s wall, {r['step_s']:.2f} s/step, "
-                      f"held-out reward {r['heldout']:.3f}", flush=True)  # fmt: skip
+                print(
+                    f"[bench_async]   {r['wall_s']:.0f}s wall, {r['step_s']:.2f} s/step, "
+                    f"held-out reward {r['heldout']:.3f}",
+                    flush=True,
+                )
     by_seed = [{r["mode"]: r for r in rows if r["seed"] == seed} for seed in range(a.repeats)]
     step_ratios = [m["sync"]["step_s"] / m["async"]["step_s"] for m in by_seed]
     wall_ratios = [m["sync"]["wall_s"] / m["async"]["wall_s"] for m in by_seed]
@@ -199,14 +243,15 @@ def main() -> None:
         return statistics.mean(r[key] for r in rows if r["mode"] == mode)
 
     lines = [
-        "| mode | seed | steps | wall s | s/step (steps 2-N) | trainer busy s/step | training reward, first -> last quarter "
-        "| held-out reward, final weights | inference idle s | max staleness | groups dispatched / step "
-        "| dropped stale | dropped zero-adv |",
+        "| mode | seed | steps | wall s | s/step (steps 2-N) | trainer busy s/step "
+        "| training reward, first -> last quarter | held-out reward, final weights | inference idle s "
+        "| max staleness | groups dispatched / step | dropped stale | dropped zero-adv |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(
-            f"| {r['mode']} | {r['seed']} | {r['steps']} | {r['wall_s']:.1f} | {r['step_s']:.2f} | {r['trainer_busy_s']:.2f} "
-            f"| {r['reward_first']:.3f} -> {r['reward_last']:.3f} | {r['heldout']:.3f} | {r['idle_s']:.1f} "
-            f"| {r['staleness_max']} | {r['groups_per_step']:.1f} | {r['dropped_stale']} | {r['dropped_zero_adv']} |"
+            f"| {r['mode']} | {r['seed']} | {r['steps']} | {r['wall_s']:.1f} | {r['step_s']:.2f} | "
+            f"{r['trainer_busy_s']:.2f} | {r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
+            f"{r['heldout']:.3f} | {r['idle_s']:.1f} | {r['staleness_max']} | {r['groups_per_step']:.1f} | "
+            f"{r['dropped_stale']} | {r['dropped_zero_adv']} |"
             for r in rows
         ),
         "",
@@ -239,9 +284,9 @@ def main() -> None:
             f"`reverse-text` (the demo's tasks, 3-5 characters) with a lognormal delay per episode step "
             f"(median {a.median_s}s, sigma {a.sigma}), starting from {origin}; batch 32 = 4 groups of 8, "
             f"{a.steps} steps, lr 2e-3; sync = max_async_steps 0, async = max_async_steps 2 and "
-            f"max_off_policy_steps 2; async-long is async for {long_steps} steps. Each seed (the RL seed) runs "
-            "the three, one after the other. Held-out reward: `asyncrl eval` of the final weights on the "
-            f"demo's {EVAL_TASKS} eval tasks, sampled at temperature 1.\n"
+            f"max_off_policy_steps 2; async-long is async for {long_steps} steps. Each seed (the RL seed) "
+            "runs the three, one after the other. Held-out reward: `asyncrl eval` of the final weights on "
+            f"the demo's {EVAL_TASKS} eval tasks, sampled at temperature 1.\n"
             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs. Command: `{command}`\n\n"
         )
         write_section("## Async vs sync", header + table + "\n")

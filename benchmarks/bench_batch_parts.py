@@ -10,9 +10,9 @@ the bytes a rank reads now (its part and the manifest; every file a rank opens i
 the count is their sizes, or the header and the rows read when a rank takes a few samples out of a
 part) and the read time. Two more rows read at another rank count than the batch was written for,
 which re-splits: the 4-part batch at 2 ranks (a resume at another layout) and the 1-part batch at 4
-ranks (a standalone orchestrator left at trainer_dp_size = 1). From the measured bytes per token it extrapolates the
-reference GLM-5 batch (256 rollouts x 131072 tokens). Results go to BENCHMARKS.md under
-"## Per-rank batches".
+ranks (a standalone orchestrator left at trainer_dp_size = 1). From the measured bytes per token
+it extrapolates the reference GLM-5 batch (256 rollouts x 131072 tokens). Results go to
+BENCHMARKS.md under "## Per-rank batches".
 """
 
 from __future__ import annotations
@@ -107,19 +107,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     reference = per_token * REFERENCE_TOKENS
     note = (
-        f"Batch: {len(batch.samples)} samples, {batch.num_tokens} tokens, {per_token:.0f} bytes per token on disk "
-        f"(routed experts {GLM5_LAYERS} x {GLM5_TOP_K} uint8 = {GLM5_LAYERS * GLM5_TOP_K} of them). Before the "
-        "split every rank read the whole batch at any data-rank count (busiest / whole = 1).\n"
-        f"The reference GLM-5 batch (256 x 131072 tokens) at this density: {format_bytes(reference)} per step; "
-        f"a rank of 8 data ranks reads about {format_bytes(reference / 8)}, of 32 about "
+        f"Batch: {len(batch.samples)} samples, {batch.num_tokens} tokens, {per_token:.0f} bytes per token on "
+        f"disk (routed experts {GLM5_LAYERS} x {GLM5_TOP_K} uint8 = {GLM5_LAYERS * GLM5_TOP_K} of them). "
+        "Before the split every rank read the whole batch at any data-rank count (busiest / whole = 1).\n"
+        f"The reference GLM-5 batch (256 x 131072 tokens) at this density: {format_bytes(reference)} per "
+        f"step; a rank of 8 data ranks reads about {format_bytes(reference / 8)}, of 32 about "
         f"{format_bytes(reference / 32)}, instead of all of it.\n"
     )
     print(table)
     print(note)
     if not ns.no_write:
         header = (
-            "Bytes each trainer data rank reads per step (its part of the batch and the manifest) against the "
-            "whole batch, through `asyncrl.transport.write_batch` / `read_batch_part` on a local disk.\n"
+            "Bytes each trainer data rank reads per step (its part of the batch and the manifest) against "
+            "the whole batch, through `asyncrl.transport.write_batch` / `read_batch_part` on a local disk.\n"
             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, shared (read times are warm page cache "
             "and noisy; bytes are exact).\n"
             f"Command: `PYTHONPATH=src python benchmarks/bench_batch_parts.py --samples {ns.samples} "

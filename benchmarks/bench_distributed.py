@@ -117,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         header = (
             "Forward+backward of tiny-moe on one packed row, fp32, 2 gloo processes with 1 thread each, "
             "median of steps; the baseline is one process in the same run. CPU overhead of the parallel "
-            "machinery, not a GPU speed-up. Without EP, FSDP all-gathers the experts (most of the weights) over "
-            "gloo twice per step and reduce-scatters their gradients; with EP they stay on their rank.\n"
+            "machinery, not a GPU speed-up. Without EP, FSDP all-gathers the experts (most of the weights) "
+            "over gloo twice per step and reduce-scatters their gradients; with EP they stay on their rank.\n"
             f"Machine: {platform.machine()} {os.cpu_count()} threads, shared (1-min load average "
-            f"{os.getloadavg()[0]:.1f} at the end: expect run-to-run swings of 2x), torch {torch.__version__}.\n"
+            f"{os.getloadavg()[0]:.1f} at the end: expect run-to-run swings of 2x), torch "
+            f"{torch.__version__}.\n"
             f"Command: `python benchmarks/bench_distributed.py --steps {ns.steps} --tokens {ns.tokens}`\n\n"
         )
         write_section("## Distributed", f"## Distributed\n\n{header}{table}\n")

@@ -73,7 +73,8 @@ def main() -> None:
             "| benchmark | tokens/step | asyncrl tok/s | transformers tok/s | ratio |",
             "|---|---|---|---|---|",
             *(
-                f"| {r['what']} | {r['tokens']} | {r['ours']:.0f} | {r['hf']:.0f} | {r['ours'] / r['hf']:.2f}x |"
+                f"| {r['what']} | {r['tokens']} | {r['ours']:.0f} | {r['hf']:.0f} | "
+                f"{r['ours'] / r['hf']:.2f}x |"
                 for r in rows
             ),
         ]

@@ -66,8 +66,14 @@ def run_hf(model_dir: Path, workload, concurrency: int, pad_id: int) -> float:
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
         longest = max(n for _, n in batch)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                       do_sample=False, pad_token_id=pad_id)  # fmt: skip
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
     return time.perf_counter() - t0
 
 
@@ -96,9 +102,12 @@ def main() -> None:
                 t_bf16 = min(t_bf16, run_engine(model_dir, workload, c, "bfloat16"))
                 t_hf = min(t_hf, run_hf(model_dir, workload, c, pad_id))
             rows.append((c, n, tokens, tokens / t_engine, tokens / t_hf, tokens / t_bf16))
-            print(f"c={c:3d} n={n:4d} tokens={tokens:6d} engine {tokens / t_engine:8.1f} tok/s  "
-                  f"generate() {tokens / t_hf:8.1f} tok/s  ratio {t_hf / t_engine:5.2f}x  "
-                  f"engine bf16 {tokens / t_bf16:8.1f} tok/s", flush=True)  # fmt: skip
+            print(
+                f"c={c:3d} n={n:4d} tokens={tokens:6d} engine {tokens / t_engine:8.1f} tok/s  "
+                f"generate() {tokens / t_hf:8.1f} tok/s  ratio {t_hf / t_engine:5.2f}x  "
+                f"engine bf16 {tokens / t_bf16:8.1f} tok/s",
+                flush=True,
+            )
     table = render(rows, args)
     print(table)
     if args.write:
@@ -115,16 +124,19 @@ def render(rows, args) -> str:
         sys.argv[1:]
     )
     lines = [
-        f"### {args.preset}", "",
+        f"### {args.preset}",
+        "",
         f"Machine: {machine}; shared with other jobs, so timings are noisy and only the ratios (same "
         f"process, interleaved, best of {args.repeats}) are meaningful. Model `{args.preset}` (random init), "
-        f"greedy, CPU; generate() in fp32. Prompts 16-64 tokens; outputs uniform in [{args.min_new}, {args.max_new}] "
-        f"tokens, EOS ignored.",
-        "", f"Command: `{cmd.strip()}`", "",
+        f"greedy, CPU; generate() in fp32. Prompts 16-64 tokens; outputs uniform in [{args.min_new}, "
+        f"{args.max_new}] tokens, EOS ignored.",
+        "",
+        f"Command: `{cmd.strip()}`",
+        "",
         "| concurrency | requests | generated tokens | engine fp32 tok/s | generate() fp32 tok/s "
         "| engine / generate() | engine bf16 tok/s | engine bf16 / fp32 |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]  # fmt: skip
+    ]
     for c, n, tokens, e, h, b in rows:
         lines.append(f"| {c} | {n} | {tokens} | {e:.0f} | {h:.0f} | {e / h:.2f}x | {b:.0f} | {b / e:.2f}x |")
     return "\n".join(lines) + "\n"

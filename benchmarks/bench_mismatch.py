@@ -83,9 +83,13 @@ def load(model_dir: Path, precision: str) -> Transformer:
 
 def build_engine(model_dir: Path, precision: str, num_seqs: int, max_tokens: int) -> Engine:
     cfg = InferenceConfig(
-        model=str(model_dir), dtype="float32" if precision == "fp32" else "bfloat16", device="cpu",
-        kv_cache_tokens=num_seqs * (64 + max_tokens) + 512, max_model_len=512, seed=0,
-    )  # fmt: skip
+        model=str(model_dir),
+        dtype="float32" if precision == "fp32" else "bfloat16",
+        device="cpu",
+        kv_cache_tokens=num_seqs * (64 + max_tokens) + 512,
+        max_model_len=512,
+        seed=0,
+    )
     return Engine(load(model_dir, precision), cfg)
 
 
@@ -143,9 +147,12 @@ def score(model: Transformer, samples: list[RolloutSample], replay: bool) -> Sco
     moe = model.args.moe_layers
     for mb in pack_samples(samples, seq_len=2048, replay=True):
         out = model(
-            mb.input_ids, mb.position_ids, routed_experts=mb.routed_experts if replay else None,
-            return_routing=True, compute_logits=False,
-        )  # fmt: skip
+            mb.input_ids,
+            mb.position_ids,
+            routed_experts=mb.routed_experts if replay else None,
+            return_routing=True,
+            compute_logits=False,
+        )
         lp, _ = chunked_logprobs(
             out.hidden_states[0], model.lm_head.weight, mb.target_ids, mb.temperatures, 512
         )
@@ -212,9 +219,18 @@ def _with_group_advantages(samples: list[RolloutSample], group: int) -> list[Rol
     ]
 
 
-def rl_curve(model_dir: Path, replay: bool, steps: int, num_prompts: int, group: int, max_tokens: int,
-             lr: float, seed: int) -> list[tuple[float, float, float]]:  # fmt: skip
-    """(mean reward, trainer's mismatch KL, masked fraction) per step; weights go trainer -> engine (bf16) each step."""
+def rl_curve(
+    model_dir: Path,
+    replay: bool,
+    steps: int,
+    num_prompts: int,
+    group: int,
+    max_tokens: int,
+    lr: float,
+    seed: int,
+) -> list[tuple[float, float, float]]:
+    """(mean reward, trainer's mismatch KL, masked fraction) per step; weights go trainer -> engine
+    (bf16) each step."""
     torch.manual_seed(seed)
     trainer = load(model_dir, "fp32").train()
     optimizer = build_optimizer(trainer, OptimConfig(lr=lr))
@@ -244,7 +260,8 @@ def rl_curve(model_dir: Path, replay: bool, steps: int, num_prompts: int, group:
 
 def render_rl(off: list[tuple[float, float, float]], on: list[tuple[float, float, float]]) -> str:
     lines = [
-        "| step | reward R3 off | reward R3 on | mismatch KL R3 off | mismatch KL R3 on | masked off | masked on |",
+        "| step | reward R3 off | reward R3 on | mismatch KL R3 off | mismatch KL R3 on "
+        "| masked off | masked on |",
         "|---|---|---|---|---|---|---|",
     ]
     lines += [
@@ -280,12 +297,16 @@ def main() -> None:
             print(table)
             header = (
                 "## Mismatch\n\n"
-                "Mismatch KL (k3, mean over sampled tokens) between the embedded engine's logprobs and the trainer's\n"
-                f"recomputation, R3 off/on; {a.prompts} prompts x {a.max_tokens} sampled tokens (temperature 1) per\n"
-                f"preset, random init with router and LM head x{ROUTER_SCALE:g}. One run. Analysis: docs/mismatch.md.\n"
+                "Mismatch KL (k3, mean over sampled tokens) between the embedded engine's logprobs "
+                "and the trainer's\n"
+                f"recomputation, R3 off/on; {a.prompts} prompts x {a.max_tokens} sampled tokens "
+                "(temperature 1) per\n"
+                f"preset, random init with router and LM head x{ROUTER_SCALE:g}. One run. "
+                "Analysis: docs/mismatch.md.\n"
                 + machine
-                + f"Command: `python benchmarks/bench_mismatch.py --prompts {a.prompts} --max-tokens {a.max_tokens}`\n\n"
-            )  # fmt: skip
+                + f"Command: `python benchmarks/bench_mismatch.py --prompts {a.prompts} --max-tokens "
+                f"{a.max_tokens}`\n\n"
+            )
             if not a.no_write:
                 write_section("## Mismatch", header + table + "\n")
         if a.rl_steps:
@@ -295,10 +316,13 @@ def main() -> None:
             print(table)
             header = (
                 "## Mismatch: short RL run, R3 off vs on\n\n"
-                "tiny-moe (random init, router and LM head x10), bf16 engine, fp32 trainer, trust-region loss,\n"
-                f"lr {a.rl_lr:g}, 4 prompts x 4 samples x 24 tokens per step; reward = share of lowercase letters.\n"
-                + machine + f"Command: `python benchmarks/bench_mismatch.py --presets --rl-steps {a.rl_steps}`\n\n"
-            )  # fmt: skip
+                "tiny-moe (random init, router and LM head x10), bf16 engine, fp32 trainer, "
+                "trust-region loss,\n"
+                f"lr {a.rl_lr:g}, 4 prompts x 4 samples x 24 tokens per step; "
+                "reward = share of lowercase letters.\n"
+                + machine
+                + f"Command: `python benchmarks/bench_mismatch.py --presets --rl-steps {a.rl_steps}`\n\n"
+            )
             if not a.no_write:
                 write_section("## Mismatch: short RL run, R3 off vs on", header + table + "\n")
 

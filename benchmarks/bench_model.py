@@ -1,6 +1,7 @@
 """Forward+backward throughput of asyncrl's MoE block and whole model against transformers' Qwen3-MoE.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_model.py [--steps 3] [--bf16-steps 1] [--no-write]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_model.py \
+        [--steps 3] [--bf16-steps 1] [--no-write]
 
 Both implementations get the same weights and inputs in one process, in fp32 and in bf16 (timings
 interleaved, median of --steps after a warm-up). The main shape is the issue-17 one: a ~57M
@@ -159,8 +160,14 @@ def profile_shares(name: str, batch: int, seq: int) -> dict[str, dict[str, float
 def _row(
     what: str, dtype: torch.dtype, tokens: int, t_ours: float, t_hf: float, flops_per_tok: float
 ) -> dict:
-    return {"what": what, "dtype": dtype, "tokens": tokens, "ours": tokens / t_ours, "hf": tokens / t_hf,
-            "flops_per_tok": flops_per_tok}  # fmt: skip
+    return {
+        "what": what,
+        "dtype": dtype,
+        "tokens": tokens,
+        "ours": tokens / t_ours,
+        "hf": tokens / t_hf,
+        "flops_per_tok": flops_per_tok,
+    }
 
 
 def _native_peak(dtype: torch.dtype, size: int = 1024) -> float:
@@ -197,7 +204,8 @@ def main() -> None:
         rows.append(bench(*args))
         print(rows[-1], flush=True)
     lines = [
-        "| benchmark | dtype | tokens/step | asyncrl tok/s | transformers tok/s | ours / transformers | asyncrl MFU | transformers MFU |",
+        "| benchmark | dtype | tokens/step | asyncrl tok/s | transformers tok/s | ours / transformers "
+        "| asyncrl MFU | transformers MFU |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -210,7 +218,8 @@ def main() -> None:
     shares = profile_shares("moe-57m-16e", 4, 512)
     lines += [
         "",
-        "Where a fp32 fwd+bwd of the moe-57m-16e model spends its time (torch.profiler, self CPU time, one step):",
+        "Where a fp32 fwd+bwd of the moe-57m-16e model spends its time "
+        "(torch.profiler, self CPU time, one step):",
         "",
         "| | matmul (mm) | attention (SDPA fwd+bwd) | everything else |",
         "|---|---|---|---|",

@@ -1,6 +1,8 @@
-"""Publish seconds and bytes per version: fp32 vs bf16 (vs FP8), one writer vs every rank, world sizes 1, 2, 4.
+"""Publish seconds and bytes per version: fp32 vs bf16 (vs FP8), one writer vs every rank, world
+sizes 1, 2, 4.
 
-    python benchmarks/bench_publish.py [--models moe-50m glm5-0.4b] [--world-sizes 1 2 4] [--repeats 2] [--write]
+    python benchmarks/bench_publish.py [--models moe-50m glm5-0.4b] [--world-sizes 1 2 4] \
+        [--repeats 2] [--write]
 
 Each world size runs under torchrun (gloo, CPU, one thread per rank). Every rank builds the model
 on meta, shards it with FSDP over all ranks and fills its shards with random values (the bytes are
@@ -53,11 +55,24 @@ ROOT = Path(__file__).resolve().parents[1]
 # A GLM-5-shaped model of ~0.36B parameters: MLA with a DSA indexer, a first dense layer, then
 # sigmoid-routed MoE layers of 16 experts with a shared expert (tiny-glm5's family, widened).
 GLM5_04B = replace(
-    preset_args("tiny-glm5"), hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-    num_attention_heads=16, num_key_value_heads=16, head_dim=32, q_lora_rank=384, kv_lora_rank=256,
-    qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, num_experts=16, moe_intermediate_size=512,
-    index_n_heads=8, index_head_dim=64, indexer_types=("full",) * 12,
-)  # fmt: skip
+    preset_args("tiny-glm5"),
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    head_dim=32,
+    q_lora_rank=384,
+    kv_lora_rank=256,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    num_experts=16,
+    moe_intermediate_size=512,
+    index_n_heads=8,
+    index_head_dim=64,
+    indexer_types=("full",) * 12,
+)
 MODELS: dict[str, ModelArgs] = {"moe-50m": preset_args("moe-50m"), "glm5-0.4b": GLM5_04B}
 CASES = (  # label, writers, dtype, fp8, overlap
     ("one writer", "one", "float32", False, False),
@@ -151,11 +166,16 @@ def worker(ns: argparse.Namespace) -> None:
             published = weights_dir(run_dir, ns.repeats).resolve()
             sizes = {f.name: f.stat().st_size for f in published.iterdir() if f.suffix == ".safetensors"}
             busiest = sum(sizes.values()) if case[1] == "one" else _busiest(sizes, info.world_size)
-            results.append({
-                "case": i, "blocked": statistics.median(t[0] for t in times),
-                "total": statistics.median(t[1] for t in times),
-                "bytes": sum(sizes.values()), "files": len(sizes), "busiest": busiest,
-            })  # fmt: skip
+            results.append(
+                {
+                    "case": i,
+                    "blocked": statistics.median(t[0] for t in times),
+                    "total": statistics.median(t[1] for t in times),
+                    "bytes": sum(sizes.values()),
+                    "files": len(sizes),
+                    "busiest": busiest,
+                }
+            )
         if info.is_distributed:
             dist.barrier()
         if info.is_main:
@@ -169,11 +189,33 @@ def worker(ns: argparse.Namespace) -> None:
 # -- the driver ---------------------------------------------------------------------------------------
 def _run(model: str, world_size: int, repeats: int, shard_bytes: int, work: Path) -> list[dict]:
     out = work / f"{model}-{world_size}.json"
-    script = [str(Path(__file__).resolve()), "--worker", "--model", model, "--out", str(out),
-              "--run-dir", str(work / f"{model}-{world_size}"), "--repeats", str(repeats),
-              "--shard-bytes", str(shard_bytes)]  # fmt: skip
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-                "--master-port", str(_free_port())] if world_size > 1 else [sys.executable]  # fmt: skip
+    script = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--model",
+        model,
+        "--out",
+        str(out),
+        "--run-dir",
+        str(work / f"{model}-{world_size}"),
+        "--repeats",
+        str(repeats),
+        "--shard-bytes",
+        str(shard_bytes),
+    ]
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(world_size),
+            "--master-port",
+            str(_free_port()),
+        ]
+        if world_size > 1
+        else [sys.executable]
+    )
     env = os.environ | {
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")]),
@@ -196,7 +238,8 @@ def _rows(model: str, args: ModelArgs, world_size: int, results: list[dict]) -> 
         blocked = f"{r['blocked']:.2f}" if overlap else "(all)"
         rows.append(
             f"| {model} | {args.num_params() / 1e6:.0f}M | {world_size} | {label} | {fmt} | "
-            f"{r['bytes'] / 1e6:.0f} | {r['files']} | {r['busiest'] / 1e6:.0f} | {r['total']:.2f} | {blocked} |"
+            f"{r['bytes'] / 1e6:.0f} | {r['files']} | {r['busiest'] / 1e6:.0f} | {r['total']:.2f} | "
+            f"{blocked} |"
         )
     return rows
 
@@ -234,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.write:
         header = (
             "Seconds per published version (median of "
-            f"{ns.repeats}, the slowest rank's), torchrun with gloo on CPU, one thread per rank, FSDP over all "
-            "ranks, random weights, files of at most an eighth of the bf16 model. `publish s` runs until "
+            f"{ns.repeats}, the slowest rank's), torchrun with gloo on CPU, one thread per rank, FSDP over "
+            "all ranks, random weights, files of at most an eighth of the bf16 model. `publish s` runs until "
             "STABLE; `step blocked s` is what a step waits with `[publish] overlap` (the snapshot), where "
             "the rest overlaps the next step; without overlap the step waits for all of it. One writer: "
             "rank 0 receives (in fp32) and writes everything, the path before every rank wrote; all ranks "

@@ -96,10 +96,14 @@ def worker(layout: str, model_dir: str, out: Path) -> None:
     state = model.state_dict()
     held = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in state.values())
     record = {
-        "rank": info.rank, "seconds": seconds, "peak": peak - base, "after": after - base, "held": held,
+        "rank": info.rank,
+        "seconds": seconds,
+        "peak": peak - base,
+        "after": after - base,
+        "held": held,
         "model": sum(t.numel() * t.element_size() for t in state.values()),
         "largest": max(t.numel() * t.element_size() for t in state.values()),
-    }  # fmt: skip
+    }
     (out / f"rank{info.rank}.json").write_text(json.dumps(record))
     barrier(info)
 
@@ -119,10 +123,21 @@ def _run(layout: str, world_size: int, model_dir: Path, tmp: Path) -> list[dict]
         "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT / 'benchmarks'}",
     }
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-        "--master-port", str(_free_port()), str(Path(__file__).resolve()),
-        "--worker", layout, "--model", str(model_dir), "--out", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(world_size),
+        "--master-port",
+        str(_free_port()),
+        str(Path(__file__).resolve()),
+        "--worker",
+        layout,
+        "--model",
+        str(model_dir),
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
 

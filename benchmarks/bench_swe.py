@@ -15,7 +15,8 @@ first).
 Part 3: how a checkout of this repository itself (a few hundred files) is made: the env's way
 (`GitCheckout`: a git directory sharing the source's objects, then `read-tree -u`), its reset after
 an edit, and two alternatives, `git clone --shared` + checkout and a full copy (`cp -a`) of a
-checked-out tree; median of `--repeats`, the variants interleaved. `--write` replaces the "SWE env" section of BENCHMARKS.md.
+checked-out tree; median of `--repeats`, the variants interleaved. `--write` replaces the "SWE env"
+section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -85,12 +86,15 @@ def measure(
     assert not failed, (failed[0].error, failed[0].rewards)
     starts = [e.rewards["sandbox_start_s"] for e in episodes]
     return {
-        "concurrency": concurrency, "episodes": len(episodes), "wall_s": wall,
-        "per_min": 60 * len(episodes) / wall, "start_p50_ms": 1000 * _percentile(starts, 0.5),
+        "concurrency": concurrency,
+        "episodes": len(episodes),
+        "wall_s": wall,
+        "per_min": 60 * len(episodes) / wall,
+        "start_p50_ms": 1000 * _percentile(starts, 0.5),
         "start_p99_ms": 1000 * _percentile(starts, 0.99),
         "warm": statistics.fmean(e.rewards["sandbox_warm"] for e in episodes),
         "test_p50_s": _percentile([e.rewards["test_run_s"] for e in episodes], 0.5),
-    }  # fmt: skip
+    }
 
 
 def _child(tasks: Path, root: Path, tok_dir: Path) -> None:
@@ -127,10 +131,11 @@ def _sandbox_processes(root: Path) -> set[int]:
 def _census(root: Path) -> dict[str, int]:
     runs = [p for p in root.iterdir() if p.name.startswith("run-")]
     return {
-        "processes": len(_sandbox_processes(root)), "mounts": len(mounts_under(root)),
+        "processes": len(_sandbox_processes(root)),
+        "mounts": len(mounts_under(root)),
         "cgroups": sum(Path(g).is_dir() for r in runs for g in (r / "cgroups").read_text().split()),
         "dirs": len(runs),
-    }  # fmt: skip
+    }
 
 
 def kill_and_restart(tasks: Path, tok_dir: Path, root: Path) -> list[tuple[str, dict[str, int]]]:
@@ -207,13 +212,15 @@ def _tables(
     checkouts: list[tuple[str, float]],
 ) -> str:
     rows = [
-        "| in flight | episodes | wall s | episodes/min | start p50 ms | start p99 ms | warm starts | test run p50 s |",
+        "| in flight | episodes | wall s | episodes/min | start p50 ms | start p99 ms | warm starts "
+        "| test run p50 s |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in levels:
         rows.append(
-            f"| {m['concurrency']} | {m['episodes']} | {m['wall_s']:.1f} | {m['per_min']:.0f} | {m['start_p50_ms']:.1f} "
-            f"| {m['start_p99_ms']:.1f} | {100 * m['warm']:.0f}% | {m['test_p50_s']:.2f} |"
+            f"| {m['concurrency']} | {m['episodes']} | {m['wall_s']:.1f} | {m['per_min']:.0f} | "
+            f"{m['start_p50_ms']:.1f} | {m['start_p99_ms']:.1f} | {100 * m['warm']:.0f}% | "
+            f"{m['test_p50_s']:.2f} |"
         )
     rows += ["", "| stage | processes | mounts | cgroups | run dirs |", "|---|---:|---:|---:|---:|"]
     for stage, c in census:
@@ -254,8 +261,8 @@ def main() -> None:
             f"{load[1]:.1f} at the end. Command: `PYTHONPATH=src python benchmarks/bench_swe.py --levels "
             f"{' '.join(map(str, args.levels))} --rounds {args.rounds} --repeats {args.repeats} --write` "
             f"({time.monotonic() - t0:.0f} s), one run. The env's built-in example task `calclib-clamp` "
-            "(`asyncrl.envs.builtin.swe.example`), which measures the pool rather than the tasks; the shipped "
-            'task set is in "SWE task set" below.\n\n'
+            "(`asyncrl.envs.builtin.swe.example`), which measures the pool rather than the tasks; the "
+            'shipped task set is in "SWE task set" below.\n\n'
             "A scripted agent applies the reference fix (two tool calls), then the grader runs the task's "
             "tests (pytest) in the episode's bwrap sandbox; `max_sandboxes` = episodes in flight. Start "
             "latency: the time `setup` waits for a pristine sandbox.\n\n"

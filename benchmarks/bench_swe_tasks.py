@@ -67,9 +67,14 @@ def _eval_env(tasks_file: str, concurrency: int) -> str:
         t0 = time.monotonic()
         try:
             episodes = asyncio.run(
-                evaluate(env, scripted_agent(agent, env), config=EnvConfig(name="swe"), num=num,
-                         concurrency=concurrency)
-            )  # fmt: skip
+                evaluate(
+                    env,
+                    scripted_agent(agent, env),
+                    config=EnvConfig(name="swe"),
+                    num=num,
+                    concurrency=concurrency,
+                )
+            )
         finally:
             env.close()
         wall_s, s = time.monotonic() - t0, summarize(episodes)
@@ -85,8 +90,10 @@ def _eval_env(tasks_file: str, concurrency: int) -> str:
 
 def _run_rl() -> tuple[Path, float]:
     if not Path(RL_MODEL, "config.json").exists():
-        subprocess.run([sys.executable, "-m", "asyncrl", "init-model", "--preset", "tiny-moe", "--out", RL_MODEL],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "asyncrl", "init-model", "--preset", "tiny-moe", "--out", RL_MODEL],
+            check=True,
+        )
     shutil.rmtree(RL_RUN, ignore_errors=True)
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "asyncrl", "rl", "@", RL_CONFIG, "--run_dir", RL_RUN], check=True)
@@ -104,8 +111,19 @@ def _rl_summary(run: Path, wall_s: float) -> str:
     orch = [r for r in records if r["role"] == "orchestrator" and "env/swe/episodes" in r]
     trainer = [r for r in records if r["role"] == "trainer"]
     episodes = sum(r["env/swe/episodes"] for r in orch)
-    names = ("num_tool_calls", "num_turns", "resolved", "fail_to_pass", "pass_to_pass", "grading_error",
-             "sandbox_start_s", "sandbox_warm", "test_run_s", "wall_s", "stop_max_tokens")  # fmt: skip
+    names = (
+        "num_tool_calls",
+        "num_turns",
+        "resolved",
+        "fail_to_pass",
+        "pass_to_pass",
+        "grading_error",
+        "sandbox_start_s",
+        "sandbox_warm",
+        "test_run_s",
+        "wall_s",
+        "stop_max_tokens",
+    )
     means = {n: _weighted(orch, n) for n in names}
     return (
         f"`asyncrl rl @ {RL_CONFIG}` ({len(trainer)} steps, {wall_s:.0f} s from the launch, servers' start "

@@ -125,9 +125,9 @@ def render(rows: list[dict[str, float | str]], args: argparse.Namespace, peak: f
         f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"device {args.device}, {args.dtype}, torch {torch.__version__}.",
         f"Command: `OMP_NUM_THREADS={torch.get_num_threads()} python benchmarks/bench_trainer.py "
-        f"--presets {' '.join(args.presets)} --device {args.device} --dtype {args.dtype} --steps {args.steps} "
-        f"--samples {args.samples} --prompt-len {args.prompt_len} --completion-len {args.completion_len} "
-        f"--seq-len {args.seq_len} --write`",
+        f"--presets {' '.join(args.presets)} --device {args.device} --dtype {args.dtype} --steps "
+        f"{args.steps} --samples {args.samples} --prompt-len {args.prompt_len} --completion-len "
+        f"{args.completion_len} --seq-len {args.seq_len} --write`",
         f"Measured matmul peak (1024^2 {args.dtype} matmul, same run): {peak / 1e9:.1f} GFLOP/s.",
         f"Batch: {args.samples} samples of ~{args.prompt_len}+{args.completion_len} tokens packed into "
         f"rows of {args.seq_len}; full RL step (default trust-region loss, AdamW).",

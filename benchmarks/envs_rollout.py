@@ -158,10 +158,14 @@ def main() -> None:
 def _write_section(table: str) -> None:
     path = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    machine = f"{platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}, shared 2-core box"
+    machine = (
+        f"{platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}, "
+        "shared 2-core box"
+    )
     section = (
         "## envs\n\n"
-        f"Machine: {machine}. Command: `PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/envs_rollout.py --write`.\n"
+        f"Machine: {machine}. Command: `PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/envs_rollout.py "
+        "--write`.\n"
         "The scripted client makes generation free, so these are environment-side costs only.\n\n"
         f"{table}\n"
     )

@@ -59,30 +59,63 @@ TITLE = "## GPU check"
 # 1024 (an OLMoE-1B-7B-like shape), on the byte-level vocabulary of the other presets. Defined here,
 # not in asyncrl.model.presets: nothing else uses it, and at 6.6B it is no model to train on CPU.
 MOE_1B_ACTIVE = ModelArgs(
-    model_type="qwen3_moe", vocab_size=PRESETS["tiny-moe"].vocab_size, hidden_size=2048,
-    intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
-    head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024,
-    norm_topk_prob=True, max_position_embeddings=8192, rope_theta=1e6,
-    bos_token_id=PRESETS["tiny-moe"].bos_token_id, eos_token_id=PRESETS["tiny-moe"].eos_token_id,
+    model_type="qwen3_moe",
+    vocab_size=PRESETS["tiny-moe"].vocab_size,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=64,
+    num_experts_per_tok=8,
+    moe_intermediate_size=1024,
+    norm_topk_prob=True,
+    max_position_embeddings=8192,
+    rope_theta=1e6,
+    bos_token_id=PRESETS["tiny-moe"].bos_token_id,
+    eos_token_id=PRESETS["tiny-moe"].eos_token_id,
     pad_token_id=PRESETS["tiny-moe"].pad_token_id,
-)  # fmt: skip
+)
 
 FULL = Sizes(
-    model_name="moe-1b-active", model=MOE_1B_ACTIVE, dtype=torch.bfloat16, exact_preset="moe-50m",
+    model_name="moe-1b-active",
+    model=MOE_1B_ACTIVE,
+    dtype=torch.bfloat16,
+    exact_preset="moe-50m",
     peak_dim=8192,
-    train_rows=4, train_seq_len=4096, train_sample_len=1024, train_steps=5,
+    train_rows=4,
+    train_seq_len=4096,
+    train_sample_len=1024,
+    train_steps=5,
     fp8_check_shapes=((256, 512, 384), (1, 128, 128), (333, 1024, 256), (4096, 2048, 1024)),
-    fp8_speed_shapes=((16384, 2048, 2048), (16384, 8192, 8192)), fp8_iters=20,
-    decode_concurrency=(64, 256), decode_prompt_len=128, decode_new_tokens=128,
-    exact_prompts=16, exact_new_tokens=32,
-)  # fmt: skip
+    fp8_speed_shapes=((16384, 2048, 2048), (16384, 8192, 8192)),
+    fp8_iters=20,
+    decode_concurrency=(64, 256),
+    decode_prompt_len=128,
+    decode_new_tokens=128,
+    exact_prompts=16,
+    exact_new_tokens=32,
+)
 TINY = Sizes(
-    model_name="tiny-moe", model=preset_args("tiny-moe"), dtype=torch.float32, exact_preset="tiny-moe",
-    peak_dim=256, train_rows=2, train_seq_len=128, train_sample_len=32, train_steps=2,
-    fp8_check_shapes=((64, 256, 128), (1, 128, 128)), fp8_speed_shapes=((128, 256, 256),), fp8_iters=3,
-    decode_concurrency=(64, 256), decode_prompt_len=8, decode_new_tokens=4,
-    exact_prompts=4, exact_new_tokens=8,
-)  # fmt: skip
+    model_name="tiny-moe",
+    model=preset_args("tiny-moe"),
+    dtype=torch.float32,
+    exact_preset="tiny-moe",
+    peak_dim=256,
+    train_rows=2,
+    train_seq_len=128,
+    train_sample_len=32,
+    train_steps=2,
+    fp8_check_shapes=((64, 256, 128), (1, 128, 128)),
+    fp8_speed_shapes=((128, 256, 256),),
+    fp8_iters=3,
+    decode_concurrency=(64, 256),
+    decode_prompt_len=8,
+    decode_new_tokens=4,
+    exact_prompts=4,
+    exact_new_tokens=8,
+)
 
 # Seconds per section; no section starts past --time-limit, and each ends by the earlier of the two.
 BUDGETS_S = {"env": 5, "matmul_peak": 15, "trainer": 70, "fp8": 40, "exact": 40, "decode": 100}
@@ -131,8 +164,11 @@ def run_section(name: str, ctx: Ctx) -> dict:
         failed = any(c["passed"] is False for c in checks.values())
         record = {"status": "failed" if failed else "ok", "metrics": sec.metrics, "checks": checks}
     except Exception as err:  # the script's top level: one broken section must not hide the others
-        record = {"status": "error", "error": f"{type(err).__name__}: {err}",
-                  "traceback": traceback.format_exc(limit=-6)}  # fmt: skip
+        record = {
+            "status": "error",
+            "error": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc(limit=-6),
+        }
     gc.collect()
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -278,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     print(render_table(result))
     if args.write:
         if result["meta"]["mode"] != "full" or not result["meta"]["device"].startswith("cuda"):
-            raise SystemExit("gpu_check: --write records a full-size GPU run; this result is from "
-                             f"mode {result['meta']['mode']!r} on {result['meta']['device']!r}")  # fmt: skip
+            raise SystemExit(
+                "gpu_check: --write records a full-size GPU run; this result is from "
+                f"mode {result['meta']['mode']!r} on {result['meta']['device']!r}"
+            )
         write_section(TITLE, render_section(result), args.benchmarks)
         print(f"[gpu_check] wrote the '{TITLE}' section of {args.benchmarks}")
     return 0 if result["passed"] else 1

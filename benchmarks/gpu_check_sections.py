@@ -341,7 +341,8 @@ def _scaled_mm_unavailable(device: torch.device) -> str | None:
 
 @torch.no_grad()
 def fp8_section(ctx: Ctx) -> Section:
-    """Block-scale FP8 (1x128 activations, 128x128 weights): error vs fp32, kernel vs emulation, speed vs bf16."""
+    """Block-scale FP8 (1x128 activations, 128x128 weights): error vs fp32, kernel vs emulation, speed
+    vs bf16."""
     s, out = ctx.sizes, Section()
     gen = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
 
@@ -497,16 +498,21 @@ def _decode_run(model: Transformer, ctx: Ctx, concurrency: int, new_tokens: int,
 # -- exact mode ---------------------------------------------------------------------------------
 @torch.no_grad()
 def exact_section(ctx: Ctx) -> Section:
-    """fp32 engine vs the trainer's fp32 recomputation on the device: logprobs must agree (mismatch KL ~ 0)."""
+    """fp32 engine vs the trainer's fp32 recomputation on the device: logprobs must agree (mismatch
+    KL ~ 0)."""
     _require_engine()
     s, out, dev = ctx.sizes, Section(), ctx.device
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model_dir(s.exact_preset, Path(tmp) / s.exact_preset, ctx.seed)
         num_seqs, max_len = s.exact_prompts, 64 + s.exact_new_tokens
         cfg = InferenceConfig(
-            model=str(model_dir), dtype="float32", device=dev.type, kv_cache_tokens=num_seqs * max_len + 512,
-            max_model_len=max_len, seed=ctx.seed,
-        )  # fmt: skip
+            model=str(model_dir),
+            dtype="float32",
+            device=dev.type,
+            kv_cache_tokens=num_seqs * max_len + 512,
+            max_model_len=max_len,
+            seed=ctx.seed,
+        )
         engine = Engine.from_config(cfg)
         trainer_model = from_pretrained(str(model_dir), dtype=torch.float32, device=str(dev)).eval()
     gen = torch.Generator().manual_seed(ctx.seed)
@@ -516,15 +522,22 @@ def exact_section(ctx: Ctx) -> Section:
     total, max_abs, num_equal, agreement = MismatchSums(), 0.0, 0, 1.0
     for mb in pack_samples(samples, seq_len=2048, replay=True):
         mb = mb.to(dev)
-        res = trainer_model(mb.input_ids, mb.position_ids, routed_experts=mb.routed_experts,
-                            return_routing=True, compute_logits=False)  # fmt: skip
-        lp_T, _ = chunked_logprobs(res.hidden_states[0], trainer_model.lm_head.weight, mb.target_ids,
-                                   mb.temperatures, 512)  # fmt: skip
+        res = trainer_model(
+            mb.input_ids,
+            mb.position_ids,
+            routed_experts=mb.routed_experts,
+            return_routing=True,
+            compute_logits=False,
+        )
+        lp_T, _ = chunked_logprobs(
+            res.hidden_states[0], trainer_model.lm_head.weight, mb.target_ids, mb.temperatures, 512
+        )
         total = total + mismatch_sums(lp_T, mb.inference_logprobs, mb.loss_mask)
         diff = (lp_T - mb.inference_logprobs)[mb.loss_mask].abs()
         max_abs, num_equal = max(max_abs, float(diff.max())), num_equal + int((diff == 0).sum())
-        agree_L = routing_agreement(mb.routed_experts[0], res.router_topk[0], mb.loss_mask,
-                                    trainer_model.args.moe_layers)  # fmt: skip
+        agree_L = routing_agreement(
+            mb.routed_experts[0], res.router_topk[0], mb.loss_mask, trainer_model.args.moe_layers
+        )
         agreement = min(agreement, float(agree_L.min()))
     m = total.metrics()
     expected = s.exact_prompts * s.exact_new_tokens

@@ -90,8 +90,15 @@ def test_demo_sft_reaches_copying(tmp_path, seed):
     init_model("tiny-moe", tmp_path / "base", seed=seed, std=DEMO_INIT_STD)
     data = tmp_path / "sft.jsonl"
     write_sft_data("reverse-text", 32 * COPY_CAP, data, corrupt_prob=0.3, seed=seed, env_args=DEMO_ENV_ARGS)
-    cfg = sft_config(tmp_path, data, steps=COPY_CAP, batch_size=32, warmup=10,
-                     seed=seed, stop={"loss": COPY_LOSS, "window": 25})  # fmt: skip
+    cfg = sft_config(
+        tmp_path,
+        data,
+        steps=COPY_CAP,
+        batch_size=32,
+        warmup=10,
+        seed=seed,
+        stop={"loss": COPY_LOSS, "window": 25},
+    )
     records = run_sft(cfg)
     losses = [r["loss"] for r in records]
     assert len(records) < COPY_CAP, f"no copy transition in {COPY_CAP} steps: {losses[::25]}"
@@ -99,8 +106,12 @@ def test_demo_sft_reaches_copying(tmp_path, seed):
     # The greedy answers are reversals, not letters of the prompt in some order: a model that only
     # learned which letters to use would rarely get a whole 3-5 letter answer right.
     env = EnvConfig(name="reverse-text", args=DEMO_ENV_ARGS)
-    result = evaluate(str(weights_dir(cfg.run_dir, len(records))), env, num=EVAL_TASKS,
-                      sampling=SamplingParams(temperature=0.0, max_tokens=10))  # fmt: skip
+    result = evaluate(
+        str(weights_dir(cfg.run_dir, len(records))),
+        env,
+        num=EVAL_TASKS,
+        sampling=SamplingParams(temperature=0.0, max_tokens=10),
+    )
     # Seen (reward, exact; seeds 0, 1) in the three settings of COPY_CAP: 0.878, 0.570 and 0.865, 0.559;
     # 0.800, 0.414 and 0.765, 0.332; 0.866, 0.535 and 0.781, 0.355. Models that do not copy scored at
     # most 0.69 and 0.125: on or leaving the plateau (mean loss >= 1.45), or stuck near 1.0 repeating the
@@ -138,8 +149,11 @@ def test_demo_reward_rises_with_small_mismatch_and_in_flight_updates(tmp_path):
     config.write_text(tomli_w.dumps(rl_config(model, run_dir)))
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl", "rl", "@", str(config)],
-        capture_output=True, text=True, env=child_env(), timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -50,8 +50,11 @@ def test_glm5_rl_loop_runs_end_to_end(tmp_path):
     config.write_text(tomli_w.dumps(cfg))
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl", "rl", "@", str(config)],
-        capture_output=True, text=True, env=child_env(), timeout=540,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=540,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -116,9 +116,16 @@ class Page:
 
     def bash(self, script: str, where: str, *, must_succeed: bool = True) -> str:
         """Run `script`; what it prints (stdout and stderr, as a terminal shows them)."""
-        done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=self.root, env=self.env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=COMMAND_TIMEOUT_S, check=False)  # fmt: skip
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=self.root,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=COMMAND_TIMEOUT_S,
+            check=False,
+        )
         ok = done.returncode == 0 or not must_succeed
         assert ok, f"{where}: exit {done.returncode}\n$ {script}\n{done.stdout[-4000:]}"
         return done.stdout
@@ -127,8 +134,14 @@ class Page:
         """Start `script` in the background (its own process group) and wait until `url`/health answers."""
         log = self.root / f"server-{len(self.servers)}.log"
         with log.open("w") as out:
-            proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], cwd=self.root, env=self.env,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                ["bash", "-euo", "pipefail", "-c", script],
+                cwd=self.root,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.servers.append(proc)
         deadline = time.monotonic() + SERVER_READY_S
         while time.monotonic() < deadline:

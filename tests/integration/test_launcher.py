@@ -1,4 +1,5 @@
-"""`asyncrl rl` when a child dies: killing the trainer mid-run stops everything, names it, leaves no orphans."""
+"""`asyncrl rl` when a child dies: killing the trainer mid-run stops everything, names it, leaves no
+orphans."""
 
 from __future__ import annotations
 
@@ -69,12 +70,31 @@ def test_killing_the_trainer_stops_the_run_and_names_it(tmp_path):
     init_model("tiny-moe", tmp_path / "model", seed=0)
     run_dir = tmp_path / "run"
     argv = [
-        sys.executable, "-m", "asyncrl", "rl", "--model", str(tmp_path / "model"), "--run-dir", str(run_dir),
-        "--max-steps", "1000", "--seq-len", "256", "--deployment.base-port", str(free_port()),
-        "--orchestrator.envs.envs", '[{name = "reverse-text", max_total_tokens = 256}]',
-        "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
-        "--orchestrator.sampling.max_tokens", "8", "--inference.device", "cpu",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "rl",
+        "--model",
+        str(tmp_path / "model"),
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        "1000",
+        "--seq-len",
+        "256",
+        "--deployment.base-port",
+        str(free_port()),
+        "--orchestrator.envs.envs",
+        '[{name = "reverse-text", max_total_tokens = 256}]',
+        "--orchestrator.batch_size",
+        "8",
+        "--orchestrator.group_size",
+        "4",
+        "--orchestrator.sampling.max_tokens",
+        "8",
+        "--inference.device",
+        "cpu",
+    ]
     launcher = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env()
     )

@@ -23,14 +23,35 @@ def test_rl_with_an_eval_every_2_steps_writes_the_lines_keeps_the_best_and_plots
     init_model("tiny-moe", tmp_path / "model", seed=0)
     run_dir = tmp_path / "run"
     argv = [
-        sys.executable, "-m", "asyncrl", "rl", "--model", str(tmp_path / "model"), "--run-dir", str(run_dir),
-        "--max-steps", "4", "--seq-len", "256", "--deployment.base-port", str(free_port()),
-        "--orchestrator.envs.envs", '[{name = "reverse-text", max_total_tokens = 256}]',
-        "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
-        "--orchestrator.sampling.max_tokens", "8", "--inference.device", "cpu",
-        "--orchestrator.eval", '{interval = 2, k = 2, num_tasks = 4, keep_best = "eval/reverse-text/reward"}',
-        "--trainer.publish.keep_last", "1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "rl",
+        "--model",
+        str(tmp_path / "model"),
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        "4",
+        "--seq-len",
+        "256",
+        "--deployment.base-port",
+        str(free_port()),
+        "--orchestrator.envs.envs",
+        '[{name = "reverse-text", max_total_tokens = 256}]',
+        "--orchestrator.batch_size",
+        "8",
+        "--orchestrator.group_size",
+        "4",
+        "--orchestrator.sampling.max_tokens",
+        "8",
+        "--inference.device",
+        "cpu",
+        "--orchestrator.eval",
+        '{interval = 2, k = 2, num_tasks = 4, keep_best = "eval/reverse-text/reward"}',
+        "--trainer.publish.keep_last",
+        "1",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 

@@ -1,4 +1,5 @@
-"""Tools that answer or hang, and a metric that keeps each trace its task scores: what a verifiers reward sees."""
+"""Tools that answer or hang, and a metric that keeps each trace its task scores: what a verifiers reward
+sees."""
 
 import asyncio
 

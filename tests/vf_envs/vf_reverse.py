@@ -2,8 +2,24 @@
 
 import verifiers.v1 as vf
 
-WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "piano", "lemon", "ocean", "brick",
-         "candle", "forest", "silver", "garden", "planet", "window"]  # fmt: skip
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "maple",
+    "tiger",
+    "piano",
+    "lemon",
+    "ocean",
+    "brick",
+    "candle",
+    "forest",
+    "silver",
+    "garden",
+    "planet",
+    "window",
+]
 
 
 class ReverseData(vf.TaskData):

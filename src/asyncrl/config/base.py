@@ -299,10 +299,11 @@ def config_help(
     """Every key of `cls` with its default and its Field description, one table per nested section.
 
     `section` is the dotted name the keys sit under (`"orchestrator"` prints `[orchestrator]`, then
-    `[orchestrator.sampling]`, ...); `exclude` leaves out keys that are set elsewhere (dotted for nested ones: "model.path");
-    `defaults` is the instance whose values are shown (a section's own default, which may differ
-    from its class's); `about` follows the section's title (default: the class docstring's first
-    line). Example line: `  batch_size = 32            samples per batch (one trainer step)`.
+    `[orchestrator.sampling]`, ...); `exclude` leaves out keys that are set elsewhere (dotted for
+    nested ones: "model.path"); `defaults` is the instance whose values are shown (a section's own
+    default, which may differ from its class's); `about` follows the section's title (default: the
+    class docstring's first line). Example line:
+    `  batch_size = 32            samples per batch (one trainer step)`.
     """
     rows: list[tuple[str, str]] = []
     nested: list[tuple[str, str]] = []

@@ -17,7 +17,8 @@ Example (TOML)::
 
     [[envs.envs]]
     name = "swe-lite"                # runs model-written code in the bubblewrap sandbox
-    args = { wall_s = 20.0, allow_weak_isolation = false }   # true: accept the guard alone where bwrap cannot run
+    # allow_weak_isolation = true: accept the guard alone where bwrap cannot run
+    args = { wall_s = 20.0, allow_weak_isolation = false }
 """
 
 from __future__ import annotations

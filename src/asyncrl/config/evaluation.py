@@ -24,7 +24,7 @@ __all__ = ["EvalConfig"]
 
 
 class EvalConfig(BaseConfig):
-    """Held-out evals on the servers while the run trains (docs/orchestrator.md, Evaluation during training)."""
+    """Held-out evals on the servers while a run trains (docs/orchestrator.md, Evaluation during training)."""
 
     interval: int = Field(
         0, ge=0, description="evaluate every N policy versions, v0 and the final version too; 0 = off"
@@ -34,7 +34,8 @@ class EvalConfig(BaseConfig):
     num_tasks: int = Field(64, ge=1, description="tasks 0..num_tasks-1 of each eval env's eval split")
     envs: list[EnvConfig] = Field(
         default_factory=list,
-        description="envs to evaluate, each on its eval split; empty: every training env ([orchestrator.envs])",
+        description="envs to evaluate, each on its eval split; empty: every training env "
+        "([orchestrator.envs])",
     )
     pass_threshold: float = Field(
         1.0, description="an episode passes (pass@1, pass@k) when its reward is at least this"

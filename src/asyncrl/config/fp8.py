@@ -26,9 +26,11 @@ class FP8Config(BaseConfig):
     enabled: bool = Field(False, description="quantize eligible linears and expert stacks (e4m3, 128 blocks)")
     ignore: list[str] = Field(
         default_factory=lambda: list(DEFAULT_FP8_IGNORE),
-        description="module names or fnmatch patterns kept in high precision (dims not multiple of 128 always are)",
+        description="module names or fnmatch patterns kept in high precision (dims not multiple of 128 "
+        "always are)",
     )
     backend: FP8Backend = Field(
         "auto",
-        description="scaled_mm: blockwise F.scaled_mm (CUDA); emulated: dequantize, fp32 matmul; auto: scaled_mm where a probe shows it works",
+        description="scaled_mm: blockwise F.scaled_mm (CUDA); emulated: dequantize, fp32 matmul; auto: "
+        "scaled_mm where a probe shows it works",
     )

@@ -159,8 +159,8 @@ class OrchestratorConfig(BaseConfig):
             raise ValueError(f"start_step ({self.start_step}) is past max_steps ({self.max_steps})")
         if self.group_size == 1 and self.advantage.filter_zero_advantage:
             raise ValueError(
-                "group_size = 1 gives every group zero advantage; set advantage.filter_zero_advantage = false "
-                "or use group_size >= 2"
+                "group_size = 1 gives every group zero advantage; set advantage.filter_zero_advantage = "
+                "false or use group_size >= 2"
             )
         if self.max_async_steps > self.max_off_policy_steps:
             raise ValueError(

@@ -175,7 +175,8 @@ class PublishConfig(BaseConfig):
     interval: int = Field(1, ge=1, description="publish every N steps (and at the last step)")
     dtype: Literal["bfloat16", "float32"] = Field(
         "bfloat16",
-        description="dtype of the published tensors: the servers' serving dtype (float32 for exact on-policy)",
+        description="dtype of the published tensors: the servers' serving dtype (float32 for exact "
+        "on-policy)",
     )
     fp8: bool = Field(
         False,

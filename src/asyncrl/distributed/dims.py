@@ -100,9 +100,13 @@ class ParallelDims:
     def from_config(cls, cfg: ParallelConfig, *, world_size: int, num_experts: int) -> ParallelDims:
         """`[trainer.parallel]` + the launched world size + the model's expert count."""
         return cls.build(
-            world_size=world_size, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard,
-            ep=cfg.ep, cp=cfg.cp, num_experts=num_experts,
-        )  # fmt: skip
+            world_size=world_size,
+            dp_replicate=cfg.dp_replicate,
+            dp_shard=cfg.dp_shard,
+            ep=cfg.ep,
+            cp=cfg.cp,
+            num_experts=num_experts,
+        )
 
     def _check_ep(self, num_experts: int) -> None:
         if self.ep == 1:

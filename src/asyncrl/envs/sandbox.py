@@ -44,9 +44,17 @@ from pathlib import Path
 from asyncrl.envs.sandbox_bwrap import Isolation, bwrap_argv, probe_isolation
 
 __all__ = [
-    "Isolation", "Sandbox", "SandboxIsolationError", "SandboxLimits", "SandboxPathError", "SandboxResult",
-    "from_bwrap_returncode", "network_isolation_prefix", "probe_isolation", "run_process",
-]  # fmt: skip
+    "Isolation",
+    "Sandbox",
+    "SandboxIsolationError",
+    "SandboxLimits",
+    "SandboxPathError",
+    "SandboxResult",
+    "from_bwrap_returncode",
+    "network_isolation_prefix",
+    "probe_isolation",
+    "run_process",
+]
 
 _GUARD = str(Path(__file__).with_name("sandbox_guard.py"))
 # After the deadline kills the call, its output pipes get this long to reach EOF. Under bwrap every
@@ -200,10 +208,14 @@ class Sandbox:
             "read_roots": list(_read_roots()),
             "sys_path": [p for p in sys.path if p and os.path.realpath(p).startswith(_read_roots())],
             "limits": {
-                "RLIMIT_CPU": lim.cpu_s, "RLIMIT_AS": lim.memory_bytes, "RLIMIT_NPROC": lim.max_processes,
-                "RLIMIT_FSIZE": lim.max_file_bytes, "RLIMIT_NOFILE": lim.max_open_files, "RLIMIT_CORE": 0,
+                "RLIMIT_CPU": lim.cpu_s,
+                "RLIMIT_AS": lim.memory_bytes,
+                "RLIMIT_NPROC": lim.max_processes,
+                "RLIMIT_FSIZE": lim.max_file_bytes,
+                "RLIMIT_NOFILE": lim.max_open_files,
+                "RLIMIT_CORE": 0,
             },
-        }  # fmt: skip
+        }
         argv = [sys.executable, "-I", "-S", _GUARD, json.dumps(config), script, *args]
         if self.isolation_mode.mode == "bwrap":
             assert self.isolation_mode.bwrap is not None
@@ -214,15 +226,21 @@ class Sandbox:
             prefix, _ = ((), "") if self.network else network_isolation_prefix()
             cmd = [*prefix, *argv]
         env = {
-            "PATH": "/usr/bin:/bin", "HOME": str(self.dir), "TMPDIR": str(self.dir), "LANG": "C.UTF-8",
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(self.dir),
+            "TMPDIR": str(self.dir),
+            "LANG": "C.UTF-8",
             "PYTHONHASHSEED": "0",
-        }  # fmt: skip
+        }
         return cmd, env
 
     def isolation(self) -> dict[str, str]:
         """How this sandbox's calls are confined, one line per concern (copied into every result)."""
         nproc = "not enforced for root" if os.geteuid() == 0 else "enforced"
-        limits = "RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, output cap, wall-clock deadline on the whole call"
+        limits = (
+            "RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, output cap, wall-clock deadline on the "
+            "whole call"
+        )
         if self.isolation_mode.mode == "bwrap":
             return {
                 "boundary": f"bwrap ({self.isolation_mode.detail})",
@@ -235,10 +253,12 @@ class Sandbox:
             }
         network = "on (network=True)" if self.network else network_isolation_prefix()[1]
         return {
-            "boundary": f"WEAK, no OS isolation (allowed by allow_weak_isolation): {self.isolation_mode.detail}",
+            "boundary": "WEAK, no OS isolation (allowed by allow_weak_isolation): "
+            f"{self.isolation_mode.detail}",
             "network": network,
             "files": "audit-hook guard only (bypassable) + host path checks",
-            "processes": f"guard only (bypassable); escaped descendants may outlive the call; RLIMIT_NPROC {nproc}",
+            "processes": "guard only (bypassable); escaped descendants may outlive the call; "
+            f"RLIMIT_NPROC {nproc}",
             "limits": limits,
         }
 
@@ -252,9 +272,14 @@ class Sandbox:
         self.path(script)
         cmd, env = self._command(script, list(args or []))
         result = await run_process(
-            cmd, cwd=self.dir, env=env, stdin=stdin, wall_s=self.limits.wall_s,
-            max_output_bytes=self.limits.max_output_bytes, isolation=self.isolation(),
-        )  # fmt: skip
+            cmd,
+            cwd=self.dir,
+            env=env,
+            stdin=stdin,
+            wall_s=self.limits.wall_s,
+            max_output_bytes=self.limits.max_output_bytes,
+            isolation=self.isolation(),
+        )
         if self.isolation_mode.mode == "bwrap":
             return dataclasses.replace(result, returncode=from_bwrap_returncode(result.returncode))
         return result
@@ -289,9 +314,15 @@ async def run_process(
     """
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *cmd, cwd=cwd, env=env, start_new_session=True, pass_fds=pass_fds,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        *cmd,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+        pass_fds=pass_fds,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     if on_spawn is not None:
         on_spawn(proc.pid)
     budget = _OutputBudget(max_output_bytes, proc.pid)
@@ -312,9 +343,14 @@ async def run_process(
     if abandoned:
         stderr += "\nsandbox: a descendant process outlived the call holding its output; abandoned\n"
     return SandboxResult(
-        returncode=proc.returncode, stdout=budget.text(0), stderr=stderr, timed_out=timed_out,
-        output_truncated=budget.exceeded, wall_s=time.monotonic() - t0, isolation=isolation or {},
-    )  # fmt: skip
+        returncode=proc.returncode,
+        stdout=budget.text(0),
+        stderr=stderr,
+        timed_out=timed_out,
+        output_truncated=budget.exceeded,
+        wall_s=time.monotonic() - t0,
+        isolation=isolation or {},
+    )
 
 
 async def _feed_and_wait(proc: asyncio.subprocess.Process, stdin: str) -> None:

@@ -89,9 +89,20 @@ def bwrap_argv(
     `tmpfs`: (path, size in bytes) of fresh size-limited tmpfs mounts, private to the call.
     """
     args = [
-        bwrap, "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-        "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox",
-    ]  # fmt: skip
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--uid",
+        str(SANDBOX_UID),
+        "--gid",
+        str(SANDBOX_UID),
+        "--cap-drop",
+        "ALL",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "sandbox",
+    ]
     if network:
         args.append("--share-net")
     args += _system_binds()

@@ -25,17 +25,45 @@ import sys
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _PATH_EVENTS_WRITE = {
-    "os.mkdir": (0,), "os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.link": (0, 1),
-    "os.symlink": (0, 1), "os.truncate": (0,), "os.chmod": (0,), "os.chown": (0,), "os.utime": (0,),
-    "os.chflags": (0,), "os.setxattr": (0,), "os.removexattr": (0,), "shutil.rmtree": (0,),
-    "os.chdir": (0,), "shutil.move": (0, 1), "shutil.copyfile": (1,), "os.mkfifo": (0,), "os.mknod": (0,),
-}  # fmt: skip
+    "os.mkdir": (0,),
+    "os.remove": (0,),
+    "os.rmdir": (0,),
+    "os.rename": (0, 1),
+    "os.link": (0, 1),
+    "os.symlink": (0, 1),
+    "os.truncate": (0,),
+    "os.chmod": (0,),
+    "os.chown": (0,),
+    "os.utime": (0,),
+    "os.chflags": (0,),
+    "os.setxattr": (0,),
+    "os.removexattr": (0,),
+    "shutil.rmtree": (0,),
+    "os.chdir": (0,),
+    "shutil.move": (0, 1),
+    "shutil.copyfile": (1,),
+    "os.mkfifo": (0,),
+    "os.mknod": (0,),
+}
 _PATH_EVENTS_READ = {"os.listdir": (0,), "os.scandir": (0,), "os.getxattr": (0,), "os.listxattr": (0,)}
 _REFUSED = (
-    "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.kill", "os.killpg",
-    "subprocess.Popen", "pty.spawn", "socket.__new__", "socket.socketpair", "gc.get_objects",
-    "gc.get_referrers", "gc.get_referents", "sys.remote_exec",
-)  # fmt: skip
+    "os.fork",
+    "os.forkpty",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.system",
+    "os.kill",
+    "os.killpg",
+    "subprocess.Popen",
+    "pty.spawn",
+    "socket.__new__",
+    "socket.socketpair",
+    "gc.get_objects",
+    "gc.get_referrers",
+    "gc.get_referents",
+    "sys.remote_exec",
+)
 
 
 def _set_limits(limits: dict[str, int]) -> None:

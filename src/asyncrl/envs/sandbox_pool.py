@@ -188,14 +188,22 @@ class SandboxPool:
         self.root.mkdir(parents=True, exist_ok=True)
         self.reaped: ReapReport = reap(self.root)
         if self.reaped.runs:
-            log.warning("sandbox pool: removed what %d dead run(s) left under %s: %s", self.reaped.runs,
-                        self.root, self.reaped)  # fmt: skip
+            log.warning(
+                "sandbox pool: removed what %d dead run(s) left under %s: %s",
+                self.reaped.runs,
+                self.root,
+                self.reaped,
+            )
         self.run_dir = RunDir.create(self.root)
         self.limits, self.max_sandboxes = limits or PoolLimits(), max_sandboxes
         self.mount_point, self.read_only_dirs = mount_point, read_only_dirs
         self.cgroups = _choose(use_cgroups, probe_cgroups, "cgroups", cgroup_problem)
-        self.tmpfs = _choose(use_tmpfs, lambda: _can_mount(self.run_dir.path), "a tmpfs per sandbox",
-                             lambda: "mounting a tmpfs needs root (CAP_SYS_ADMIN)")  # fmt: skip
+        self.tmpfs = _choose(
+            use_tmpfs,
+            lambda: _can_mount(self.run_dir.path),
+            "a tmpfs per sandbox",
+            lambda: "mounting a tmpfs needs root (CAP_SYS_ADMIN)",
+        )
         for base in self.cgroups.dirs if self.cgroups else ():
             self.run_dir.add_cgroup(base / self.run_dir.path.name)  # made with the first sandbox
         self._lock = threading.Lock()
@@ -286,14 +294,17 @@ class SandboxPool:
         return {
             "runtime": f"bwrap ({self.isolation_mode.detail})",
             "network": "none (network namespace with loopback only)",
-            "files": f"the sandbox directory at {self.mount_point} (read-write) and /tmp (a {lim.tmp_bytes}-byte "
-            "tmpfs per command); system, interpreter and read-only dirs; nothing else of the host",
+            "files": f"the sandbox directory at {self.mount_point} (read-write) and /tmp "
+            f"(a {lim.tmp_bytes}-byte tmpfs per command); system, interpreter and read-only dirs; nothing "
+            "else of the host",
             "processes": f"PID namespace per command, nothing outlives it; tree bound: {tree}",
-            "memory": f"{lim.memory_bytes} bytes per sandbox (cgroup)" if self.cgroups
+            "memory": f"{lim.memory_bytes} bytes per sandbox (cgroup)"
+            if self.cgroups
             else f"{lim.memory_bytes} bytes per process (RLIMIT_AS)",
             "disk": f"{disk}; RLIMIT_FSIZE {lim.max_file_bytes}",
-            "time": f"RLIMIT_CPU {lim.cpu_s} s per process; a deadline per command (default {lim.command_wall_s} s)",
-        }  # fmt: skip
+            "time": f"RLIMIT_CPU {lim.cpu_s} s per process; a deadline per command "
+            f"(default {lim.command_wall_s} s)",
+        }
 
     # -- slots -------------------------------------------------------------------------------------
 
@@ -301,8 +312,13 @@ class SandboxPool:
         """A reserved slot (caller holds the lock)."""
         self._counter += 1
         name = f"sb-{self._counter}"
-        slot = _Slot(name=name, dir=self.run_dir.path / name, key=workspace.key, workspace=workspace,
-                     after_create=after_create)  # fmt: skip
+        slot = _Slot(
+            name=name,
+            dir=self.run_dir.path / name,
+            key=workspace.key,
+            workspace=workspace,
+            after_create=after_create,
+        )
         self._slots.append(slot)
         return slot
 
@@ -334,9 +350,11 @@ class SandboxPool:
         slot.private.mkdir()
         if self.cgroups:
             slot.cgroup = Cgroup.create(
-                self.cgroups, f"{self.run_dir.path.name}/{slot.name}",
-                max_processes=self.limits.max_processes, memory_bytes=self.limits.memory_bytes,
-            )  # fmt: skip
+                self.cgroups,
+                f"{self.run_dir.path.name}/{slot.name}",
+                max_processes=self.limits.max_processes,
+                memory_bytes=self.limits.memory_bytes,
+            )
         slot.workspace.create(slot.work, slot.private)
 
     def _build(self, slot: _Slot, victim: _Slot | None = None) -> None:
@@ -402,24 +420,36 @@ class SandboxPool:
     ) -> SandboxResult:
         if slot.over_disk_limit:
             raise SandboxLimitError(
-                f"the sandbox is over its disk limit ({self.limits.disk_bytes} bytes) and runs no more commands"
+                f"the sandbox is over its disk limit ({self.limits.disk_bytes} bytes) and runs no more "
+                "commands"
             )
         lim = self.limits
         lifeline, keep_alive = os.pipe()  # EOF once this call ends or this process dies, however
         inner = ["/bin/bash", "-c", _prologue(lim, lifeline), "asyncrl-sandbox", *argv]
         cmd = bwrap_argv(
-            self.isolation_mode.bwrap or "bwrap", slot.work, inner, workdir_dest=self.mount_point,
-            read_only_dirs=self.read_only_dirs, read_only_files=read_only,
+            self.isolation_mode.bwrap or "bwrap",
+            slot.work,
+            inner,
+            workdir_dest=self.mount_point,
+            read_only_dirs=self.read_only_dirs,
+            read_only_files=read_only,
             tmpfs=(("/tmp", lim.tmp_bytes),),
-        )  # fmt: skip
+        )
         if slot.cgroup is not None:
             cmd = slot.cgroup.join_argv(cmd)
         try:
             result = await run_process(
-                cmd, cwd=slot.work, env=env, stdin=stdin, wall_s=timeout_s or lim.command_wall_s,
-                max_output_bytes=lim.max_output_bytes, isolation=self.isolation(),
-                on_spawn=self.run_dir.add_pid, on_exit=self._on_exit(slot), pass_fds=(lifeline,),
-            )  # fmt: skip
+                cmd,
+                cwd=slot.work,
+                env=env,
+                stdin=stdin,
+                wall_s=timeout_s or lim.command_wall_s,
+                max_output_bytes=lim.max_output_bytes,
+                isolation=self.isolation(),
+                on_spawn=self.run_dir.add_pid,
+                on_exit=self._on_exit(slot),
+                pass_fds=(lifeline,),
+            )
         finally:
             os.close(lifeline)
             os.close(keep_alive)
@@ -472,9 +502,12 @@ def _try_mount(where: Path) -> bool:
     probe = where / "mount-probe"
     probe.mkdir()
     try:
-        ok = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "asyncrl-sandbox", str(probe)], capture_output=True
-        ).returncode == 0  # fmt: skip
+        ok = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=1m", "asyncrl-sandbox", str(probe)], capture_output=True
+            ).returncode
+            == 0
+        )
         if ok:
             subprocess.run(["umount", "-l", str(probe)], capture_output=True, check=False)
         return ok
@@ -488,8 +521,9 @@ def _try_mount(where: Path) -> bool:
 def _mount_tmpfs(path: Path, size: int) -> None:
     subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "asyncrl-sandbox", str(path)],
-        capture_output=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        check=True,
+    )
 
 
 def _disk_usage(path: Path) -> int:

@@ -228,8 +228,8 @@ def _read_source(
     if suffix in PARQUET_SUFFIXES:
         return _read_parquet(p)
     raise TaskDataError(
-        f"{path}: unknown task data format {suffix or '(no suffix)'!r}; use {list(JSON_SUFFIXES + PARQUET_SUFFIXES)} "
-        "or a directory written by datasets' save_to_disk"
+        f"{path}: unknown task data format {suffix or '(no suffix)'!r}; use "
+        f"{list(JSON_SUFFIXES + PARQUET_SUFFIXES)} or a directory written by datasets' save_to_disk"
     )
 
 

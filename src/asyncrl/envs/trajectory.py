@@ -105,7 +105,8 @@ class TrajectoryBuilder:
 
     @property
     def routing_start(self) -> int:
-        """Leading tokens of the current sample whose routing is already known (for `routed_experts_start`)."""
+        """Leading tokens of the current sample whose routing is already known (for
+        `routed_experts_start`)."""
         return self._cur.known_routing_prefix()
 
     def extend_prompt(self, rendered: list[int], *, temperature: float) -> list[int]:
@@ -152,7 +153,8 @@ class TrajectoryBuilder:
         end = start + rows_TLK.shape[0]
         if end > len(self._cur.routing):
             raise InferenceError(
-                f"routed_experts rows [{start}, {end}) exceed the {len(self._cur.routing)} prompt + completion tokens"
+                f"routed_experts rows [{start}, {end}) exceed the {len(self._cur.routing)} prompt + "
+                "completion tokens"
             )
         for i, row in enumerate(rows_TLK):
             self._cur.routing[start + i] = row

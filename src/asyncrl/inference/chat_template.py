@@ -41,9 +41,12 @@ def render_chat(tokenizer: Any, body: Any, config: InferenceConfig) -> str:
     if body.chat_template is None:
         try:
             return tokenizer.apply_chat_template(
-                messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
-                tokenize=False, **variables,
-            )  # fmt: skip
+                messages,
+                tools=body.tools,
+                add_generation_prompt=body.add_generation_prompt,
+                tokenize=False,
+                **variables,
+            )
         except _TEMPLATE_ERRORS as e:
             raise InvalidRequestError("messages", f"cannot render the chat template: {e}") from None
     if not config.allow_request_chat_template:

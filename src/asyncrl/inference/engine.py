@@ -82,17 +82,24 @@ class Engine:
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.cache = KVCache(
-            num_layers=args.num_hidden_layers, num_blocks=num_blocks, block_size=bs,
-            num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
-            routing_top_k=args.routing_top_k, dtype=self.dtype, device=self.device,
+            num_layers=args.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=bs,
+            num_kv_heads=args.num_key_value_heads,
+            head_dim=args.head_dim,
+            routing_top_k=args.routing_top_k,
+            dtype=self.dtype,
+            device=self.device,
             latent_dim=args.kv_lora_rank + args.qk_rope_head_dim if args.uses_mla else 0,
             index_dim=args.index_head_dim if args.uses_dsa else 0,
         )  # fmt: skip
         self._log_kv_memory()
         self.scheduler = Scheduler(
-            self.pool, block_size=bs, max_num_seqs=config.max_num_seqs,
+            self.pool,
+            block_size=bs,
+            max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-        )  # fmt: skip
+        )
         self.requests: dict[str, Request] = {}
         self._routing_start: dict[str, int] = {}
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -288,10 +295,11 @@ class Engine:
         self, batch: list[ScheduledSeq], hidden_ND: torch.Tensor, seqs: list[SeqSlice]
     ) -> list[RequestOutput]:
         to_sample = [
-            i for i, s in enumerate(batch)
+            i
+            for i, s in enumerate(batch)
             if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
             and not s.request.needs_final_routing
-        ]  # fmt: skip
+        ]
         tokens, logprobs, failures = [], [], {}
         if to_sample:
             last_rows = [seqs[i].q_start + seqs[i].q_len - 1 for i in to_sample]
@@ -342,11 +350,16 @@ class Engine:
         del self.requests[req.request_id]
         start = self._routing_start.pop(req.request_id)
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions,
-            finish_reason=req.finish_reason, num_cached_tokens=max(req.num_cached_tokens, 0),
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            new_versions=versions,
+            finish_reason=req.finish_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
             num_prompt_tokens=len(req.prompt_token_ids),
-            routed_experts=None if routing is None else routing[start:], context_version=req.context_version,
-        )  # fmt: skip
+            routed_experts=None if routing is None else routing[start:],
+            context_version=req.context_version,
+        )
 
     def _routing(self, req: Request) -> np.ndarray:
         """Expert ids of every computed token [T, L, K]; uint8, or uint16 past 256 experts."""

@@ -1,4 +1,5 @@
-"""`asyncrl inference --model DIR [--port 8000] [--dtype float32|bfloat16] [--max-num-seqs N] [--api-key KEY]`.
+"""`asyncrl inference --model DIR [--port 8000] [--dtype float32|bfloat16] [--max-num-seqs N]
+[--api-key KEY]`.
 
 Also `asyncrl inference @ inference.toml --port 8001`: every InferenceConfig field can come from
 TOML files and `--dotted.key value` overrides. Serves the API of docs/architecture.md on host:port.

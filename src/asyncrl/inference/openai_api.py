@@ -205,8 +205,12 @@ async def _events(
     chat: bool,
 ) -> AsyncIterator[str]:
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-    base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": state.model_name}  # fmt: skip
+    base = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": state.model_name,
+    }
     hold = max((len(s) for s in options.stop), default=1) - 1  # a stop string may still be forming
     tools = chat and _parses_tools(body)
     result, sent = Collected(), ""

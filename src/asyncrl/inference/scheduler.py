@@ -75,9 +75,12 @@ class Scheduler:
         if num_full <= req.num_hashed_blocks:
             return
         req.block_hashes = hash_blocks(
-            req.all_token_ids[: num_full * self.block_size], self.block_size, req.cache_salt,
-            req.block_hashes, req.weights_epoch,
-        )  # fmt: skip
+            req.all_token_ids[: num_full * self.block_size],
+            self.block_size,
+            req.cache_salt,
+            req.block_hashes,
+            req.weights_epoch,
+        )
         for b in range(req.num_hashed_blocks, num_full):
             self.pool.register(req.block_ids[b], req.block_hashes[b], req.context_version)
         req.num_hashed_blocks = num_full
@@ -120,7 +123,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _admit(self, req: Request, budget: int) -> int:
-        """Reuse cached prefix blocks and reserve blocks for the first chunk. Returns its size (0: no room)."""
+        """Reuse cached prefix blocks and reserve blocks for the first chunk. Returns its size
+        (0: no room)."""
         bs = self.block_size
         tokens = req.all_token_ids
         if req.weights_epoch != self.weights_epoch:  # new, or preempted across a weight load

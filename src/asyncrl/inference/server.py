@@ -58,9 +58,12 @@ def build_app(engine: AsyncEngine, tokenizer: Any, config: InferenceConfig, mode
 
     app = FastAPI(title="asyncrl inference", lifespan=lifespan)
     app.state.server = ServerState(
-        engine=engine, tokenizer=tokenizer, config=config, model_name=model_name,
+        engine=engine,
+        tokenizer=tokenizer,
+        config=config,
+        model_name=model_name,
         max_token_chars=_max_token_chars(tokenizer),
-    )  # fmt: skip
+    )
     _install_error_handlers(app)
     # Added last = outermost: a request without the key is refused before its body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
@@ -206,9 +209,14 @@ def _add_core_routes(app: FastAPI) -> None:
         options = to_options(body, body.max_tokens)
         try:
             result = await collect(
-                state, http, body.prompt_token_ids, options, cache_salt=body.cache_salt,
-                return_routed_experts=body.return_routed_experts, routed_experts_start=body.routed_experts_start,
-            )  # fmt: skip
+                state,
+                http,
+                body.prompt_token_ids,
+                options,
+                cache_salt=body.cache_salt,
+                return_routed_experts=body.return_routed_experts,
+                routed_experts_start=body.routed_experts_start,
+            )
         except InvalidRequestError as e:
             # The engine names the field "prompt"; these endpoints name it as their body does.
             field = prompt_field if e.field == "prompt" else e.field
@@ -218,11 +226,15 @@ def _add_core_routes(app: FastAPI) -> None:
             start = min(body.routed_experts_start, len(body.prompt_token_ids))
             routed = RoutedExperts.from_array(result.routed_experts, start=start)
         return GenerateResponse(
-            token_ids=result.token_ids, logprobs=result.logprobs, policy_versions=result.versions,
-            finish_reason=result.finish_reason, num_cached_tokens=result.num_cached_tokens,
-            prompt_token_ids=body.prompt_token_ids, routed_experts=routed,
+            token_ids=result.token_ids,
+            logprobs=result.logprobs,
+            policy_versions=result.versions,
+            finish_reason=result.finish_reason,
+            num_cached_tokens=result.num_cached_tokens,
+            prompt_token_ids=body.prompt_token_ids,
+            routed_experts=routed,
             context_version=result.context_version,
-        )  # fmt: skip
+        )
 
     @app.post("/v1/generate")
     async def generate(body: GenerateRequest, http: Request) -> GenerateResponse:

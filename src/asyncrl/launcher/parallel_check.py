@@ -49,8 +49,12 @@ def check_trainer_parallel(
     ep = p.ep if num_experts is not None else 1
     try:
         ParallelDims.build(
-            world_size=world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
-            ep=ep, cp=p.cp, num_experts=num_experts or 0,
-        )  # fmt: skip
+            world_size=world_size,
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            ep=ep,
+            cp=p.cp,
+            num_experts=num_experts or 0,
+        )
     except ParallelDimsError as e:
         raise ConfigError(f"[trainer.parallel] with {where}: {e}") from None

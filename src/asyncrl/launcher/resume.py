@@ -13,7 +13,8 @@ deleted): the trainer publishes those versions again, and no server may stamp to
 holds the pre-crash v_n, which the retrained v_n equals only in deterministic fp32. And
 `metrics.jsonl` loses the lines of steps that will be redone (trainer steps after c; orchestrator
 steps after B, which cannot exist but a torn line can; evals of versions after c, which are
-published again), so every step appears once in the finished file. Both happen only here, while no process runs.
+published again), so every step appears once in the finished file. Both happen only here, while
+no process runs.
 """
 
 from __future__ import annotations

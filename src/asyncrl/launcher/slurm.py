@@ -69,7 +69,8 @@ def _check(cfg: SlurmRLConfig) -> None:
     if d.num_inference_servers != want:
         raise ConfigError(
             f"deployment.num_inference_servers ({d.num_inference_servers}) must equal slurm.inference_nodes "
-            f"* slurm.servers_per_inference_node = {s.inference_nodes} * {s.servers_per_inference_node} = {want}"
+            f"* slurm.servers_per_inference_node = {s.inference_nodes} * {s.servers_per_inference_node} = "
+            f"{want}"
         )
     if s.gpus_per_node % s.servers_per_inference_node:
         raise ConfigError(
@@ -362,6 +363,7 @@ def main(argv: list[str]) -> int:
     path = sbatch_file(run_dir)
     path.write_text(script)
     print(
-        f"asyncrl slurm: wrote {path} ({cfg.slurm.inference_nodes} inference + {cfg.slurm.trainer_nodes} trainer nodes)"
+        f"asyncrl slurm: wrote {path} ({cfg.slurm.inference_nodes} inference + {cfg.slurm.trainer_nodes} "
+        "trainer nodes)"
     )
     return 0 if flags.dry_run else _submit(path)

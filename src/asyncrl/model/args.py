@@ -230,8 +230,14 @@ class ModelArgs:
             raise ModelConfigError(
                 f"unsupported model_type '{self.model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim"]  # fmt: skip
+        positive = [
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"config.json: '{name}' must be positive, got {getattr(self, name)}")
@@ -268,7 +274,8 @@ class ModelArgs:
         E, n, g = self.num_experts, self.n_group, self.topk_group
         if n <= 0 or E % n or not 0 < g <= n:
             raise ModelConfigError(
-                f"config.json: need n_group ({n}) dividing n_routed_experts ({E}) and 0 < topk_group ({g}) <= n_group"
+                f"config.json: need n_group ({n}) dividing n_routed_experts ({E}) and 0 < topk_group ({g}) "
+                "<= n_group"
             )
         if n > 1 and E // n < 2:
             raise ModelConfigError(
@@ -302,7 +309,8 @@ class ModelArgs:
             types = self.indexer_types
             if len(types) != self.num_hidden_layers or set(types) - {"full", "shared"} or types[0] != "full":
                 raise ModelConfigError(
-                    f"glm_moe_dsa: indexer_types must list 'full'/'shared' per layer, starting with 'full'; got {types}"
+                    "glm_moe_dsa: indexer_types must list 'full'/'shared' per layer, starting with 'full'; "
+                    f"got {types}"
                 )
 
     # -- HF conversion -------------------------------------------------------------------------
@@ -433,9 +441,16 @@ class ModelArgs:
 
 # Keys read into typed fields under another name, or recomputed on save (not kept in `extra`).
 _CONSUMED_KEYS = {
-    "rope_parameters", "rope_scaling", "original_max_position_embeddings", "num_local_experts",
-    "n_routed_experts", "mlp_layer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset",
-}  # fmt: skip
+    "rope_parameters",
+    "rope_scaling",
+    "original_max_position_embeddings",
+    "num_local_experts",
+    "n_routed_experts",
+    "mlp_layer_types",
+    "index_topk_pattern",
+    "index_topk_freq",
+    "index_skip_topk_offset",
+}
 
 
 def _grouped_router_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:

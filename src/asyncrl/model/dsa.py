@@ -89,7 +89,11 @@ class DSAttention(MLAttention):
         p = self.project(x_BTD, rope)
         q, w, k = (None, None, None) if self.indexer is None else self.indexer(x_BTD, p.q_resid_BTQ, rope)
         index = IndexQuery(
-            q_BHTd=q, w_BTH=w, k_BTd=k, topk=self.index_topk, source_layer=self.source_layer,
+            q_BHTd=q,
+            w_BTH=w,
+            k_BTd=k,
+            topk=self.index_topk,
+            source_layer=self.source_layer,
             reused=self.selection_reused,
         )  # fmt: skip
         o_BHTv = backend.attend_latent(p.q_BHTd, p.state_BTc, self, self.layer_idx, index=index)

@@ -131,9 +131,14 @@ def _mm_scaled(xq, xs, wq, ws) -> torch.Tensor:
     scale_a = xs.t().contiguous().t()  # [N, Kb], stride [1, N]
     scale_b = F.pad(ws, (0, L4 - Kb)).contiguous().t()  # [L4, Ob], stride [1, L4]
     return F.scaled_mm(
-        xq, wq.t(), scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise128x128,
+        xq,
+        wq.t(),
+        scale_a,
+        F.ScalingType.BlockWise1x128,
+        scale_b,
+        F.ScalingType.BlockWise128x128,
         output_dtype=torch.bfloat16,
-    ).float()  # fmt: skip
+    ).float()
 
 
 @functools.cache

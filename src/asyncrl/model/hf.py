@@ -124,7 +124,8 @@ def from_pretrained(
 
 
 def _tensors(model: Transformer) -> dict[str, torch.Tensor]:
-    """What a checkpoint fills: parameters and buffers (the routers' score-correction bias, kept MTP tensors)."""
+    """What a checkpoint fills: parameters and buffers (the routers' score-correction bias, kept MTP
+    tensors)."""
     return dict(model.named_parameters()) | dict(model.named_buffers())
 
 

@@ -157,7 +157,8 @@ class HFReader:
                     part_want = want
                 if list(part.shape) != part_want:
                     raise ModelConfigError(
-                        f"{part.file}: tensor '{part.name}' has shape {list(part.shape)}, expected {part_want}"
+                        f"{part.file}: tensor '{part.name}' has shape {list(part.shape)}, expected "
+                        f"{part_want}"
                     )
 
     def read(self, name: str, dtype: torch.dtype, index: Sequence[slice] = ()) -> torch.Tensor:

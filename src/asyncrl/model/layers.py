@@ -81,7 +81,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
-    """Half-split RoPE on the first cos.shape[-1] dims of each head; the rest pass through (partial rotary)."""
+    """Half-split RoPE on the first cos.shape[-1] dims of each head; the rest pass through (partial
+    rotary)."""
     cos, sin = cos_BTd.unsqueeze(1), sin_BTd.unsqueeze(1)
     r = cos.shape[-1]
     if r == x_BHTd.shape[-1]:

@@ -30,9 +30,13 @@ import torch
 __all__ = ["DTYPES", "SafetensorsError", "SafetensorsFile", "TensorEntry"]
 
 DTYPES = {  # safetensors' floating dtype names
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 _MAX_HEADER = 100 * 1024**2  # safetensors' own limit
 _MAX_READ = 1 << 30  # bytes per preadv call (Linux caps one call just under 2 GiB)
 

@@ -21,7 +21,8 @@ def oldest_allowed_version(step: int, max_off_policy_steps: int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class Group:
-    """The samples of one task's rollouts, advantages assigned; `dispatch_version`: the version held at dispatch.
+    """The samples of one task's rollouts, advantages assigned; `dispatch_version`: the version held
+    at dispatch.
 
     `index` is the group's position in the run's task stream (its id across restarts; -1 if unset).
     """
@@ -36,8 +37,10 @@ class Group:
 
     @property
     def oldest_version(self) -> int:
-        return min(int(s.policy_versions[s.loss_mask].min()) if s.loss_mask.any() else self.dispatch_version
-                   for s in self.samples)  # fmt: skip
+        return min(
+            int(s.policy_versions[s.loss_mask].min()) if s.loss_mask.any() else self.dispatch_version
+            for s in self.samples
+        )
 
 
 class GroupBuffer:

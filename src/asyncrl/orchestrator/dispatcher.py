@@ -11,8 +11,9 @@ Reading order:
    every retry reads it anew), so siblings share prefix-cache blocks and a later turn never asks
    for KV of older weights; each server keeps KV of different weights apart as well (the engine
    keys cached blocks by the weights that computed them, VLLMBackend adds a weights epoch to the
-   salt), so nothing old is served to a request sent inside an update either. When a new version arrives, groups in
-   flight whose dispatch version is already too old for the next batch are cancelled (counted).
+   salt), so nothing old is served to a request sent inside an update either. When a new version
+   arrives, groups in flight whose dispatch version is already too old for the next batch are
+   cancelled (counted).
 3. Finished groups get group-relative advantages over their valid episodes (failed ones are
    counted, never trained; see `advantages`) and enter the buffer; `cut(step)` drops stale
    groups, and a full batch is written atomically to `RUN/rollouts/step_n/`, together with the
@@ -101,7 +102,8 @@ class Dispatcher:
 
     # -- checkpoint ----------------------------------------------------------------------------
     def restore(self, state: OrchestratorState) -> None:
-        """Continue after batch `state.step`: its buffer, task stream, counters; re-run its in-flight groups."""
+        """Continue after batch `state.step`: its buffer, task stream, counters; re-run its in-flight
+        groups."""
         self.step = state.step + 1
         self._task_index = state.next_index
         self._rng.setstate(state.rng_state)
@@ -314,8 +316,11 @@ class Dispatcher:
                 delay = min(0.5 * 2**attempt, 30.0)
                 log.error(
                     "cannot write batch %d under %s (%s); its groups are kept, retrying in %.1fs",
-                    batch.step, rollouts_root(self.cfg.run_dir), e, delay,
-                )  # fmt: skip
+                    batch.step,
+                    rollouts_root(self.cfg.run_dir),
+                    e,
+                    delay,
+                )
                 await asyncio.sleep(delay)
                 attempt += 1
                 continue

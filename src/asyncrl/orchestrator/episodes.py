@@ -1,7 +1,9 @@
 """One episode on the server pool, re-run elsewhere when its server fails: what training groups
 and evals both run.
 
-    runner = EpisodeRunner(pool, tokenizer, cache_salt=lambda: str(version), max_retries=3, max_model_len=None)
+    runner = EpisodeRunner(
+        pool, tokenizer, cache_salt=lambda: str(version), max_retries=3, max_model_len=None
+    )
     episode = await runner.run(env_cfg, env, task, sampling, "reverse-text/train/7/v2/0")
 
 A transport failure (`ServerUnavailable`: the pool took the server out of rotation) re-runs the

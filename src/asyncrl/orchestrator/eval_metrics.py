@@ -50,7 +50,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class EnvEval:
-    """One env's episodes of one eval: `sampled[t]` holds the k samples of task t, `greedy[t]` its greedy one."""
+    """One env's episodes of one eval: `sampled[t]` holds the k samples of task t, `greedy[t]` its
+    greedy one."""
 
     sampled: list[list[Episode]]
     greedy: list[Episode] = field(default_factory=list)

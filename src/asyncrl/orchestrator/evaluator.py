@@ -136,8 +136,9 @@ class Evaluator:
                 log.warning(
                     "the eval of v%d was interrupted and its weights cannot be loaded now (retracted for "
                     "a resume); it runs when the servers get v%d again",
-                    version, version,
-                )  # fmt: skip
+                    version,
+                    version,
+                )
                 return
             log.info("redoing the eval of v%d, interrupted by a crash: loading its weights first", version)
             await updater.update(version)

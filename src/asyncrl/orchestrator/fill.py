@@ -93,9 +93,11 @@ class FillTracker:
             )
         if self.num_zero_advantage * 10 >= self.num_groups * 9 and self.num_groups:
             distinct = sorted(set(self.rewards))
-            scored = f"every episode scored {distinct[0]:.3f}" if len(distinct) == 1 else (
-                "the episodes of almost every group scored alike"
-            )  # fmt: skip
+            scored = (
+                f"every episode scored {distinct[0]:.3f}"
+                if len(distinct) == 1
+                else ("the episodes of almost every group scored alike")
+            )
             return (
                 f"{scored}, so the env gives the policy no learning signal; start from a model that "
                 "solves some tasks (SFT first), make the tasks easier, or raise sampling.temperature"

@@ -106,8 +106,11 @@ def _resume_state(cfg: OrchestratorConfig) -> OrchestratorState | None:
     else:
         log.info(
             "resume after batch %d: %d group(s) buffered, %d in flight re-dispatched, next task index %d",
-            state.step, len(state.buffered), len(state.in_flight), state.next_index,
-        )  # fmt: skip
+            state.step,
+            len(state.buffered),
+            len(state.in_flight),
+            state.next_index,
+        )
     return state
 
 

@@ -3,7 +3,8 @@ scripted agent that needs no model.
 
     asyncrl eval-env --base-url http://127.0.0.1:8000 --env reverse-text --num 64
     asyncrl eval-env --base-url ... --env my_pkg.envs:make_env --env-args '{"level": 2}' --split train
-    asyncrl eval-env --agent reference --env swe --env-args '{"tasks": "t.jsonl", "eval_tasks": "t.jsonl"}' --num 32
+    asyncrl eval-env --agent reference --env swe --num 32 \
+        --env-args '{"tasks": "t.jsonl", "eval_tasks": "t.jsonl"}'
 
 Runs `--num` episodes of the split with up to `--concurrency` in flight and prints the mean reward,
 each named reward, the episode metrics and the wall time. Text only: no token ids, so no training
@@ -63,7 +64,8 @@ async def evaluate(
 
 
 def summarize(episodes: list[Episode]) -> dict[str, float]:
-    """Means of the reward, every named reward and every metric (the failure rate among them); the lowest reward."""
+    """Means of the reward, every named reward and every metric (the failure rate among them); the
+    lowest reward."""
     out = {
         "reward": statistics.fmean(e.reward for e in episodes),
         "reward_min": min(e.reward for e in episodes),

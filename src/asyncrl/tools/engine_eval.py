@@ -53,11 +53,16 @@ class LocalEngineClient(RequestClient):
     async def _answer(self, request: GenerateRequest) -> GenerateResponse:
         prompt_token_ids, cache_salt = request.prompt_token_ids, request.cache_salt
         options = SamplingOptions(
-            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-            min_p=request.min_p, seed=request.seed, max_tokens=request.max_tokens,
-            stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            seed=request.seed,
+            max_tokens=request.max_tokens,
+            stop=tuple(request.stop),
+            stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
-        )  # fmt: skip
+        )
         token_ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -70,9 +75,13 @@ class LocalEngineClient(RequestClient):
             if out.finished:
                 finish, cached = out.finish_reason.value, out.num_cached_tokens
         return GenerateResponse(
-            token_ids=token_ids, logprobs=logprobs, policy_versions=versions, finish_reason=finish,
-            num_cached_tokens=cached, prompt_token_ids=list(prompt_token_ids),
-        )  # fmt: skip
+            token_ids=token_ids,
+            logprobs=logprobs,
+            policy_versions=versions,
+            finish_reason=finish,
+            num_cached_tokens=cached,
+            prompt_token_ids=list(prompt_token_ids),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -210,7 +210,8 @@ def render_eval(rows: list[dict] | None, out_dir: Path) -> Rendered:
 
 # -- page ----------------------------------------------------------------------------------------
 _CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; padding: 0 1.5em; max-width: 1280px; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 2em auto; padding: 0 1.5em; max-width: 1280px;
+       color: #222; }
 section { margin-bottom: 2em; } img { max-width: 100%; border: 1px solid #ddd; }
 .missing { color: #a33; background: #fdf2f2; padding: .6em 1em; border-left: 4px solid #c55; }
 table { border-collapse: collapse; } td { padding: .15em 1.2em .15em 0; }

@@ -2,8 +2,9 @@
 
 The keys are those the trainer (asyncrl.trainer.session / mismatch), the orchestrator
 (asyncrl.orchestrator.metrics, `"role": "orchestrator"`) and its evals during training
-(asyncrl.orchestrator.eval_metrics, `"role": "eval"`, step = the version evaluated) write. A curve whose key a run never
-logged is left out; a panel with no curves is named on the page as not logged.
+(asyncrl.orchestrator.eval_metrics, `"role": "eval"`, step = the version evaluated) write. A curve
+whose key a run never logged is left out; a panel with no curves is named on the page as not
+logged.
 """
 
 from __future__ import annotations

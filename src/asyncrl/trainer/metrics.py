@@ -75,10 +75,23 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 _CONSOLE_KEYS = (
-    "loss", "entropy", "mismatch_kl", "mismatch_kl_stale", "routing_agreement", "masked_fraction", "grad_norm", "lr", "tokens_per_s", "mfu",
-    "peak_memory_gb", "staleness_mean", "staleness_max", "reward_mean", "wait_s",
+    "loss",
+    "entropy",
+    "mismatch_kl",
+    "mismatch_kl_stale",
+    "routing_agreement",
+    "masked_fraction",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "mfu",
+    "peak_memory_gb",
+    "staleness_mean",
+    "staleness_max",
+    "reward_mean",
+    "wait_s",
     "publish_s",
-)  # fmt: skip
+)
 
 
 class MetricsLogger:

@@ -248,9 +248,14 @@ class MismatchAccumulator:
         router_topk_TLK: torch.Tensor | None = None,
     ) -> None:
         split = mismatch_by_staleness(
-            logprobs_T, inference_logprobs_T, mask_T, versions_T,
-            trainer_version=trainer_version, ratio_low=self.ratio_low, ratio_high=self.ratio_high,
-        )  # fmt: skip
+            logprobs_T,
+            inference_logprobs_T,
+            mask_T,
+            versions_T,
+            trainer_version=trainer_version,
+            ratio_low=self.ratio_low,
+            ratio_high=self.ratio_high,
+        )
         cur, old = split["current"], split["stale"]
         values = [cur.kl_sum, cur.num_outside, cur.num_tokens, old.kl_sum, old.num_outside, old.num_tokens]
         self.sums += torch.tensor(values, dtype=torch.float64, device=self.sums.device)

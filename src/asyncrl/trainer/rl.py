@@ -45,8 +45,8 @@ def check_batch_fits_model(batch: RolloutBatch, args: ModelArgs, where: str) -> 
                 )
             if int(s.routed_experts.max()) >= args.num_experts:
                 raise BatchFormatError(
-                    f"{where}: sample {i}: field 'routed_experts' holds expert {int(s.routed_experts.max())}, "
-                    f"the model has {args.num_experts}"
+                    f"{where}: sample {i}: field 'routed_experts' holds expert "
+                    f"{int(s.routed_experts.max())}, the model has {args.num_experts}"
                 )
 
 
@@ -87,9 +87,12 @@ def run_rl(cfg: RLTrainerConfig) -> list[dict[str, Any]]:
         for step in range(session.start_step + 1, cfg.max_steps + 1):
             t_wait = time.perf_counter()
             share = read_batch_part(
-                cfg.run_dir, step, rank=session.data_rank, num_ranks=session.data_size,
+                cfg.run_dir,
+                step,
+                rank=session.data_rank,
+                num_ranks=session.data_size,
                 timeout_s=cfg.batch_timeout_s,
-            )  # fmt: skip
+            )
             wait_s = time.perf_counter() - t_wait
             mine = share.batch
             check_batch_fits_model(mine, session.model.args, str(batch_dir(cfg.run_dir, step)))

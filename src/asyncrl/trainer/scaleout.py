@@ -53,9 +53,15 @@ __all__ = [
 # MicroBatch streams split along the tokens: name -> (dim, pad value).
 _ROW_STREAMS = {"input_ids": (1, 0), "position_ids": (1, 0), "routed_experts": (1, 0)}
 _TOKEN_STREAMS = {
-    "target_ids": 0, "loss_mask": False, "inference_logprobs": 0.0, "advantages": 0.0,
-    "temperatures": 1.0, "policy_versions": 0, "context_versions": 0, "seq_ids": 0,
-}  # fmt: skip
+    "target_ids": 0,
+    "loss_mask": False,
+    "inference_logprobs": 0.0,
+    "advantages": 0.0,
+    "temperatures": 1.0,
+    "policy_versions": 0,
+    "context_versions": 0,
+    "seq_ids": 0,
+}
 
 
 @dataclass(frozen=True, kw_only=True)

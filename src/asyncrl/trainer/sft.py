@@ -32,9 +32,16 @@ __all__ = ["main", "run_sft"]
 
 # RL-only metrics that mean nothing for supervised data.
 _RL_ONLY = (
-    "masked_fraction", "mismatch_kl", "staleness_mean", "staleness_max", "mismatch_kl_max",
-    "mismatch_ratio_outside", "mismatch_kl_current", "mismatch_kl_stale", "mismatch_tokens_stale_fraction",
-)  # fmt: skip
+    "masked_fraction",
+    "mismatch_kl",
+    "staleness_mean",
+    "staleness_max",
+    "mismatch_kl_max",
+    "mismatch_ratio_outside",
+    "mismatch_kl_current",
+    "mismatch_kl_stale",
+    "mismatch_tokens_stale_fraction",
+)
 
 
 def _loss(inputs: LossInputs, num_loss_tokens: float) -> LossResult:

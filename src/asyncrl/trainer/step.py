@@ -201,7 +201,8 @@ class StepRunner:
         result.loss.backward()
         with torch.no_grad():
             mask_T = mb.loss_mask
-            # staleness = optimizer steps between the sampling weights and the weights trained now (0 = on-policy)
+            # staleness = optimizer steps between the sampling weights and the weights trained now
+            # (0 = on-policy)
             staleness_T = (trained_version - mb.policy_versions).double()
             sums += torch.stack(
                 [
@@ -217,5 +218,12 @@ class StepRunner:
             if mask_T.any():
                 staleness_max.copy_(torch.maximum(staleness_max, staleness_T[mask_T].max().reshape(1)))
             replayed = None if mb.routed_experts is None else mb.routed_experts[0]
-            mm.add(logprobs_T, mb.inference_logprobs, mask_T, mb.context_versions, trainer_version=trained_version,
-                   replayed_TLK=replayed, router_topk_TLK=router_topk_TLK)  # fmt: skip
+            mm.add(
+                logprobs_T,
+                mb.inference_logprobs,
+                mask_T,
+                mb.context_versions,
+                trainer_version=trained_version,
+                replayed_TLK=replayed,
+                router_topk_TLK=router_topk_TLK,
+            )

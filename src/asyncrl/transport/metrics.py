@@ -8,8 +8,9 @@ Every line is one JSON object that starts with three keys, then the role's own m
 
 `role` names what wrote it (the trainer, the orchestrator, or the orchestrator's evals during
 training), `step` the trainer step (the batch) it describes, or for an eval the policy version it
-evaluated (v_n is trainer step n's), and `time` the Unix time of the write. Several processes append to the same file: each line goes out
-in one `O_APPEND` write, so concurrent lines never interleave.
+evaluated (v_n is trainer step n's), and `time` the Unix time of the write. Several processes
+append to the same file: each line goes out in one `O_APPEND` write, so concurrent lines never
+interleave.
 
 On resume, `drop_metrics_after` removes the lines of steps that will be redone (a trainer that
 restarts from an older checkpoint retrains them), so every step of a role appears once. It

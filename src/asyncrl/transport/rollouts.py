@@ -162,8 +162,9 @@ def write_batch(
         try:
             for r, idx in enumerate(parts):  # one part encoded at a time: at most a part's copy in memory
                 if idx:
-                    part = RolloutBatch(step=batch.step, samples=[batch.samples[i] for i in idx],
-                                        metrics=batch.metrics)  # fmt: skip
+                    part = RolloutBatch(
+                        step=batch.step, samples=[batch.samples[i] for i in idx], metrics=batch.metrics
+                    )
                     arrays, meta = encode_batch(part)
                     save_file(arrays, str(tmp / part_file(r)), metadata=meta)
             for name, (arrays, meta) in (attachments or {}).items():

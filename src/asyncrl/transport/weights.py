@@ -132,7 +132,8 @@ def latest_stable_step(run_dir: str | os.PathLike) -> int | None:
 
 
 def prune_weights(run_dir: str | os.PathLike, keep_last: int, keep: Collection[int] = ()) -> list[int]:
-    """Delete all but the newest `keep_last` stable versions and those in `keep`; returns the deleted steps."""
+    """Delete all but the newest `keep_last` stable versions and those in `keep`; returns the deleted
+    steps."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     doomed = [s for s in stable_steps(run_dir)[:-keep_last] if s not in keep]

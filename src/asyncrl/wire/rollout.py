@@ -158,14 +158,20 @@ def encode_batch(batch: RolloutBatch) -> tuple[dict[str, np.ndarray], dict[str, 
         (row_shape,), (dtype,) = shapes, dtypes
         # A sample without routing gets zero rows in the column and `routed: false` in its metadata.
         arrays["routed_experts"] = np.concatenate(
-            [s.routed_experts if s.routed_experts is not None else np.zeros((s.num_tokens, *row_shape), dtype)
-             for s in batch.samples]
-        )  # fmt: skip
+            [
+                s.routed_experts
+                if s.routed_experts is not None
+                else np.zeros((s.num_tokens, *row_shape), dtype)
+                for s in batch.samples
+            ]
+        )
     if any(s.kv_versions is not None for s in batch.samples):
         arrays["kv_versions"] = np.concatenate(
-            [s.kv_versions if s.kv_versions is not None else np.full(s.num_tokens, -1, np.int32)
-             for s in batch.samples]
-        )  # fmt: skip
+            [
+                s.kv_versions if s.kv_versions is not None else np.full(s.num_tokens, -1, np.int32)
+                for s in batch.samples
+            ]
+        )
     flags = [name for name in _OPTIONAL_FLAGS if name in arrays]
     meta = {
         "step": str(batch.step),
@@ -198,7 +204,8 @@ def decode_batch(arrays: dict[str, np.ndarray], meta: dict[str, str], where: str
     lengths = _require(arrays, "lengths", where)
     if lengths.ndim != 1 or len(lengths) != len(sample_meta):
         raise BatchFormatError(
-            f"{where}: field 'lengths' has shape {lengths.shape} but metadata lists {len(sample_meta)} samples"
+            f"{where}: field 'lengths' has shape {lengths.shape} but metadata lists {len(sample_meta)} "
+            "samples"
         )
     total = int(lengths.sum())
     cols = {}
@@ -253,7 +260,8 @@ def select_encoded(
     lengths = columns["lengths"](0, len(sample_meta))
     if len(lengths) != len(sample_meta):
         raise BatchFormatError(
-            f"{where}: field 'lengths' has {len(lengths)} entries but metadata lists {len(sample_meta)} samples"
+            f"{where}: field 'lengths' has {len(lengths)} entries but metadata lists {len(sample_meta)} "
+            "samples"
         )
     starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     arrays = {"lengths": lengths[list(positions)]}

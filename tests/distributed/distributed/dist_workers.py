@@ -272,7 +272,8 @@ def worker_dcp_save(rank: int, world_size: int, path: str) -> None:
 
 
 def worker_dcp_resume(rank: int, world_size: int, path: str) -> None:
-    """World size 4, dp_shard 2 x cp 2 x ep 2, built on meta: load, take step 2, match the reference; publish."""
+    """World size 4, dp_shard 2 x cp 2 x ep 2, built on meta: load, take step 2, match the reference;
+    publish."""
     dims = ParallelDims.build(world_size=world_size, dp_shard=2, cp=2, ep=2, num_experts=8)
     meshes = dims.build_meshes("cpu")
     with torch.device("meta"):  # how a large model is built: no full copy on any rank

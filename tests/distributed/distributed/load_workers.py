@@ -66,7 +66,8 @@ def _check_against_reference(model: Transformer, ref: dict | None, label: str) -
 
 
 def _check_bytes(model: Transformer, num_read: int, degrees: dict, label: str) -> None:
-    """A rank reads exactly the bytes of what it holds: about 1/N of the model plus small replicated buffers."""
+    """A rank reads exactly the bytes of what it holds: about 1/N of the model plus small replicated
+    buffers."""
     held = {n: t for n, t in model.state_dict().items() if is_hf_tensor(n, model.args)}
     local = {n: t.to_local() if isinstance(t, DTensor) else t for n, t in held.items()}
     assert num_read == sum(t.numel() for t in local.values()) * 4, label  # fp32 files

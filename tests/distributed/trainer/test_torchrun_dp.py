@@ -36,8 +36,20 @@ def _run(cfg: Path, nproc: int, extra: tuple[str, ...] = ()) -> None:
     if nproc == 1:
         cmd = [sys.executable, "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "asyncrl.trainer.main",
+            "@",
+            str(cfg),
+            *extra,
+        ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

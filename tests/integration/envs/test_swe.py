@@ -254,7 +254,8 @@ def test_eval_env_scripted_agents_on_the_example(tasks_file, tmp_path, capsys, a
 def test_python_is_on_path_even_where_the_interpreters_bin_has_only_python3(
     tasks_file, tmp_path, tokenizer, monkeypatch
 ):
-    """Debian's /usr/bin has python3 but no python: test commands still find the interpreter running asyncrl."""
+    """Debian's /usr/bin has python3 but no python: test commands still find the interpreter running
+    asyncrl."""
     prefix = tmp_path / "prefix"
     (prefix / "bin").mkdir(parents=True)
     (prefix / "bin" / "python3").symlink_to(sys.executable)

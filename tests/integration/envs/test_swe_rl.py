@@ -38,24 +38,37 @@ def test_rl_on_the_swe_env_reports_its_named_rewards_per_step(tmp_path):
     init_model("tiny-moe", tmp_path / "model", seed=0)
     run_dir, sandboxes = tmp_path / "run", tmp_path / "sandboxes"
     env = {
-        "name": "swe", "max_turns": 2, "max_total_tokens": 4096, "deadline_s": 120,
+        "name": "swe",
+        "max_turns": 2,
+        "max_total_tokens": 4096,
+        "deadline_s": 120,
         "args": {"tasks": str(tasks), "sandbox": {"root": str(sandboxes), "max_sandboxes": 4}},
-    }  # fmt: skip
+    }
     config = {
-        "model": str(tmp_path / "model"), "run_dir": str(run_dir), "max_steps": STEPS, "seq_len": 4096,
+        "model": str(tmp_path / "model"),
+        "run_dir": str(run_dir),
+        "max_steps": STEPS,
+        "seq_len": 4096,
         "deployment": {"base_port": free_port()},
         "inference": {"max_num_seqs": 8, "device": "cpu"},
         "orchestrator": {
-            "batch_size": 4, "group_size": 2, "sampling": {"temperature": 1.0, "max_tokens": 16},
+            "batch_size": 4,
+            "group_size": 2,
+            "sampling": {"temperature": 1.0, "max_tokens": 16},
             "advantage": {"filter_zero_advantage": False},  # every reward is 0: keep the groups
             "envs": {"envs": [env]},
         },
         "trainer": {"optim": {"lr": 1e-4}, "peak_flops": 1e11},
-    }  # fmt: skip
+    }
     path = tmp_path / "rl.toml"
     path.write_text(tomli_w.dumps(config))
-    proc = subprocess.run([sys.executable, "-m", "asyncrl", "rl", "@", str(path)],
-                          capture_output=True, text=True, env=child_env(), timeout=580)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "rl", "@", str(path)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=580,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     orch = read_metrics(run_dir, "orchestrator")
     assert [r["step"] for r in orch] == list(range(1, STEPS + 1)) and len(

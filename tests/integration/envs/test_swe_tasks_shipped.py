@@ -48,8 +48,8 @@ def built() -> list:
     missing = [t.instance_id for t in tasks if _head(t.repo) != t.base_commit]
     if missing:
         pytest.skip(
-            f"{len(missing)} of the shipped tasks' repositories are not built: run bash scripts/setup-swe-tasks.sh "
-            "(downloads the toolz and inflection sdists from PyPI)"
+            f"{len(missing)} of the shipped tasks' repositories are not built: run bash "
+            "scripts/setup-swe-tasks.sh (downloads the toolz and inflection sdists from PyPI)"
         )
     return tasks
 

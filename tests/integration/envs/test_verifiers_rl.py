@@ -1,4 +1,5 @@
-"""A short `asyncrl rl` on verifiers environments asyncrl has never seen, written here as verifiers' docs show.
+"""A short `asyncrl rl` on verifiers environments asyncrl has never seen, written here as verifiers' docs
+show.
 
 Two modules are written to a temporary directory and put on the children's PYTHONPATH: a
 single-turn taskset and a multi-turn one with a `vf.Toolset` tool. The tiny random model never
@@ -49,8 +50,8 @@ class EchoConfig(vf.TasksetConfig):
 
 class EchoTaskset(vf.Taskset[EchoTask, EchoConfig]):
     def load(self) -> list[EchoTask]:
-        return [EchoTask(EchoData(prompt=f"Say the word {w}", word=w))
-                for w in ["red", "green", "blue", "cyan", "pink", "gold", "gray", "teal"][: self.config.num_tasks]]
+        words = ["red", "green", "blue", "cyan", "pink", "gold", "gray", "teal"][: self.config.num_tasks]
+        return [EchoTask(EchoData(prompt=f"Say the word {w}", word=w)) for w in words]
 
 
 __all__ = ["EchoTaskset"]
@@ -121,23 +122,40 @@ def test_rl_trains_on_verifiers_environments(tmp_path):
     init_model("tiny-moe", tmp_path / "model", seed=0)
     run_dir = tmp_path / "run"
     config = {
-        "model": str(tmp_path / "model"), "run_dir": str(run_dir), "max_steps": STEPS, "seq_len": 512,
+        "model": str(tmp_path / "model"),
+        "run_dir": str(run_dir),
+        "max_steps": STEPS,
+        "seq_len": 512,
         "deployment": {"base_port": free_port()},
         "inference": {"max_num_seqs": 32, "device": "cpu"},
         "orchestrator": {
-            "batch_size": 8, "group_size": 4, "sampling": {"temperature": 1.0, "max_tokens": 8},
-            "envs": {"envs": [
-                {"name": "verifiers:my_echo_env", "args": {"num_tasks": 8}, "max_total_tokens": 512},
-                {"name": "verifiers:my_mul_env", "args": {"num_tasks": 8}, "max_turns": 3, "max_total_tokens": 512},
-            ]},
+            "batch_size": 8,
+            "group_size": 4,
+            "sampling": {"temperature": 1.0, "max_tokens": 8},
+            "envs": {
+                "envs": [
+                    {"name": "verifiers:my_echo_env", "args": {"num_tasks": 8}, "max_total_tokens": 512},
+                    {
+                        "name": "verifiers:my_mul_env",
+                        "args": {"num_tasks": 8},
+                        "max_turns": 3,
+                        "max_total_tokens": 512,
+                    },
+                ]
+            },
         },
         "trainer": {"optim": {"lr": 1e-3}, "peak_flops": 1e11},
-    }  # fmt: skip
+    }
     path = tmp_path / "rl.toml"
     path.write_text(tomli_w.dumps(config))
     env = child_env(PYTHONPATH=os.pathsep.join([child_env()["PYTHONPATH"], str(envs_dir)]))
-    proc = subprocess.run([sys.executable, "-m", "asyncrl", "rl", "@", str(path)],
-                          capture_output=True, text=True, env=env, timeout=280)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "rl", "@", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     orch = [r for r in records if r.get("role") == "orchestrator"]

@@ -72,7 +72,8 @@ def audit_run(
         batch = read_batch(run_dir, step, timeout_s=0)
         if step in trainer_samples and trainer_samples[step] not in (None, len(batch.samples)):
             problems.append(
-                f"step {step}: trainer trained {trainer_samples[step]} samples, batch has {len(batch.samples)}"
+                f"step {step}: trainer trained {trainer_samples[step]} samples, batch has "
+                f"{len(batch.samples)}"
             )
         for index in state.trained:
             placed.setdefault(index, []).append(f"batch {step}")
@@ -83,7 +84,8 @@ def audit_run(
         from_samples = {int(m[1]) for s in batch.samples if (m := _TASK_INDEX.search(s.episode_id))}
         if from_samples and from_samples != set(state.trained):
             problems.append(
-                f"batch {step}: samples from groups {sorted(from_samples)}, checkpoint says {sorted(state.trained)}"
+                f"batch {step}: samples from groups {sorted(from_samples)}, checkpoint says "
+                f"{sorted(state.trained)}"
             )
     if state is None:
         problems.append("no orchestrator checkpoint at all")
@@ -98,7 +100,8 @@ def audit_run(
         where = placed.pop(index, [])
         if len(where) != 1:
             problems.append(
-                f"group {index}: {'lost (in no batch, drop record or final checkpoint)' if not where else ', '.join(where)}"
+                f"group {index}: "
+                f"{'lost (in no batch, drop record or final checkpoint)' if not where else ', '.join(where)}"
             )
     if placed:
         problems.append(f"groups beyond the task stream ({state.next_index}): {sorted(placed)}")

@@ -29,14 +29,21 @@ class Run:
 
     def argv(self, resume: bool) -> list[str]:
         args = {
-            "model": str(self.model), "run-dir": str(self.run_dir), "max-steps": str(MAX_STEPS),
-            "seq-len": "256", "deployment.base_port": str(free_port()), "inference.device": "cpu",
+            "model": str(self.model),
+            "run-dir": str(self.run_dir),
+            "max-steps": str(MAX_STEPS),
+            "seq-len": "256",
+            "deployment.base_port": str(free_port()),
+            "inference.device": "cpu",
             "orchestrator.envs.envs": '[{name = "reverse-text", max_total_tokens = 256}]',
-            "orchestrator.batch_size": "4", "orchestrator.group_size": "2",
-            "orchestrator.sampling.max_tokens": "8", "orchestrator.health_poll_s": "0.5",
-            "trainer.checkpoint.interval": "2", "trainer.peak_flops": "1e12",
+            "orchestrator.batch_size": "4",
+            "orchestrator.group_size": "2",
+            "orchestrator.sampling.max_tokens": "8",
+            "orchestrator.health_poll_s": "0.5",
+            "trainer.checkpoint.interval": "2",
+            "trainer.peak_flops": "1e12",
             "trainer.batch_timeout_s": "240",
-        } | self.overrides  # fmt: skip
+        } | self.overrides
         flags = [x for key, value in args.items() for x in (f"--{key}", value)]
         return [sys.executable, "-m", "asyncrl", "rl", *flags, *(["--resume"] if resume else [])]
 

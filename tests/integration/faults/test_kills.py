@@ -47,8 +47,11 @@ def test_kill_then_resume_loses_nothing(make_run, point):
     run = make_run()
     run.start()
     run.wait_for(condition(run, step), f"{point}")
-    batches_before = {s: read_batch(run.run_dir, s, timeout_s=0).samples[0].episode_id
-                      for s in range(1, step + 1) if batch_dir(run.run_dir, s).is_dir()}  # fmt: skip
+    batches_before = {
+        s: read_batch(run.run_dir, s, timeout_s=0).samples[0].episode_id
+        for s in range(1, step + 1)
+        if batch_dir(run.run_dir, s).is_dir()
+    }
     run.kill(victim)
     code, _, err = run.finish(timeout_s=120)
     assert code != 0

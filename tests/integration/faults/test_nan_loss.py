@@ -49,9 +49,17 @@ def test_a_nan_loss_step_is_skipped_logged_once_and_the_run_goes_on(base_model, 
         write_batch(run_dir, _batch(step, float("nan") if step == 2 else 1.0))
     cfg = load_config(
         RLTrainerConfig,
-        {"model": {"path": str(base_model)}, "run_dir": str(run_dir), "max_steps": 3, "seq_len": 64,
-         "peak_flops": 1e12, "batch_timeout_s": 5, "router_replay": False, "optim": {"lr": 1e-3}},
-    )  # fmt: skip
+        {
+            "model": {"path": str(base_model)},
+            "run_dir": str(run_dir),
+            "max_steps": 3,
+            "seq_len": 64,
+            "peak_flops": 1e12,
+            "batch_timeout_s": 5,
+            "router_replay": False,
+            "optim": {"lr": 1e-3},
+        },
+    )
     run_rl(cfg)
     lines = read_metrics(run_dir, "trainer")
     assert [r["step"] for r in lines] == [1, 2, 3]

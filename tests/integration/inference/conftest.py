@@ -38,10 +38,18 @@ class LiveServer:
 @contextlib.contextmanager
 def live_server(model_dir: Path, **overrides) -> Iterator[LiveServer]:
     """A uvicorn server on 127.0.0.1 over `model_dir`, with InferenceConfig `overrides`."""
-    cfg = InferenceConfig(**{
-        "model": str(model_dir), "port": free_port(), "api_key": API_KEY, "max_num_seqs": 64,
-        "kv_cache_tokens": 8192, "device": "cpu", "log_level": "warning",
-    } | overrides)  # fmt: skip
+    cfg = InferenceConfig(
+        **{
+            "model": str(model_dir),
+            "port": free_port(),
+            "api_key": API_KEY,
+            "max_num_seqs": 64,
+            "kv_cache_tokens": 8192,
+            "device": "cpu",
+            "log_level": "warning",
+        }
+        | overrides
+    )
     app = build_server_app(cfg)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)

@@ -22,9 +22,12 @@ def answering_model(server, monkeypatch):
         a, b = (int(x) for x in question.split("What is ")[1].split("?")[0].split(" + "))
         ids = tok.encode(f"It is {a + b if a % 2 == 0 else 0}.", add_special_tokens=False)
         yield RequestOutput(
-            request_id=request_id, new_token_ids=ids, new_logprobs=[-0.5] * len(ids),
-            new_versions=[0] * len(ids), finish_reason=FinishReason.STOP,
-        )  # fmt: skip
+            request_id=request_id,
+            new_token_ids=ids,
+            new_logprobs=[-0.5] * len(ids),
+            new_versions=[0] * len(ids),
+            finish_reason=FinishReason.STOP,
+        )
 
     monkeypatch.setattr(server.app.state.server.engine, "generate", generate)
     return seen
@@ -34,10 +37,27 @@ def test_eval_env_scores_tasks_read_from_a_jsonl_file(server, answering_model, t
     rows = [{"q": f"What is {i} + 3?", "sol": i + 3} for i in range(16)]
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "train.jsonl").write_text(json.dumps({"q": "What is 1 + 1?", "sol": 2}) + "\n")
-    data = {"path": str(tmp_path / "train.jsonl"), "eval_path": str(tmp_path / "eval.jsonl"),
-            "prompt_field": "q", "answer_field": "sol", "system_prompt": "Answer with a number."}  # fmt: skip
-    argv = ["--base-url", server.url, "--model", server.name, "--api-key", server.api_key, "--env", "dataset",
-            "--env-args", json.dumps({"data": data, "reward": "number"}), "--num", "16"]  # fmt: skip
+    data = {
+        "path": str(tmp_path / "train.jsonl"),
+        "eval_path": str(tmp_path / "eval.jsonl"),
+        "prompt_field": "q",
+        "answer_field": "sol",
+        "system_prompt": "Answer with a number.",
+    }
+    argv = [
+        "--base-url",
+        server.url,
+        "--model",
+        server.name,
+        "--api-key",
+        server.api_key,
+        "--env",
+        "dataset",
+        "--env-args",
+        json.dumps({"data": data, "reward": "number"}),
+        "--num",
+        "16",
+    ]
     assert endpoint_eval.main(argv) == 0
     lines = dict(line.split() for line in capsys.readouterr().out.splitlines()[1:])
     # every eval row once (16 of 16, no train row); the even ones answered right

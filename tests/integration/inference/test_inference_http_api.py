@@ -41,8 +41,15 @@ def test_generate_logprobs_routing_and_versions(server):
     prompt = list(range(40, 70))
     with server.client() as c:
         version = c.get("/weights").json()["version"]
-        out = _generate(c, prompt_token_ids=prompt, max_tokens=10, seed=3, ignore_eos=True,
-                        return_routed_experts=True, temperature=0.8)  # fmt: skip
+        out = _generate(
+            c,
+            prompt_token_ids=prompt,
+            max_tokens=10,
+            seed=3,
+            ignore_eos=True,
+            return_routed_experts=True,
+            temperature=0.8,
+        )
     assert out.policy_versions == [version] * 10 and out.finish_reason == "length"
     assert out.context_version == version
     lp = torch.tensor(out.logprobs)
@@ -58,8 +65,14 @@ def test_prefix_cache_and_salt(server):
     prompt = list(range(100, 140))  # two full 16-token blocks before the last prompt token
     with server.client() as c:
         first = _generate(c, prompt_token_ids=prompt, max_tokens=2, cache_salt="s0")
-        again = _generate(c, prompt_token_ids=prompt, max_tokens=2, cache_salt="s0", return_routed_experts=True,
-                          routed_experts_start=30)  # fmt: skip
+        again = _generate(
+            c,
+            prompt_token_ids=prompt,
+            max_tokens=2,
+            cache_salt="s0",
+            return_routed_experts=True,
+            routed_experts_start=30,
+        )
         other = _generate(c, prompt_token_ids=prompt, max_tokens=2, cache_salt="s1")
         assert _metric(c, "asyncrl_prefix_cache_hit_rate") > 0
     assert first.num_cached_tokens == 0 and again.num_cached_tokens == 32 and other.num_cached_tokens == 0
@@ -113,8 +126,11 @@ def test_malformed_json_and_wrong_key(server):
 def test_client_disconnect_frees_its_request(server):
     with server.client() as c:
         with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/generate", json={"prompt_token_ids": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True},
-                   timeout=1.0)  # fmt: skip
+            c.post(
+                "/v1/generate",
+                json={"prompt_token_ids": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True},
+                timeout=1.0,
+            )
         deadline = time.monotonic() + 8  # generating 4000 tokens takes far longer
         while _metric(c, "asyncrl_requests_running") > 0:
             assert time.monotonic() < deadline, "the abandoned request was not freed"
@@ -137,16 +153,24 @@ def test_streaming_client_disconnect_frees_its_request(server):
 def test_metrics_exports_the_required_series(server):
     with server.client() as c:
         text = c.get("/metrics").text
-    for name in ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_free", "prefix_cache_hit_rate",
-                 "generated_tokens_total", "weight_version"):  # fmt: skip
+    for name in (
+        "requests_running",
+        "requests_waiting",
+        "kv_blocks_used",
+        "kv_blocks_free",
+        "prefix_cache_hit_rate",
+        "generated_tokens_total",
+        "weight_version",
+    ):
         assert f"\nasyncrl_{name} " in text
 
 
 def _start_long_request(server, results: dict, max_tokens: int) -> threading.Thread:
     def run():
         with server.client() as c:
-            results["out"] = _generate(c, prompt_token_ids=list(range(10, 30)), max_tokens=max_tokens,
-                                       ignore_eos=True, seed=11)  # fmt: skip
+            results["out"] = _generate(
+                c, prompt_token_ids=list(range(10, 30)), max_tokens=max_tokens, ignore_eos=True, seed=11
+            )
 
     thread = threading.Thread(target=run)
     thread.start()

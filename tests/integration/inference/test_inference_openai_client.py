@@ -21,9 +21,12 @@ def test_models_lists_the_served_model(client, server):
 
 def test_completion_text_and_token_ids(client, server, tokenizer):
     resp = client.completions.create(
-        model=server.name, prompt="Hello there", max_tokens=8, temperature=0,
+        model=server.name,
+        prompt="Hello there",
+        max_tokens=8,
+        temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True},
-    )  # fmt: skip
+    )
     choice = resp.choices[0].model_dump()
     assert resp.usage.completion_tokens == 8 == len(choice["token_ids"])
     assert resp.model_dump()["prompt_token_ids"] == tokenizer.encode("Hello there")
@@ -32,8 +35,15 @@ def test_completion_text_and_token_ids(client, server, tokenizer):
 
 
 def test_completion_from_token_ids_with_logprobs_and_n(client, server):
-    resp = client.completions.create(model=server.name, prompt=[257, 104, 105], max_tokens=5, n=3, seed=1,
-                                     logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+    resp = client.completions.create(
+        model=server.name,
+        prompt=[257, 104, 105],
+        max_tokens=5,
+        n=3,
+        seed=1,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
     assert len(resp.choices) == 3
     assert all(len(c.logprobs.token_logprobs) == 5 for c in resp.choices)
     assert all(lp <= 0 for c in resp.choices for lp in c.logprobs.token_logprobs)
@@ -42,9 +52,13 @@ def test_completion_from_token_ids_with_logprobs_and_n(client, server):
 def test_chat_completion_renders_template(client, server, tokenizer):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     resp = client.chat.completions.create(
-        model=server.name, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+        model=server.name,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
         extra_body={"return_token_ids": True, "ignore_eos": True},
-    )  # fmt: skip
+    )
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert resp.model_dump()["prompt_token_ids"] == tokenizer.encode(text, add_special_tokens=False)
     assert resp.choices[0].message.role == "assistant"

@@ -13,14 +13,20 @@ from transformers import AutoTokenizer
 
 from asyncrl.inference.request import FinishReason, RequestOutput
 
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -37,9 +43,12 @@ def scripted(server, monkeypatch):
         for i in range(0, len(ids), 3):
             last = i + 3 >= len(ids)
             yield RequestOutput(
-                request_id=request_id, new_token_ids=ids[i : i + 3], new_logprobs=[-0.5] * len(ids[i : i + 3]),
-                new_versions=[0] * len(ids[i : i + 3]), finish_reason=FinishReason.STOP if last else None,
-            )  # fmt: skip
+                request_id=request_id,
+                new_token_ids=ids[i : i + 3],
+                new_logprobs=[-0.5] * len(ids[i : i + 3]),
+                new_versions=[0] * len(ids[i : i + 3]),
+                finish_reason=FinishReason.STOP if last else None,
+            )
 
     monkeypatch.setattr(server.app.state.server.engine, "generate", generate)
     setter = lambda text: script.__setitem__("text", text)  # noqa: E731
@@ -68,8 +77,10 @@ def test_openai_tool_calling_example_round_trip(client, server, scripted):
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     # The example's second step: the assistant turn and the tool result go back; the template renders them.
     scripted("It is sunny in Paris.")
-    messages += [choice.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]  # fmt: skip
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
     final = client.chat.completions.create(model=server.name, messages=messages, tools=TOOLS)
     assert final.choices[0].message.content == "It is sunny in Paris."
     assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason == "stop"
@@ -82,19 +93,33 @@ def test_openai_tool_calling_example_round_trip(client, server, scripted):
 
 
 def test_tool_call_arguments_that_are_not_a_json_object_are_a_400(server):
-    bad = {"role": "assistant", "content": None,
-           "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}  # fmt: skip
+    bad = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}],
+    }
     with server.client() as c:
-        r = c.post("/v1/chat/completions", json={"model": server.name, "tools": TOOLS,
-                   "messages": [{"role": "user", "content": "x"}, bad, {"role": "tool", "content": "y"}]})  # fmt: skip
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": server.name,
+                "tools": TOOLS,
+                "messages": [{"role": "user", "content": "x"}, bad, {"role": "tool", "content": "y"}],
+            },
+        )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages.1.tool_calls.0.function.arguments"
 
 
 def test_streaming_sends_content_then_tool_calls(client, server, scripted):
-    chunks = list(client.chat.completions.create(
-        model=server.name, messages=[{"role": "user", "content": "Paris?"}], tools=TOOLS, stream=True,
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=server.name,
+            messages=[{"role": "user", "content": "Paris?"}],
+            tools=TOOLS,
+            stream=True,
+        )
+    )
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     assert content == "Checking." and "<tool_call>" not in content

@@ -14,9 +14,14 @@ from asyncrl.wire import GenerateRequest, PauseRequest
 
 def test_vllm_client_and_asyncrl_client_get_the_same_answer(server):
     req = GenerateRequest(
-        prompt_token_ids=[256, *range(65, 105)], max_tokens=12, temperature=0.0,
-        ignore_eos=True, cache_salt="7", return_routed_experts=True, routed_experts_start=4,
-    )  # fmt: skip
+        prompt_token_ids=[256, *range(65, 105)],
+        max_tokens=12,
+        temperature=0.0,
+        ignore_eos=True,
+        cache_salt="7",
+        return_routed_experts=True,
+        routed_experts_start=4,
+    )
 
     async def go():
         ours, theirs = (

@@ -21,9 +21,28 @@ TESTS = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("module", ["vf_envs.vf_reverse", "vf_envs.vf_adder"])
 def test_eval_env_runs_a_verifiers_environment(server, module):
     env = child_env(PYTHONPATH=os.pathsep.join([child_env()["PYTHONPATH"], str(TESTS)]))
-    argv = [sys.executable, "-m", "asyncrl", "eval-env", "--base-url", server.url, "--model", server.name,
-            "--api-key", server.api_key, "--env", f"verifiers:{module}", "--env-args", '{"num_tasks": 8}',
-            "--split", "train", "--num", "4", "--max-tokens", "8"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "eval-env",
+        "--base-url",
+        server.url,
+        "--model",
+        server.name,
+        "--api-key",
+        server.api_key,
+        "--env",
+        f"verifiers:{module}",
+        "--env-args",
+        '{"num_tasks": 8}',
+        "--split",
+        "train",
+        "--num",
+        "4",
+        "--max-tokens",
+        "8",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = dict(line.split() for line in proc.stdout.splitlines()[1:])
@@ -56,9 +75,12 @@ def tool_using_model(server, monkeypatch):
             reply = f'<tool_call>{{"name": "calc_add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
         ids = tok.encode(reply, add_special_tokens=False)
         yield RequestOutput(
-            request_id=request_id, new_token_ids=ids, new_logprobs=[-0.5] * len(ids),
-            new_versions=[0] * len(ids), finish_reason=FinishReason.STOP,
-        )  # fmt: skip
+            request_id=request_id,
+            new_token_ids=ids,
+            new_logprobs=[-0.5] * len(ids),
+            new_versions=[0] * len(ids),
+            finish_reason=FinishReason.STOP,
+        )
 
     monkeypatch.setattr(server.app.state.server.engine, "generate", generate)
     return prompts
@@ -68,9 +90,24 @@ def test_eval_env_drives_a_verifiers_tool_through_openai_tool_calls(
     server, tool_using_model, capsys, monkeypatch
 ):
     monkeypatch.syspath_prepend(str(TESTS))
-    argv = ["--base-url", server.url, "--model", server.name, "--api-key", server.api_key,
-            "--env", "verifiers:vf_envs.vf_adder", "--env-args", '{"num_tasks": 8}', "--split", "train",
-            "--num", "3", "--max-tokens", "64"]  # fmt: skip
+    argv = [
+        "--base-url",
+        server.url,
+        "--model",
+        server.name,
+        "--api-key",
+        server.api_key,
+        "--env",
+        "verifiers:vf_envs.vf_adder",
+        "--env-args",
+        '{"num_tasks": 8}',
+        "--split",
+        "train",
+        "--num",
+        "3",
+        "--max-tokens",
+        "64",
+    ]
     assert endpoint_eval.main(argv) == 0
     lines = dict(line.split() for line in capsys.readouterr().out.splitlines()[1:])
     assert float(lines["reward"]) == 1.0 and float(lines["metrics/failed"]) == 0.0

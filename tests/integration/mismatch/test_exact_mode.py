@@ -69,9 +69,12 @@ def test_fp32_engine_and_fp32_trainer_are_on_policy(tmp_path):
     with torch.no_grad():
         for mb in pack_samples(samples, seq_len=64, replay=True):
             out = trainer_model(
-                mb.input_ids, mb.position_ids, routed_experts=mb.routed_experts, return_routing=True,
+                mb.input_ids,
+                mb.position_ids,
+                routed_experts=mb.routed_experts,
+                return_routing=True,
                 compute_logits=False,
-            )  # fmt: skip
+            )
             lp, _ = chunked_logprobs(
                 out.hidden_states[0], trainer_model.lm_head.weight, mb.target_ids, mb.temperatures, 16
             )

@@ -35,10 +35,11 @@ def _response(outs: list[RequestOutput], prompt: list[int]) -> GenerateResponse:
         token_ids=[t for o in outs for t in o.new_token_ids],
         logprobs=[x for o in outs for x in o.new_logprobs],
         policy_versions=[v for o in outs for v in o.new_versions],
-        finish_reason=final.finish_reason.value, prompt_token_ids=prompt,
+        finish_reason=final.finish_reason.value,
+        prompt_token_ids=prompt,
         routed_experts=RoutedExperts.from_array(np.asarray(final.routed_experts)),
         context_version=final.context_version,
-    )  # fmt: skip
+    )
 
 
 def _sample(response: GenerateResponse, prompt: list[int]) -> RolloutSample:
@@ -53,8 +54,9 @@ def test_prompt_prefilled_across_an_update_is_stale_for_the_trainer():
     v0 = Transformer(preset_args("tiny-moe"))
     v0.init_weights(seed=11, std=0.05)
     v1 = perturb_all_weights(v0, seed=12, scale=0.2)
-    cfg = InferenceConfig(model="unused", block_size=4, kv_cache_tokens=512, max_model_len=128,
-                          max_num_batched_tokens=16)  # fmt: skip
+    cfg = InferenceConfig(
+        model="unused", block_size=4, kv_cache_tokens=512, max_model_len=128, max_num_batched_tokens=16
+    )
     engine = Engine(copy.deepcopy(v0), cfg)
     gen = torch.Generator().manual_seed(3)
     prompts = {rid: torch.randint(0, 256, (40,), generator=gen).tolist() for rid in ("spans", "clean")}

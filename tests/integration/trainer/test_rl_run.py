@@ -67,8 +67,19 @@ def test_run_publishes_weights_transformers_can_load(model_dir, tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     logged = _metrics(tmp_path)
     assert [r["step"] for r in logged] == [1, 2, 3]
-    for key in ("loss", "entropy", "mismatch_kl", "masked_fraction", "grad_norm", "lr", "tokens_per_s", "mfu",
-                "peak_memory_gb", "staleness_mean", "staleness_max"):  # fmt: skip
+    for key in (
+        "loss",
+        "entropy",
+        "mismatch_kl",
+        "masked_fraction",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "mfu",
+        "peak_memory_gb",
+        "staleness_mean",
+        "staleness_max",
+    ):
         assert all(np.isfinite(r[key]) for r in logged), key
     assert logged[0]["mismatch_kl"] < 1e-9 and logged[1]["mismatch_kl"] > 0  # batch 2 came from v0, not v1
     assert stable_steps(tmp_path) == [2, 3]
@@ -236,8 +247,8 @@ def test_a_full_disk_stops_the_trainer_with_one_line_and_resume_trains_every_ste
     assert "Traceback" not in err
     (line,) = [x for x in err.splitlines() if x.startswith("asyncrl trainer:")]
     assert line.startswith(
-        f"asyncrl trainer: no space left for the checkpoint of step 2 at {tmp_path / 'checkpoints' / 'step_2'}: "
-        "3.0 MB free on its filesystem, about "
+        "asyncrl trainer: no space left for the checkpoint of step 2 at "
+        f"{tmp_path / 'checkpoints' / 'step_2'}: 3.0 MB free on its filesystem, about "
     )
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
 

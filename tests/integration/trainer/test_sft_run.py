@@ -74,9 +74,14 @@ def test_sft_stops_at_the_loss_threshold_and_publishes_that_step(tmp_path):
     data = tmp_path / "sft.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = _config(
-        tmp_path, model_dir, data, max_steps=60, checkpoint={"interval": 100},
-        publish={"interval": 100, "keep_last": 1}, stop={"loss": 1.0, "window": 3},
-    )  # fmt: skip
+        tmp_path,
+        model_dir,
+        data,
+        max_steps=60,
+        checkpoint={"interval": 100},
+        publish={"interval": 100, "keep_last": 1},
+        stop={"loss": 1.0, "window": 3},
+    )
     records = run_sft(cfg)
     losses = [r["loss"] for r in records]
     last = len(records)

@@ -71,8 +71,10 @@ def test_greedy_tokens_and_logprobs_against_the_embedded_fp32_engine(server, mod
         agree += sum(a == t for a, t in zip(argmax, out.token_ids))
         total += len(argmax)
     kl, kl_other = sum(kl_same) / len(kl_same), sum(kl_wrong) / len(kl_wrong)
-    print(f"\nvLLM bf16 vs embedded fp32: mismatch KL {kl:.2e}, greedy agreement {agree}/{total}; "
-          f"against other weights: KL {kl_other:.2e}")  # fmt: skip
+    print(
+        f"\nvLLM bf16 vs embedded fp32: mismatch KL {kl:.2e}, greedy agreement {agree}/{total}; "
+        f"against other weights: KL {kl_other:.2e}"
+    )
     # bf16 against fp32: not equal, but close; a different model is far off on the same tokens.
     assert kl < 5e-3 and kl_other > 20 * kl
     assert agree / total > 0.8
@@ -284,7 +286,9 @@ def test_update_in_flight_keeps_the_request_and_stamps_each_token(server, models
     assert mixed.token_ids[k:] != old.token_ids[k:]  # v1 took over mid-request
     assert new.policy_versions == [1] * n and new.token_ids != old.token_ids
     # the reload is complete: v1's fp32 logprobs agree with what vLLM sampled under v1
-    kl = _k3(_teacher_forced_logprobs(from_pretrained(models[1]), req.prompt_token_ids, new.token_ids),
-             torch.tensor(new.logprobs))  # fmt: skip
+    kl = _k3(
+        _teacher_forced_logprobs(from_pretrained(models[1]), req.prompt_token_ids, new.token_ids),
+        torch.tensor(new.logprobs),
+    )
     assert kl < 5e-3, f"after reload, mismatch KL to v1 is {kl:.2e}"
     assert info.version == 1 and math.isfinite(update.load_seconds)

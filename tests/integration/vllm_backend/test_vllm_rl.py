@@ -25,11 +25,27 @@ def test_reverse_text_rl_run_with_vllm(tmp_path):
     init_model("tiny-moe", model, seed=0)
     steps = 3
     argv = [
-        sys.executable, "-m", "asyncrl", "rl", "@", str(EXAMPLE / "rl.toml"), "@", str(EXAMPLE / "rl-vllm.toml"),
-        "--model", str(model), "--run-dir", str(run), "--max-steps", str(steps),
-        "--deployment.base-port", str(free_port()), "--inference.vllm.python", VLLM_PYTHON,
-        "--orchestrator.batch-size", "32",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "rl",
+        "@",
+        str(EXAMPLE / "rl.toml"),
+        "@",
+        str(EXAMPLE / "rl-vllm.toml"),
+        "--model",
+        str(model),
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        str(steps),
+        "--deployment.base-port",
+        str(free_port()),
+        "--inference.vllm.python",
+        VLLM_PYTHON,
+        "--orchestrator.batch-size",
+        "32",
+    ]
     done = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert "router replay OFF" in done.stdout and "vLLM 0.32" in done.stdout

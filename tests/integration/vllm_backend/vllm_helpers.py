@@ -47,11 +47,19 @@ class VLLMServer:
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, log: Path, **overrides) -> Iterator[VLLMServer]:
     """A vLLM server on 127.0.0.1 started with the launcher's own command; stopped with its group."""
-    cfg = InferenceConfig(**{
-        "model": str(model_dir), "backend": "vllm", "port": free_port(), "dtype": "bfloat16",
-        "max_num_seqs": 16, "max_model_len": 2048, "log_level": "warning",
-        "vllm": {"cpu_kv_cache_space_gb": 1, "enforce_eager": True},
-    } | overrides)  # fmt: skip
+    cfg = InferenceConfig(
+        **{
+            "model": str(model_dir),
+            "backend": "vllm",
+            "port": free_port(),
+            "dtype": "bfloat16",
+            "max_num_seqs": 16,
+            "max_model_len": 2048,
+            "log_level": "warning",
+            "vllm": {"cpu_kv_cache_space_gb": 1, "enforce_eager": True},
+        }
+        | overrides
+    )
     command = build_vllm_command(cfg, python=VLLM_PYTHON)
     with log.open("w") as out:
         proc = subprocess.Popen(

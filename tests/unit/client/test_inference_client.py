@@ -1,4 +1,5 @@
-"""HttpInferenceClient: one /v1/generate request per call, a validated answer or a named error (mock server)."""
+"""HttpInferenceClient: one /v1/generate request per call, a validated answer or a named error (mock
+server)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ def test_generate_request_and_response():
         ) as client:
             assert isinstance(client, InferenceClient)
             return await client.generate(
-                [1, 2], SamplingParams(temperature=0.5, max_tokens=7), cache_salt="3", return_routed_experts=True,
+                [1, 2],
+                SamplingParams(temperature=0.5, max_tokens=7),
+                cache_salt="3",
+                return_routed_experts=True,
                 routed_experts_start=1,
-            )  # fmt: skip
+            )
 
     out = asyncio.run(go())
     assert seen["path"] == "/v1/generate" and seen["auth"] == "Bearer k"

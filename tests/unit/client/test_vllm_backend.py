@@ -91,9 +91,13 @@ def test_update_inside_a_pause_reloads_and_labels_the_version():
 
     res, info = asyncio.run(go())
     assert [c[1] for c in fake.calls] == [  # the reload's own pause (keep) starts a new epoch
-        "/pause?mode=keep&clear_cache=false", "/pause?mode=keep&clear_cache=false", "/collective_rpc", "/update_weight_version", "/resume",
+        "/pause?mode=keep&clear_cache=false",
+        "/pause?mode=keep&clear_cache=false",
+        "/collective_rpc",
+        "/update_weight_version",
+        "/resume",
         "/weight_info",
-    ]  # fmt: skip
+    ]
     assert fake.calls[2][2] == {
         "method": "asyncrl_reload_weights",
         "kwargs": {"weights_path": "/run/weights/step_5"},

@@ -1,4 +1,5 @@
-"""The rollout loop's failure handling and stop conditions: env errors, deadlines, latency, inference errors."""
+"""The rollout loop's failure handling and stop conditions: env errors, deadlines, latency, inference
+errors."""
 
 from __future__ import annotations
 

@@ -45,7 +45,8 @@ def test_normal_run_and_isolation_report(sandbox):
     sandbox.write_file("lib/helper.py", "def f():\n    return 41\n")
     result = _run(
         sandbox,
-        "import json, collections\nfrom lib.helper import f\nprint(json.dumps(f() + 1))\nopen('out.txt', 'w').write('ok')",
+        "import json, collections\nfrom lib.helper import f\nprint(json.dumps(f() + 1))\nopen('out.txt', "
+        "'w').write('ok')",
     )
     assert result.ok and result.stdout == "42\n" and result.error_summary() is None
     assert sandbox.read_file("out.txt") == "ok"

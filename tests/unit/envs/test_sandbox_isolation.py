@@ -74,7 +74,8 @@ def test_dir_fd_relative_read_write_rename_unlink_are_contained(box, tmp_path):
         f"attempt('read', lambda: os.read(os.open({rel!r}, os.O_RDONLY, dir_fd=root), 100))\n"
         f"attempt('write', lambda: os.open({str(escaped)[1:]!r}, os.O_WRONLY | os.O_CREAT, dir_fd=root))\n"
         "attempt('write_lib', lambda: os.open('escaped-by-sandbox', os.O_WRONLY | os.O_CREAT, dir_fd=lib))\n"
-        f"attempt('rename', lambda: os.rename({rel!r}, {rel + '.moved'!r}, src_dir_fd=root, dst_dir_fd=root))\n"
+        f"attempt('rename', lambda: os.rename({rel!r}, {rel + '.moved'!r}, src_dir_fd=root, "
+        "dst_dir_fd=root))\n"
         f"attempt('unlink', lambda: os.unlink({rel!r}, dir_fd=root))\n"
     )
     result = _run(box, code)
@@ -92,11 +93,13 @@ def test_host_proc_and_pidfd_signals_are_out_of_reach(box):
     victim = subprocess.Popen(["sleep", "30"])
     try:
         code = ESCAPE_PRELUDE + (
-            "pids = sorted(int(p) for p in os.listdir(os.open('proc', os.O_RDONLY, dir_fd=root)) if p.isdigit())\n"
+            "pids = sorted(int(p) for p in os.listdir(os.open('proc', os.O_RDONLY, dir_fd=root)) if "
+            "p.isdigit())\n"
             "print('pids', *pids)\n"
             "attempt('environ', lambda: os.open(f'proc/{sys.argv[1]}/environ', os.O_RDONLY, dir_fd=root))\n"
             "for pid in sys.argv[1:]:\n"
-            "    attempt('pidfd', lambda: signal.pidfd_send_signal(os.pidfd_open(int(pid)), signal.SIGKILL))\n"
+            "    attempt('pidfd', lambda: signal.pidfd_send_signal(os.pidfd_open(int(pid)), "
+            "signal.SIGKILL))\n"
         )
         result = _run(box, code, str(os.getpid()), str(victim.pid))
         assert result.returncode == 0, result.stderr
@@ -223,8 +226,13 @@ def test_read_only_dirs_under_a_tmpfs_path_stay_visible(tmp_path):
     (venv / "bin").mkdir(parents=True, exist_ok=True)
     (venv / "bin" / "marker").write_text("here\n")
     try:
-        argv = bwrap_argv(ISOLATION.bwrap, tmp_path, ["cat", str(venv / "bin" / "marker")],
-                          read_only_dirs=(str(venv),), tmpfs=(("/tmp", 1 << 20),))  # fmt: skip
+        argv = bwrap_argv(
+            ISOLATION.bwrap,
+            tmp_path,
+            ["cat", str(venv / "bin" / "marker")],
+            read_only_dirs=(str(venv),),
+            tmpfs=(("/tmp", 1 << 20),),
+        )
         result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
         assert (result.returncode, result.stdout) == (0, "here\n"), result.stderr
     finally:

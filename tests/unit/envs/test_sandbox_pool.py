@@ -193,7 +193,8 @@ _ORCHESTRATOR = textwrap.dedent(
         pool = SandboxPool(root=sys.argv[1], max_sandboxes=5, limits=PoolLimits(command_wall_s=600))
         boxes = [await pool.acquire(W()) for _ in range(5)]
         env = {"PATH": "/usr/bin:/bin"}
-        runs = [asyncio.create_task(b.run(["bash", "-c", "sleep 600 & sleep 600"], env=env)) for b in boxes[:3]]
+        sleeper = ["bash", "-c", "sleep 600 & sleep 600"]
+        runs = [asyncio.create_task(b.run(sleeper, env=env)) for b in boxes[:3]]
         runs += [asyncio.create_task(churn(b, env)) for b in boxes[3:]]
         await asyncio.sleep(0.5)
         print("ready", flush=True)

@@ -1,4 +1,5 @@
-"""Checkouts at a base commit: no history inside, pristine after a reset, test files restored, patches applied."""
+"""Checkouts at a base commit: no history inside, pristine after a reset, test files restored, patches
+applied."""
 
 from __future__ import annotations
 

@@ -122,10 +122,17 @@ def test_file_tools_through_the_tool_protocol(tmp_path):
     async def run(command: str) -> SandboxResult:
         raise AssertionError("no shell here")
 
-    tools = {t.name: t for t in make_tools(
-        work=tmp_path, mount_point="/repo", run=run, submit=lambda: submitted.append(1), max_chars=2000,
-        max_file_bytes=100,
-    )}  # fmt: skip
+    tools = {
+        t.name: t
+        for t in make_tools(
+            work=tmp_path,
+            mount_point="/repo",
+            run=run,
+            submit=lambda: submitted.append(1),
+            max_chars=2000,
+            max_file_bytes=100,
+        )
+    }
     assert set(tools) == {"bash", "view", "str_replace", "create", "search", "submit"}
 
     def call(name: str, **arguments) -> str:

@@ -86,11 +86,21 @@ def test_parquet_file(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet", reason="Parquet needs pyarrow: pip install -e '.[data]'")
     import pyarrow as pa
 
-    rows = [{"q": f"reverse: {w}", "a": w[::-1], "chat": [{"role": "user", "content": w}]} for w in
-            ["apple", "river", "stone", "cloud", "maple", "tiger", "piano", "lemon"]]  # fmt: skip
+    rows = [
+        {"q": f"reverse: {w}", "a": w[::-1], "chat": [{"role": "user", "content": w}]}
+        for w in ["apple", "river", "stone", "cloud", "maple", "tiger", "piano", "lemon"]
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
-    table = TaskTable.load({"path": str(tmp_path / "t.parquet"), "prompt_field": "q", "answer_field": "a",
-                            "eval_fraction": 0.0, "shuffle": False}, seed=0)  # fmt: skip
+    table = TaskTable.load(
+        {
+            "path": str(tmp_path / "t.parquet"),
+            "prompt_field": "q",
+            "answer_field": "a",
+            "eval_fraction": 0.0,
+            "shuffle": False,
+        },
+        seed=0,
+    )
     assert [r.answer for r in _all(table, "train")] == [r["a"] for r in rows]
     assert table.row("train", 2).where == "t.parquet row 2"
     messages = TaskTable.load(
@@ -120,8 +130,9 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path):
     assert sorted(r.row["question"] for r in _all(table, "train")) == sorted(r["question"] for r in ROWS[:30])
     assert sorted(r.row["question"] for r in _all(table, "eval")) == sorted(r["question"] for r in ROWS[30:])
     assert table.row("eval", 0).where.startswith("dd[test] row ")
-    one = TaskTable.load({"path": str(tmp_path / "one"), "prompt_field": "question", "shuffle": False,
-                          "eval_fraction": 0.0})  # fmt: skip
+    one = TaskTable.load(
+        {"path": str(tmp_path / "one"), "prompt_field": "question", "shuffle": False, "eval_fraction": 0.0}
+    )
     assert [r.row for r in _all(one, "train")] == train.shuffle(seed=1).select(range(10)).to_list()
     with pytest.raises(TaskDataError, match=r"no split 'validation'; it holds \['train', 'test'\]"):
         TaskTable.load({"path": str(tmp_path / "dd"), "eval_split": "validation", "prompt_field": "question"})
@@ -142,21 +153,50 @@ def test_missing_pyarrow_is_named(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("content", "settings", "message"),
     [
-        ('{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": 2\n', {}, r"qa.jsonl line 2: not valid JSON"),
-        ('{"prompt": "a", "answer": 1}\n\n[1, 2]\n', {}, r"qa.jsonl line 3: a row must be a JSON object, got list"),
-        ('{"question": "a", "answer": 1}\n', {}, r"qa.jsonl line 1: no field 'prompt' \(the row has \['answer', 'question'\]\); set data.prompt_field"),
+        (
+            '{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": 2\n',
+            {},
+            r"qa.jsonl line 2: not valid JSON",
+        ),
+        (
+            '{"prompt": "a", "answer": 1}\n\n[1, 2]\n',
+            {},
+            r"qa.jsonl line 3: a row must be a JSON object, got list",
+        ),
+        (
+            '{"question": "a", "answer": 1}\n',
+            {},
+            r"qa.jsonl line 1: no field 'prompt' \(the row has \['answer', 'question'\]\); set "
+            r"data.prompt_field",
+        ),
         ('{"prompt": "a", "solution": 1}\n', {}, r"line 1: no field 'answer' .*set data.answer_field"),
         ('{"prompt": "a", "answer": null}\n', {}, r"line 1: field 'answer' is null"),
         ('{"prompt": 7, "answer": 1}\n', {}, r"line 1: field 'prompt' must be a string or a non-empty list"),
         ('{"prompt": "  ", "answer": 1}\n', {}, r"line 1: field 'prompt' is an empty string"),
-        ('{"prompt": [{"role": "robot", "content": "x"}], "answer": 1}\n', {}, r"line 1: prompt\[0\] must be a message"),
+        (
+            '{"prompt": [{"role": "robot", "content": "x"}], "answer": 1}\n',
+            {},
+            r"line 1: prompt\[0\] must be a message",
+        ),
         ("", {}, r"no train tasks"),
-        ('{"prompt": "a", "answer": 1}\n', {"eval_fraction": 1.5}, r"data.eval_fraction: Input should be less than 1"),
-        ('{"prompt": "a", "answer": 1}\n', {"prompt_feild": "q"}, r"data.prompt_feild: Extra inputs are not permitted"),
-        ('{"prompt": "a", "answer": 1}\n', {"eval_fraction": 0.1, "eval_path": "x.jsonl"}, "cannot be combined"),
+        (
+            '{"prompt": "a", "answer": 1}\n',
+            {"eval_fraction": 1.5},
+            r"data.eval_fraction: Input should be less than 1",
+        ),
+        (
+            '{"prompt": "a", "answer": 1}\n',
+            {"prompt_feild": "q"},
+            r"data.prompt_feild: Extra inputs are not permitted",
+        ),
+        (
+            '{"prompt": "a", "answer": 1}\n',
+            {"eval_fraction": 0.1, "eval_path": "x.jsonl"},
+            "cannot be combined",
+        ),
         ('{"prompt": "a", "answer": 1}\n', {"split": "train"}, "only a save_to_disk directory has splits"),
     ],
-)  # fmt: skip
+)
 def test_bad_data_is_a_clear_error(tmp_path, content, settings, message):
     (tmp_path / "qa.jsonl").write_text(content)
     with pytest.raises(TaskDataError, match=message):

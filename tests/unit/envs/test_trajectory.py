@@ -232,7 +232,8 @@ class _StallingClient(ScriptedClient):
 
 
 def test_deadline_during_a_later_turn_keeps_full_routing(tokenizer):
-    """The cut turn's new prompt tokens were never sampled against: they leave the sample, routing stays whole."""
+    """The cut turn's new prompt tokens were never sampled against: they leave the sample, routing stays
+    whole."""
     env = build_env("calculator", seed=1)
     task = env.task("train", 5)
     replies = _calc_script(task.info["expression"], str(int(task.answer)))
@@ -262,9 +263,12 @@ def test_turn_aborted_in_prefill_keeps_full_routing(tokenizer):
             start = kwargs["routed_experts_start"]  # prefill reached 3 tokens past the known routing
             rows = scripted_routing(prompt_token_ids[: start + 3], start, *ROUTING[:2], ROUTING[2])
             return GenerateResponse(
-                token_ids=[], logprobs=[], policy_versions=[], finish_reason="abort",
+                token_ids=[],
+                logprobs=[],
+                policy_versions=[],
+                finish_reason="abort",
                 routed_experts=RoutedExperts.from_array(rows, start=start),
-            )  # fmt: skip
+            )
 
     client = AbortingClient(tokenizer, replies, routing=ROUTING)
     ep = _run(env, task, client, tokenizer, EnvConfig(name="calculator"), routing=True)

@@ -54,8 +54,17 @@ def test_oversized_unsafe_or_broken_templates_are_400s(source):
     assert e.value.field == "chat_template" and e.value.status == 400
 
 
-@pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("localhost", True), ("::1", True),
-                                                ("0.0.0.0", False), ("10.1.2.3", False), ("node7", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("localhost", True),
+        ("::1", True),
+        ("0.0.0.0", False),
+        ("10.1.2.3", False),
+        ("node7", False),
+    ],
+)
 def test_off_loopback_servers_need_a_key_and_weight_roots(host, loopback):
     assert is_loopback(host) == loopback
     if loopback:

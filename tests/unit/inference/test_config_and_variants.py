@@ -17,8 +17,9 @@ from asyncrl.model.compute import cpu_kernels
 def test_cli_flags_and_toml(tmp_path):
     toml = tmp_path / "inf.toml"
     toml.write_text('model = "m"\nport = 9000\nmax_num_seqs = 4\n')
-    cfg = load_config(InferenceConfig, ["@", str(toml), "--max-num-seqs", "8", "--dtype", "bfloat16",
-                                        "--api-key", "k"])  # fmt: skip
+    cfg = load_config(
+        InferenceConfig, ["@", str(toml), "--max-num-seqs", "8", "--dtype", "bfloat16", "--api-key", "k"]
+    )
     assert (cfg.model, cfg.port, cfg.max_num_seqs, cfg.dtype, cfg.api_key) == ("m", 9000, 8, "bfloat16", "k")
     with pytest.raises(ConfigError, match="max_num_seq"):
         load_config(InferenceConfig, ["--model", "m", "--max-num-seq", "8"])
@@ -36,8 +37,12 @@ def test_dense_model_greedy_and_zero_routing(make_engine):
     model.init_weights(seed=1, std=0.05)
     engine = make_engine(model.eval())
     (prompt,) = random_prompts([13], seed=40)
-    engine.add_request("d", prompt, SamplingOptions(temperature=0.0, max_tokens=10, ignore_eos=True),
-                       return_routed_experts=True)  # fmt: skip
+    engine.add_request(
+        "d",
+        prompt,
+        SamplingOptions(temperature=0.0, max_tokens=10, ignore_eos=True),
+        return_routed_experts=True,
+    )
     res = drain(engine)["d"]
     assert res.tokens == greedy_reference(model, prompt, 10)
     assert res.final.routed_experts.shape == (23, 4, 1) and not res.final.routed_experts.any()

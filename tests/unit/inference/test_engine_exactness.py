@@ -11,8 +11,13 @@ def _busy_batch(engine, prompts, greedy_every=2):
     opts = []
     for i, p in enumerate(prompts):
         temp = 0.0 if i % greedy_every == 0 else [1.0, 0.7, 1.3][i % 3]
-        o = SamplingOptions(temperature=temp, top_p=0.9 if i % 3 == 1 else 1.0, max_tokens=6 + 5 * (i % 4),
-                            ignore_eos=True, seed=i)  # fmt: skip
+        o = SamplingOptions(
+            temperature=temp,
+            top_p=0.9 if i % 3 == 1 else 1.0,
+            max_tokens=6 + 5 * (i % 4),
+            ignore_eos=True,
+            seed=i,
+        )
         engine.add_request(f"r{i}", p, o, return_routed_experts=True)
         opts.append(o)
     return opts, drain(engine)

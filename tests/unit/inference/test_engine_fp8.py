@@ -52,10 +52,18 @@ def test_fp8_engine_on_mla_families_follows_the_fp8_model(preset):
     later layers (and the latent cached for later tokens) carry on. With this seed that happens
     in both families."""
     args = replace(
-        preset_args(preset), hidden_size=256, intermediate_size=256, head_dim=32, q_lora_rank=128,
-        kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, moe_intermediate_size=128,
+        preset_args(preset),
+        hidden_size=256,
+        intermediate_size=256,
+        head_dim=32,
+        q_lora_rank=128,
+        kv_lora_rank=128,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=32,
+        moe_intermediate_size=128,
         **(dict(index_n_heads=16, index_head_dim=32, index_topk=8) if preset == "tiny-glm5" else {}),
-    )  # fmt: skip
+    )
     hp = Transformer(args)
     hp.init_weights(seed=3, std=0.05)
     fp8 = copy.deepcopy(hp)

@@ -43,14 +43,24 @@ def test_plain_console_prints_echoed_lines_only_and_feeds_the_sinks(tmp_path, ca
     console = PlainConsole(run_dir, Sinks([sink]))
     sup = Supervisor(
         [
-            ChildSpec(name="orchestrator", argv=[sys.executable, "-c", f"print({_FILL!r}); print('noise')"],
-                      log=tmp_path / "o.log", echo_prefixes=("[orchestrator]",), may_exit_ok=True),
-            ChildSpec(name="trainer", argv=[sys.executable, "-c", _writes_metrics(run_dir)],
-                      log=tmp_path / "t.log", echo_prefixes=("step ",), done_ok=True),
+            ChildSpec(
+                name="orchestrator",
+                argv=[sys.executable, "-c", f"print({_FILL!r}); print('noise')"],
+                log=tmp_path / "o.log",
+                echo_prefixes=("[orchestrator]",),
+                may_exit_ok=True,
+            ),
+            ChildSpec(
+                name="trainer",
+                argv=[sys.executable, "-c", _writes_metrics(run_dir)],
+                log=tmp_path / "t.log",
+                echo_prefixes=("step ",),
+                done_ok=True,
+            ),
         ],
         poll_s=0.05,
         console=console,
-    )  # fmt: skip
+    )
     assert sup.run() == 0
     out = capsys.readouterr().out
     assert sorted(out.splitlines()) == sorted([_FILL, "[trainer] step 1 | loss 0.5"])
@@ -98,8 +108,16 @@ def test_a_new_batch_clears_the_fill_status_and_the_line_fits_the_width():
 def test_the_status_line_shows_the_latest_held_out_pass_at_1():
     status = RunStatus(max_steps=20)
     status.update({"role": "orchestrator", "step": 11, "reward/mean": 0.5})
-    status.update({"role": "eval", "step": 10, "version": 10, "eval/a/pass@1": 0.2, "eval/b/pass@1": 0.4,
-                   "eval/a/pass@4": 0.9})  # fmt: skip
+    status.update(
+        {
+            "role": "eval",
+            "step": 10,
+            "version": 10,
+            "eval/a/pass@1": 0.2,
+            "eval/b/pass@1": 0.4,
+            "eval/a/pass@4": 0.9,
+        }
+    )
     assert "| reward 0.500 | eval v10 pass@1 0.300 |" in status.render()
 
 

@@ -57,8 +57,22 @@ def test_unknown_keys_name_the_section_and_nearest_key():
 
 def test_dry_run_writes_configs_and_prints_commands(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    code = main(["rl", "--model", "m", "--run-dir", str(run_dir), "--deployment.trainer_nproc", "2",
-                 "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4", "--dry-run"])  # fmt: skip
+    code = main(
+        [
+            "rl",
+            "--model",
+            "m",
+            "--run-dir",
+            str(run_dir),
+            "--deployment.trainer_nproc",
+            "2",
+            "--orchestrator.batch_size",
+            "8",
+            "--orchestrator.group_size",
+            "4",
+            "--dry-run",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "torch.distributed.run --standalone --nproc-per-node=2 -m asyncrl trainer" in out

@@ -1,4 +1,5 @@
-"""`asyncrl rl --slurm --dry-run` writes the sbatch job; `[trainer.parallel]` reaches the trainer and is checked."""
+"""`asyncrl rl --slurm --dry-run` writes the sbatch job; `[trainer.parallel]` reaches the trainer and is
+checked."""
 
 from __future__ import annotations
 

@@ -27,11 +27,16 @@ def test_done_child_ends_the_run_and_stops_the_rest(tmp_path, capsys):
     sup = Supervisor(
         [
             ChildSpec(name="server", argv=_py("import time; time.sleep(60)"), log=tmp_path / "s.log"),
-            ChildSpec(name="trainer", argv=_py("print('step 1 | loss 0.5'); import time; time.sleep(0.5)"),
-                      log=tmp_path / "t.log", echo_prefixes=("step ",), done_ok=True),
+            ChildSpec(
+                name="trainer",
+                argv=_py("print('step 1 | loss 0.5'); import time; time.sleep(0.5)"),
+                log=tmp_path / "t.log",
+                echo_prefixes=("step ",),
+                done_ok=True,
+            ),
         ],
         poll_s=0.05,
-    )  # fmt: skip
+    )
     assert sup.run() == 0
     assert all(c.proc.poll() is not None for c in sup.children)
     assert "[trainer] step 1 | loss 0.5" in capsys.readouterr().out
@@ -43,11 +48,15 @@ def test_the_run_waits_for_every_done_child(tmp_path):
         [
             ChildSpec(name="server", argv=_py("import time; time.sleep(60)"), log=tmp_path / "s.log"),
             ChildSpec(name="trainer", argv=_py("pass"), log=tmp_path / "t.log", done_ok=True),
-            ChildSpec(name="orchestrator", argv=_py("import time; time.sleep(1); print('evaluated')"),
-                      log=tmp_path / "o.log", done_ok=True),
+            ChildSpec(
+                name="orchestrator",
+                argv=_py("import time; time.sleep(1); print('evaluated')"),
+                log=tmp_path / "o.log",
+                done_ok=True,
+            ),
         ],
         poll_s=0.05,
-    )  # fmt: skip
+    )
     assert sup.run() == 0
     assert "evaluated" in (tmp_path / "o.log").read_text()  # the trainer's exit did not cut it short
 
@@ -82,7 +91,11 @@ def test_failing_child_is_named_and_grandchildren_are_killed(tmp_path, capsys):
 
 def test_restartable_child_is_restarted(tmp_path, capsys):
     marker = tmp_path / "crashed-once"
-    flaky = f"import os, sys, time; p = {str(marker)!r}\nif not os.path.exists(p): open(p, 'w').close(); sys.exit(1)\ntime.sleep(60)"
+    flaky = (
+        f"import os, sys, time; p = {str(marker)!r}\n"
+        "if not os.path.exists(p): open(p, 'w').close(); sys.exit(1)\n"
+        "time.sleep(60)"
+    )
     sup = Supervisor(
         [
             ChildSpec(name="inference-0", argv=_py(flaky), log=tmp_path / "i.log", max_restarts=2),

@@ -40,18 +40,32 @@ def _inference(model_dir, **kw) -> InferenceConfig:
 
 def _probe(command, **kw) -> VLLMProbe:
     flags = {a for a in command.argv if a.startswith("--")}
-    base = {"version": "0.32.0", "device_type": "cpu", "flags": frozenset(flags),
-            "architectures": frozenset({"Qwen3MoeForCausalLM"})}  # fmt: skip
+    base = {
+        "version": "0.32.0",
+        "device_type": "cpu",
+        "flags": frozenset(flags),
+        "architectures": frozenset({"Qwen3MoeForCausalLM"}),
+    }
     return VLLMProbe(**(base | kw))
 
 
 def test_command_maps_our_keys_to_vllm_flags(model_dir):
     cfg = _inference(
-        model_dir, dtype="bfloat16", max_num_seqs=7, port=8123, api_key="sekret", enable_prefix_caching=False,
-        vllm={"tensor_parallel_size": 2, "enable_expert_parallel": True, "quantization": "fp8",
-              "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
-              "cpu_kv_cache_space_gb": 2, "extra_args": ["--enforce-eager"]},
-    )  # fmt: skip
+        model_dir,
+        dtype="bfloat16",
+        max_num_seqs=7,
+        port=8123,
+        api_key="sekret",
+        enable_prefix_caching=False,
+        vllm={
+            "tensor_parallel_size": 2,
+            "enable_expert_parallel": True,
+            "quantization": "fp8",
+            "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+            "cpu_kv_cache_space_gb": 2,
+            "extra_args": ["--enforce-eager"],
+        },
+    )
     cmd = build_vllm_command(cfg, python="/venv/bin/python")
     a = cmd.argv
     assert a[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
@@ -162,8 +176,20 @@ def test_resolve_tells_the_orchestrator_the_backend_and_turns_replay_off(model_d
 
 def test_dry_run_prints_the_vllm_command_and_says_replay_is_off(model_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    code = main(["rl", "--model", str(model_dir), "--run-dir", str(run), "--inference.backend", "vllm",
-                 "--inference.vllm.python", "/v/bin/python", "--dry-run"])  # fmt: skip
+    code = main(
+        [
+            "rl",
+            "--model",
+            str(model_dir),
+            "--run-dir",
+            str(run),
+            "--inference.backend",
+            "vllm",
+            "--inference.vllm.python",
+            "/v/bin/python",
+            "--dry-run",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     line = next(x for x in out.splitlines() if x.strip().startswith("inference-0:"))
@@ -173,8 +199,20 @@ def test_dry_run_prints_the_vllm_command_and_says_replay_is_off(model_dir, tmp_p
 
 
 def test_the_printed_vllm_command_finds_the_worker_extension(model_dir, tmp_path, capsys):
-    code = main(["rl", "--model", str(model_dir), "--run-dir", str(tmp_path / "run"), "--inference.backend",
-                 "vllm", "--inference.vllm.python", sys.executable, "--dry-run"])  # fmt: skip
+    code = main(
+        [
+            "rl",
+            "--model",
+            str(model_dir),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--inference.backend",
+            "vllm",
+            "--inference.vllm.python",
+            sys.executable,
+            "--dry-run",
+        ]
+    )
     assert code == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("inference-0:"))
     words = shlex.split(line.split(":", 1)[1])
@@ -190,12 +228,20 @@ def test_the_printed_vllm_command_finds_the_worker_extension(model_dir, tmp_path
 
 
 def test_slurm_renders_vllm_servers(model_dir, tmp_path):
-    cfg = load_config(SlurmRLConfig, {
-        "model": str(model_dir), "run_dir": str(tmp_path), "api_key": "k",
-        "deployment": {"num_inference_servers": 2},
-        "inference": {"backend": "vllm", "vllm": {"data_parallel_size": 8, "enable_expert_parallel": True}},
-        "slurm": {"inference_nodes": 2, "trainer_nodes": 1},
-    })  # fmt: skip
+    cfg = load_config(
+        SlurmRLConfig,
+        {
+            "model": str(model_dir),
+            "run_dir": str(tmp_path),
+            "api_key": "k",
+            "deployment": {"num_inference_servers": 2},
+            "inference": {
+                "backend": "vllm",
+                "vllm": {"data_parallel_size": 8, "enable_expert_parallel": True},
+            },
+            "slurm": {"inference_nodes": 2, "trainer_nodes": 1},
+        },
+    )
     script = render_sbatch(cfg, tmp_path)
     server = next(x for x in script.splitlines() if "vllm.entrypoints.openai.api_server" in x)
     assert " .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server" in server

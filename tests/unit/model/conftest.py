@@ -50,10 +50,17 @@ def hf_checkpoint(tmp_path):
 
     def make(model_type: str, seed: int = 0, **overrides):
         base = dict(
-            vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000.0,
-            max_position_embeddings=512, tie_word_embeddings=False,
-        )  # fmt: skip
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_theta=5000.0,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        )
         if model_type == "qwen3_moe":
             base |= dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
             cfg_cls, model_cls = Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -76,12 +83,25 @@ def hf_checkpoint(tmp_path):
 # 16 index heads: an exact tie of index scores (every relu term zero) then has odds ~2^-16, and
 # ties are where transformers' topk and our position-ordered rule may pick different keys.
 _SIGMOID_MOE = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=4, topk_group=2,
-    num_experts_per_tok=3, first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=2.5,
-    norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False,
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=3,
+    first_k_dense_replace=1,
+    n_shared_experts=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
     rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
-)  # fmt: skip
+)
 _MLA = dict(kv_lora_rank=24, q_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
 FAMILY_BASES = {
     "deepseek_v3": _SIGMOID_MOE | _MLA | dict(rope_interleave=True),

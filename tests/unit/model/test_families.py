@@ -75,9 +75,23 @@ def test_config_keys_round_trip(family_checkpoint, tmp_path):
     src = json.loads((path / "config.json").read_text())
     save_pretrained(from_pretrained(path), tmp_path / "out")
     out = json.loads((tmp_path / "out" / "config.json").read_text())
-    for key in ("n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace", "kv_lora_rank",
-                "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_topk",
-                "index_n_heads", "index_head_dim", "indexer_types", "n_shared_experts", "mlp_layer_types"):  # fmt: skip
+    for key in (
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "first_k_dense_replace",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "index_topk",
+        "index_n_heads",
+        "index_head_dim",
+        "indexer_types",
+        "n_shared_experts",
+        "mlp_layer_types",
+    ):
         assert out[key] == src[key], key
 
 

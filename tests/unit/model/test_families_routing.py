@@ -10,22 +10,42 @@ from asyncrl.model import ModelArgs, Transformer
 from asyncrl.model.sparse_index import causal_key_ranges, select_topk
 
 _COMMON = dict(
-    vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=4, head_dim=8, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
-    norm_topk_prob=True, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    vocab_size=64,
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=8,
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=24,
+    norm_topk_prob=True,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
     first_k_dense_replace=1,
-)  # fmt: skip
+)
 _MLA = dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 FAMILIES = {
     "deepseek_v3": ModelArgs(model_type="deepseek_v3", rope_interleave=True, **_COMMON, **_MLA),
     "glm4_moe": ModelArgs(
-        model_type="glm4_moe", **(_COMMON | dict(num_key_value_heads=2, head_dim=12)), partial_rotary_factor=0.5
+        model_type="glm4_moe",
+        **(_COMMON | dict(num_key_value_heads=2, head_dim=12)),
+        partial_rotary_factor=0.5,
     ),
     "glm_moe_dsa": ModelArgs(
-        model_type="glm_moe_dsa", rope_interleave=True, index_topk=5, index_n_heads=4, index_head_dim=12,
-        indexer_types=("full", "shared", "full"), **_COMMON, **_MLA,
+        model_type="glm_moe_dsa",
+        rope_interleave=True,
+        index_topk=5,
+        index_n_heads=4,
+        index_head_dim=12,
+        indexer_types=("full", "shared", "full"),
+        **_COMMON,
+        **_MLA,
     ),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(params=list(FAMILIES))

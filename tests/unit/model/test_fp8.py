@@ -229,20 +229,32 @@ def test_bad_backend_is_a_clear_error():
 # kv_lora_rank + qk_rope_head_dim (160 here, 576 in DeepSeek-V3 / Kimi-K2 / GLM-5): as in the real
 # models, that one stays in high precision.
 _MLA_128 = dict(
-    hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-    q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+    hidden_size=256,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=32,
+    q_lora_rank=128,
+    kv_lora_rank=128,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
     moe_intermediate_size=128,
-)  # fmt: skip
+)
 _MLA_FAMILIES = {
     "tiny-dsv3": _MLA_128,
     "tiny-glm5": _MLA_128 | dict(index_n_heads=16, index_head_dim=32, index_topk=8),
 }
 _FAMILIES_128 = _MLA_FAMILIES | {
     "tiny-glm4moe": dict(
-        hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+        hidden_size=256,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
         moe_intermediate_size=128,
     )
-}  # fmt: skip
+}
 
 
 def family_model(preset: str, seed: int = 0) -> Transformer:

@@ -22,8 +22,14 @@ FP8_CONFIG = {
     "activation_scheme": "dynamic",
     "weight_block_size": [128, 128],
 }
-YARN = {"factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
-        "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+YARN = {
+    "factor": 8.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 def _quantize(w_OK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,9 +71,11 @@ def test_kimi_style_fp8_yarn_checkpoint_gives_transformers_logits_on_the_dequant
     family_checkpoint, tmp_path
 ):
     path, hf = family_checkpoint(
-        "deepseek_v3", seed=6, intermediate_size=160,  # the dense MLP spans two blocks
+        "deepseek_v3",
+        seed=6,
+        intermediate_size=160,  # the dense MLP spans two blocks
         rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, **YARN},
-    )  # fmt: skip
+    )
     dequantized = _rewrite_kimi_style(path, tmp_path / "dequantized")
     ours = from_pretrained(path)
     assert ours.args.model_type == "deepseek_v3" and ours.args.rope_scaling.factor == 8.0

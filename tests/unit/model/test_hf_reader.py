@@ -1,4 +1,5 @@
-"""HFReader: slices of our tensors read from HF files equal slices of the whole, and touch only their bytes."""
+"""HFReader: slices of our tensors read from HF files equal slices of the whole, and touch only their
+bytes."""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def test_a_wrong_expert_shape_names_the_file_and_tensor(saved):
     with HFReader(path, ARGS) as reader, pytest.raises(ModelConfigError) as e:
         reader.check(expected, where=str(path))
     assert str(e.value) == (
-        f"{file}: tensor 'model.layers.1.mlp.experts.6.up_proj.weight' has shape [127, 128], expected [128, 128]"
+        f"{file}: tensor 'model.layers.1.mlp.experts.6.up_proj.weight' has shape [127, 128], expected [128, "
+        "128]"
     )
     with pytest.raises(ModelConfigError, match=r"'model.layers.1.mlp.experts.6.up_proj.weight' has shape"):
         from_pretrained(path)

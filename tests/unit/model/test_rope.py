@@ -16,9 +16,15 @@ TOL = 1e-4
 ORIGINAL = 64
 # mscale != mscale_all_dim: cos/sin are scaled, and MLA's softmax scale too
 YARN = {
-    "rope_type": "yarn", "rope_theta": 5000.0, "factor": 8.0, "original_max_position_embeddings": ORIGINAL,
-    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.9, "mscale_all_dim": 0.6,
-}  # fmt: skip
+    "rope_type": "yarn",
+    "rope_theta": 5000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": ORIGINAL,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.9,
+    "mscale_all_dim": 0.6,
+}
 
 
 def _ids_and_positions(vocab: int, start: int = 5 * ORIGINAL) -> tuple[torch.Tensor, torch.Tensor]:

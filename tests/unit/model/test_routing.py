@@ -8,10 +8,20 @@ import torch
 from asyncrl.model import ModelArgs, PackedCausalAttention, Transformer
 
 ARGS = ModelArgs(
-    model_type="qwen3_moe", vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=6, num_experts_per_tok=2,
-    moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=(1,),
-)  # fmt: skip
+    model_type="qwen3_moe",
+    vocab_size=64,
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    norm_topk_prob=True,
+    mlp_only_layers=(1,),
+)
 
 
 @pytest.fixture
@@ -114,9 +124,17 @@ def test_replay_reads_no_expert_id_on_the_host(model, host_reads):
 
 def test_dense_model_rejects_routing():
     dense = Transformer(
-        ModelArgs(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
-                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    )  # fmt: skip
+        ModelArgs(
+            model_type="qwen3",
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+        )
+    )
     out = dense(torch.zeros(1, 4, dtype=torch.long), return_routing=True)
     assert out.routed_experts.shape == (1, 4, 1, 1)
     with pytest.raises(ValueError, match="no MoE layers"):

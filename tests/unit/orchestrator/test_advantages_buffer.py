@@ -46,8 +46,14 @@ def test_with_advantage_marks_only_sampled_tokens():
 def _group(oldest: int, n: int = 2) -> Group:
     # prompt tokens carry version 0 regardless; only sampled tokens count for staleness
     samples = [_sample([0, oldest, oldest + 1], [False, True, True]) for _ in range(n)]
-    return Group(task_id="t", env="e", dispatch_version=oldest, samples=samples, rewards=[0.0] * n,
-                 episode_metrics=[{}] * n)  # fmt: skip
+    return Group(
+        task_id="t",
+        env="e",
+        dispatch_version=oldest,
+        samples=samples,
+        rewards=[0.0] * n,
+        episode_metrics=[{}] * n,
+    )
 
 
 def test_buffer_drops_groups_older_than_allowed():
@@ -82,8 +88,16 @@ def test_buffer_uses_the_oldest_sampled_token_version_not_the_dispatch_version()
     }
     buf = GroupBuffer(batch_size=4, max_off_policy_steps=1)
     for name, (versions, dispatch) in groups.items():
-        buf.add(Group(task_id=name, env="e", dispatch_version=dispatch, rewards=[0.0, 0.0],
-                      samples=[_spanning_sample(v) for v in versions], episode_metrics=[{}, {}]))  # fmt: skip
+        buf.add(
+            Group(
+                task_id=name,
+                env="e",
+                dispatch_version=dispatch,
+                rewards=[0.0, 0.0],
+                samples=[_spanning_sample(v) for v in versions],
+                episode_metrics=[{}, {}],
+            )
+        )
     batch, taken = buf.cut(4)
     assert [g.task_id for g in taken] == ["late_start", "fresh"]
     assert buf.num_dropped_groups == 2 and buf.num_dropped_samples == 4
@@ -103,9 +117,17 @@ def test_config_rejects_impossible_combinations():
 
 
 def _episode(reward: float, *, error: str | None = None, stop: str = "done") -> Episode:
-    return Episode(episode_id=f"e{reward}", env="e", task_id="t", reward=reward, rewards={},
-                   samples=[_sample([0, 1, 1], [False, True, True])], metrics={"failed": float(error is not None)},
-                   stop_reason="error" if error else stop, error=error)  # fmt: skip
+    return Episode(
+        episode_id=f"e{reward}",
+        env="e",
+        task_id="t",
+        reward=reward,
+        rewards={},
+        samples=[_sample([0, 1, 1], [False, True, True])],
+        metrics={"failed": float(error is not None)},
+        stop_reason="error" if error else stop,
+        error=error,
+    )
 
 
 def _make_group(episodes: list[Episode]) -> tuple[Group, Dispatcher]:
@@ -115,8 +137,12 @@ def _make_group(episodes: list[Episode]) -> tuple[Group, Dispatcher]:
 
 def test_failed_episodes_never_train_and_stay_out_of_the_baseline():
     # An env error (samples kept for inspection), an aborted request, and two valid rollouts.
-    episodes = [_episode(1.0), _episode(0.0, error="RuntimeError: env bug"), _episode(0.0),
-                _episode(0.7, stop="aborted")]  # fmt: skip
+    episodes = [
+        _episode(1.0),
+        _episode(0.0, error="RuntimeError: env bug"),
+        _episode(0.0),
+        _episode(0.7, stop="aborted"),
+    ]
     group, dispatcher = _make_group(episodes)
     advantages = [float(s.advantages[s.loss_mask][0]) for s in group.samples]
     assert advantages == pytest.approx([0.5, -0.5])  # baseline over the two valid episodes only

@@ -91,9 +91,14 @@ def test_heavy_tailed_latency_respects_max_off_policy_steps(tmp_path, tokenizer_
     # which of the others land late.
     (server,) = servers(1, delay_median_s=0.02, delay_sigma=2.0, hang_first_prompt=True)
     cfg = _cfg(
-        tmp_path, tokenizer_dir, [server], max_steps=6, max_async_steps=1, max_off_policy_steps=1,
+        tmp_path,
+        tokenizer_dir,
+        [server],
+        max_steps=6,
+        max_async_steps=1,
+        max_off_policy_steps=1,
         max_concurrent_groups=8,
-    )  # fmt: skip
+    )
     batches, records = asyncio.run(_run(cfg, step_time_s=0.15))
     assert [b.step for b in batches] == list(range(1, 7))
     for b in batches:
@@ -122,9 +127,14 @@ def test_killed_server_episodes_are_retried_and_restart_is_readmitted(tmp_path, 
     (a,) = servers(1, delay_median_s=0.05, delay_sigma=0.5, hang_after=5)
     (b,) = servers(1, delay_median_s=0.05, delay_sigma=0.5)
     cfg = _cfg(
-        tmp_path, tokenizer_dir, [a, b], max_steps=8, max_async_steps=1, max_off_policy_steps=2,
+        tmp_path,
+        tokenizer_dir,
+        [a, b],
+        max_steps=8,
+        max_async_steps=1,
+        max_off_policy_steps=2,
         request_timeout_s=3.0,
-    )  # fmt: skip
+    )
     restarted: list[FakeServer] = []
 
     async def go():
@@ -169,8 +179,15 @@ def test_a_known_context_limit_caps_every_request(tmp_path, tokenizer_dir, serve
     # because the orchestrator caps its max_tokens by the limit it was told.
     (server,) = servers(1, max_model_len=38)
     envs = EnvsConfig(envs=[EnvConfig(name="reverse-text", max_total_tokens=38)])
-    cfg = _cfg(tmp_path, tokenizer_dir, [server], max_steps=2, envs=envs, max_model_len=38,
-               sampling=SamplingParams(max_tokens=8))  # fmt: skip
+    cfg = _cfg(
+        tmp_path,
+        tokenizer_dir,
+        [server],
+        max_steps=2,
+        envs=envs,
+        max_model_len=38,
+        sampling=SamplingParams(max_tokens=8),
+    )
     batches, records = asyncio.run(_run(cfg))
     assert [b.step for b in batches] == [1, 2]
     assert server.num_rejected == 0 and records[-1]["episodes/failed_total"] == 0

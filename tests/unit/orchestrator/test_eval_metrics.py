@@ -55,10 +55,16 @@ def _episode(reward: float, *, versions=(3, 3), completion=2, stop="done", trunc
         episode_id="e",
     )
     return Episode(
-        episode_id="e", env="rt", task_id="t", reward=reward, rewards={}, samples=[] if failed else [sample],
+        episode_id="e",
+        env="rt",
+        task_id="t",
+        reward=reward,
+        rewards={},
+        samples=[] if failed else [sample],
         metrics={"num_completion_tokens": float(completion), "num_truncated_turns": float(truncated_turns)},
-        stop_reason="error" if failed else stop, error="boom" if failed else None,
-    )  # fmt: skip
+        stop_reason="error" if failed else stop,
+        error="boom" if failed else None,
+    )
 
 
 def test_the_eval_line_has_each_envs_numbers_and_the_version():
@@ -90,8 +96,9 @@ def test_the_eval_line_has_each_envs_numbers_and_the_version():
 
 
 def test_k_of_one_writes_pass_at_1_once():
-    record = eval_record(0, {"rt": EnvEval(sampled=[[_episode(1.0)], [_episode(0.0)]])}, k=1,
-                         pass_threshold=0.5, seconds=1.0)  # fmt: skip
+    record = eval_record(
+        0, {"rt": EnvEval(sampled=[[_episode(1.0)], [_episode(0.0)]])}, k=1, pass_threshold=0.5, seconds=1.0
+    )
     assert record["eval/rt/pass@1"] == 0.5
     assert "pass@1 0.500 |" in format_eval_line(record, ["rt"], k=1)
 

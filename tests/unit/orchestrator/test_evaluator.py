@@ -81,8 +81,15 @@ def test_the_best_version_by_keep_best_survives_pruning_and_is_named(
 ):
     (server,) = servers(1, reply_len=lambda version: 5 if version == 2 else 1)  # v2 is the best
     env = EnvsConfig(envs=[EnvConfig(name="reply-length")])
-    cfg = _cfg(tmp_path, tokenizer_dir, [server], envs=env, max_steps=6, advantage={"filter_zero_advantage": False},
-               eval=_EVAL | {"keep_best": "eval/reply-length/reward"})  # fmt: skip
+    cfg = _cfg(
+        tmp_path,
+        tokenizer_dir,
+        [server],
+        envs=env,
+        max_steps=6,
+        advantage={"filter_zero_advantage": False},
+        eval=_EVAL | {"keep_best": "eval/reply-length/reward"},
+    )
     asyncio.run(_run(cfg, step_time_s=0.3, keep_last=1))
     rewards = {r["version"]: r["eval/reply-length/reward"] for r in read_metrics(cfg.run_dir, "eval")}
     assert rewards == {

@@ -62,8 +62,15 @@ def test_an_env_that_raises_fails_episodes_not_the_run(tmp_path, tokenizer_dir, 
 def test_a_slow_heavy_tailed_env_still_finishes_within_the_staleness_bound(tmp_path, tokenizer_dir, servers):
     (server,) = servers(1)
     slow = EnvConfig(name="reverse-text", latency={"median_s": 0.02, "sigma": 1.5, "max_s": 0.4})
-    cfg = _cfg(tmp_path, tokenizer_dir, [server], max_steps=4, envs=EnvsConfig(envs=[slow]),
-               max_async_steps=1, max_off_policy_steps=1)  # fmt: skip
+    cfg = _cfg(
+        tmp_path,
+        tokenizer_dir,
+        [server],
+        max_steps=4,
+        envs=EnvsConfig(envs=[slow]),
+        max_async_steps=1,
+        max_off_policy_steps=1,
+    )
     _run(cfg)
     records = read_metrics(cfg.run_dir, "orchestrator")
     assert max(r["staleness/max"] for r in records) <= 1

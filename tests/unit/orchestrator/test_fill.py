@@ -17,9 +17,13 @@ from asyncrl.orchestrator.main import run_orchestrator
 def _group(samples: int, rewards: list[float], failed: int = 0) -> Group:
     metrics = [{"failed": 1.0} if i < failed else {} for i in range(len(rewards))]
     return Group(
-        task_id="t", env="e", dispatch_version=0, samples=[object()] * samples,  # type: ignore[list-item]
-        rewards=rewards, episode_metrics=metrics,
-    )  # fmt: skip
+        task_id="t",
+        env="e",
+        dispatch_version=0,
+        samples=[object()] * samples,  # type: ignore[list-item]
+        rewards=rewards,
+        episode_metrics=metrics,
+    )
 
 
 def test_status_counts_why_groups_dropped_and_hints_at_no_signal():

@@ -29,8 +29,9 @@ def test_step_metrics_leave_out_episode_means_when_no_episode_finished():
     empty = step_record(batch, StepMetrics(), Counters(), **kw)
     assert "reward/mean" not in empty and "episode/tokens" not in empty
     assert empty["reward/batch_mean"] == 0.75
-    assert "| reward   -   | v2" in format_line({**empty, "step": 3, "inference/prefix_cache_hit_rate": 0.0,
-                                           "inference/tokens_per_s": 0.0})  # fmt: skip
+    assert "| reward   -   | v2" in format_line(
+        {**empty, "step": 3, "inference/prefix_cache_hit_rate": 0.0, "inference/tokens_per_s": 0.0}
+    )
     since = StepMetrics()
     since.rewards["e"].extend([1.0, 0.0])
     since.episodes.extend([{"num_prompt_tokens": 3, "num_completion_tokens": 2}] * 2)

@@ -46,15 +46,29 @@ def test_state_round_trip_keeps_buffer_stream_position_and_in_flight(tmp_path):
     rng = random.Random(7)
     rng.random()
     groups = [
-        Group(task_id=f"t{i}", env="e", dispatch_version=1, samples=[_sample(5 + i, i), _sample(4, 10 + i)],
-              rewards=[1.0, 0.0], episode_metrics=[{"reward": 1.0}, {"reward": 0.0}], index=i)
+        Group(
+            task_id=f"t{i}",
+            env="e",
+            dispatch_version=1,
+            samples=[_sample(5 + i, i), _sample(4, 10 + i)],
+            rewards=[1.0, 0.0],
+            episode_metrics=[{"reward": 1.0}, {"reward": 0.0}],
+            index=i,
+        )
         for i in (3, 5)
-    ]  # fmt: skip
+    ]
     state = OrchestratorState(
-        step=2, next_index=9, rng_state=rng.getstate(), version=1, counters={"groups_dispatched": 9},
-        buffered=groups, in_flight=[GroupRef(index=7, env_index=0)], trained=[0, 1, 2],
-        dropped=[(4, "stale_queue")], metrics={"reward/mean": 0.5},
-    )  # fmt: skip
+        step=2,
+        next_index=9,
+        rng_state=rng.getstate(),
+        version=1,
+        counters={"groups_dispatched": 9},
+        buffered=groups,
+        in_flight=[GroupRef(index=7, env_index=0)],
+        trained=[0, 1, 2],
+        dropped=[(4, "stale_queue")],
+        metrics={"reward/mean": 0.5},
+    )
     batch = RolloutBatch(step=2, samples=[_sample(6, 99)])
     write_batch(tmp_path, batch, encode_state(state))
     back = load_latest_state(tmp_path)
@@ -73,8 +87,15 @@ def test_state_round_trip_keeps_buffer_stream_position_and_in_flight(tmp_path):
 
 
 def test_an_empty_buffer_round_trips(tmp_path):
-    state = OrchestratorState(step=1, next_index=2, rng_state=random.Random(0).getstate(), version=0,
-                              counters={}, buffered=[], in_flight=[])  # fmt: skip
+    state = OrchestratorState(
+        step=1,
+        next_index=2,
+        rng_state=random.Random(0).getstate(),
+        version=0,
+        counters={},
+        buffered=[],
+        in_flight=[],
+    )
     write_batch(tmp_path, RolloutBatch(step=1, samples=[_sample(4, 0)]), encode_state(state))
     back = load_state(batch_dir(tmp_path, 1) / STATE_FILE)
     assert back.buffered == [] and back.in_flight == [] and back.next_index == 2
@@ -104,8 +125,15 @@ def test_crash_and_resume_loses_no_group_and_continues_the_stream(
     tmp_path, tokenizer_dir, servers, crash_after
 ):
     (server,) = servers(1, delay_median_s=0.01, delay_sigma=1.0)
-    cfg = _cfg(tmp_path, tokenizer_dir, [server], max_steps=5, max_async_steps=2, max_off_policy_steps=2,
-               advantage={"filter_zero_advantage": False})  # fmt: skip
+    cfg = _cfg(
+        tmp_path,
+        tokenizer_dir,
+        [server],
+        max_steps=5,
+        max_async_steps=2,
+        max_off_policy_steps=2,
+        advantage={"filter_zero_advantage": False},
+    )
     seen = asyncio.run(_crash_and_resume(cfg, crash_after))
     assert [b.step for b in seen] == [1, 2, 3, 4, 5]
     before = load_state(batch_dir(cfg.run_dir, crash_after) / STATE_FILE)

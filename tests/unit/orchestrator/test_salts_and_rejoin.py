@@ -54,9 +54,15 @@ class TwoTurnEnv(Environment):
 
 
 def _dispatcher(tmp_path, tokenizer_dir, servers: list[FakeServer]) -> Dispatcher:
-    cfg = OrchestratorConfig(run_dir=str(tmp_path / "run"), model=str(tokenizer_dir),
-                             servers=[s.url for s in servers], batch_size=4, group_size=4,
-                             max_episode_retries=2, sampling=SamplingParams(max_tokens=8))  # fmt: skip
+    cfg = OrchestratorConfig(
+        run_dir=str(tmp_path / "run"),
+        model=str(tokenizer_dir),
+        servers=[s.url for s in servers],
+        batch_size=4,
+        group_size=4,
+        max_episode_retries=2,
+        sampling=SamplingParams(max_tokens=8),
+    )
     pool = ServerPool(build_backends(cfg.servers))
     return Dispatcher(cfg, pool, None, ChatTokenizer.from_pretrained(tokenizer_dir))
 

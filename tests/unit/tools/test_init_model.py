@@ -66,8 +66,9 @@ def test_refuses_to_overwrite_and_bad_preset(tmp_path):
     assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl", "init-model", "--preset", "huge", "--out", str(tmp_path / "y")],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "invalid choice: 'huge'" in proc.stderr
 
 

@@ -1,4 +1,5 @@
-"""`asyncrl plan`: the all-gather figure of an 800B MoE, the documented GLM-5-scale layout, warnings and errors."""
+"""`asyncrl plan`: the all-gather figure of an 800B MoE, the documented GLM-5-scale layout, warnings and
+errors."""
 
 from __future__ import annotations
 
@@ -111,11 +112,17 @@ def test_kv_cache_figure_is_what_the_engine_allocates_per_token(preset):
     """MLA caches the latent + rope key (+ the DSA indexer key), not per-head K/V."""
     args = preset_args(preset)
     cache = KVCache(
-        num_layers=args.num_hidden_layers, num_blocks=4, block_size=8, num_kv_heads=args.num_key_value_heads,
-        head_dim=args.head_dim, routing_top_k=args.routing_top_k, dtype=torch.bfloat16, device=torch.device("cpu"),
+        num_layers=args.num_hidden_layers,
+        num_blocks=4,
+        block_size=8,
+        num_kv_heads=args.num_key_value_heads,
+        head_dim=args.head_dim,
+        routing_top_k=args.routing_top_k,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
         latent_dim=args.kv_lora_rank + args.qk_rope_head_dim if args.uses_mla else 0,
         index_dim=args.index_head_dim if args.uses_dsa else 0,
-    )  # fmt: skip
+    )
     routing = cache.routing_PLK.numel() * cache.routing_PLK.element_size()
     plan = build_plan(args, Layout(nodes=1, gpus_per_node=1, seq_len=64))
     assert plan.kv_cache_bytes_per_token == (cache.nbytes() - routing) / 32
@@ -152,8 +159,9 @@ def test_published_deepseek_v3_config_is_read_with_its_yarn_and_counts_671b():
     """DeepSeek-V3: 671B total, 37B active (DeepSeek's report; its MTP layer not counted)."""
     args, notes = read_model_config(DOCS / "deepseek-v3.json")
     assert args.rope_scaling.factor == 40.0 and args.rope_scaling.mscale_all_dim == 1.0
-    assert notes == ["quantization_config (fp8) ignored: the plan assumes fp32 master weights and compute in "
-                     "--param-dtype"]  # fmt: skip
+    assert notes == [
+        "quantization_config (fp8) ignored: the plan assumes fp32 master weights and compute in --param-dtype"
+    ]
     assert args.num_params() == pytest.approx(671e9, rel=0.01)
     assert args.num_params(active=True) == pytest.approx(37e9, rel=0.02)
 

@@ -22,41 +22,88 @@ ALL_FIGURES = ("reward", "eval", "mismatch", "dropped", "inference", "trainer", 
 def trainer_record(step: int) -> dict:
     """A trainer line as asyncrl.trainer.session writes it (no `role` key)."""
     return {
-        "step": step, "skipped": False, "loss": 0.01, "grad_norm": 0.3, "lr": 1e-4, "num_tokens": 340,
-        "num_loss_tokens": 64, "masked_fraction": 0.0, "mismatch_kl": 1e-3 / step, "entropy": 5.5,
-        "staleness_mean": 1.0, "staleness_max": 1, "mean_context": 20.0, "seconds": 3.0,
-        "mismatch_kl_max": 0.01, "mismatch_ratio_outside": 0.0, "mismatch_kl_current": 0.0,
-        "mismatch_kl_stale": 1e-3 / step, "mismatch_tokens_stale_fraction": 1.0 if step > 1 else 0.0,
-        "routing_agreement": 0.9, "routing_agreement/layer_0": 0.95, "routing_agreement/layer_1": 0.85,
-        "tokens_per_s": 40.0 + step, "mfu": 0.01, "peak_memory_gb": 0.4, "num_samples": 8,
-        "reward_mean": 0.05, "wait_s": 0.001,
-    }  # fmt: skip
+        "step": step,
+        "skipped": False,
+        "loss": 0.01,
+        "grad_norm": 0.3,
+        "lr": 1e-4,
+        "num_tokens": 340,
+        "num_loss_tokens": 64,
+        "masked_fraction": 0.0,
+        "mismatch_kl": 1e-3 / step,
+        "entropy": 5.5,
+        "staleness_mean": 1.0,
+        "staleness_max": 1,
+        "mean_context": 20.0,
+        "seconds": 3.0,
+        "mismatch_kl_max": 0.01,
+        "mismatch_ratio_outside": 0.0,
+        "mismatch_kl_current": 0.0,
+        "mismatch_kl_stale": 1e-3 / step,
+        "mismatch_tokens_stale_fraction": 1.0 if step > 1 else 0.0,
+        "routing_agreement": 0.9,
+        "routing_agreement/layer_0": 0.95,
+        "routing_agreement/layer_1": 0.85,
+        "tokens_per_s": 40.0 + step,
+        "mfu": 0.01,
+        "peak_memory_gb": 0.4,
+        "num_samples": 8,
+        "reward_mean": 0.05,
+        "wait_s": 0.001,
+    }
 
 
 def orchestrator_record(step: int) -> dict:
     """A line as asyncrl.orchestrator.metrics (and main's pause time) writes it."""
     return {
-        "role": "orchestrator", "step": step, "time": 1.7e9 + step, "policy_version": step - 1,
-        "reward/mean": 0.1 * step, "reward/batch_mean": 0.1 * step, "reward/reverse-text": 0.1 * step,
-        "episode/tokens": 40.0, "episode/completion_tokens": 8.0, "episode/turns": 1.0,
-        "episode/tool_errors": 0.0, "episode/failed": 0.0, "batch/samples": 8, "batch/tokens": 340,
-        "staleness/mean": 1.0, "staleness/max": 1, "dropped/groups_stale_queue": 0,
-        "dropped/groups_stale_in_flight": step // 2, "dropped/groups_zero_advantage": 3 * step,
-        "episodes/failed_total": 0, "episodes/retried_total": 1, "inference/idle_s": 0.5,
-        "orchestrator/step_s": 2.0, "inference/prefix_cache_hit_rate": 0.4, "inference/tokens_per_s": 20.0,
-        "inference/requests": 28.0, "inference/pause_s": 0.05,
-    }  # fmt: skip
+        "role": "orchestrator",
+        "step": step,
+        "time": 1.7e9 + step,
+        "policy_version": step - 1,
+        "reward/mean": 0.1 * step,
+        "reward/batch_mean": 0.1 * step,
+        "reward/reverse-text": 0.1 * step,
+        "episode/tokens": 40.0,
+        "episode/completion_tokens": 8.0,
+        "episode/turns": 1.0,
+        "episode/tool_errors": 0.0,
+        "episode/failed": 0.0,
+        "batch/samples": 8,
+        "batch/tokens": 340,
+        "staleness/mean": 1.0,
+        "staleness/max": 1,
+        "dropped/groups_stale_queue": 0,
+        "dropped/groups_stale_in_flight": step // 2,
+        "dropped/groups_zero_advantage": 3 * step,
+        "episodes/failed_total": 0,
+        "episodes/retried_total": 1,
+        "inference/idle_s": 0.5,
+        "orchestrator/step_s": 2.0,
+        "inference/prefix_cache_hit_rate": 0.4,
+        "inference/tokens_per_s": 20.0,
+        "inference/requests": 28.0,
+        "inference/pause_s": 0.05,
+    }
 
 
 def eval_record(version: int) -> dict:
     """A line of an eval during training, as asyncrl.orchestrator.eval_metrics writes it."""
     return {
-        "role": "eval", "step": version, "time": 1.7e9 + version, "version": version, "eval/episodes": 80,
-        "eval/seconds": 2.0, "eval/tokens_on_version": 1.0, "eval/reverse-text/reward": 0.5 + 0.05 * version,
-        "eval/reverse-text/pass@1": 0.1 * version, "eval/reverse-text/pass@4": 0.2 * version,
-        "eval/reverse-text/greedy_reward": 0.6, "eval/reverse-text/length": 5.0,
-        "eval/reverse-text/failed": 0.0, "eval/reverse-text/truncated": 0.0,
-    }  # fmt: skip
+        "role": "eval",
+        "step": version,
+        "time": 1.7e9 + version,
+        "version": version,
+        "eval/episodes": 80,
+        "eval/seconds": 2.0,
+        "eval/tokens_on_version": 1.0,
+        "eval/reverse-text/reward": 0.5 + 0.05 * version,
+        "eval/reverse-text/pass@1": 0.1 * version,
+        "eval/reverse-text/pass@4": 0.2 * version,
+        "eval/reverse-text/greedy_reward": 0.6,
+        "eval/reverse-text/length": 5.0,
+        "eval/reverse-text/failed": 0.0,
+        "eval/reverse-text/truncated": 0.0,
+    }
 
 
 def sample(versions: list[int]) -> RolloutSample:

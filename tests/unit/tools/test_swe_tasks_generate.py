@@ -178,8 +178,11 @@ def test_leaks_fix_catches_a_line_of_the_fix_and_statements_drop_addresses():
     patch = "--- a/m.py\n+++ b/m.py\n@@ -1,2 +1,2 @@\n def f(a, b):\n-    return a - b\n+    return a + b\n"
     assert leaks_fix("the code should say: return a + b", patch)
     assert not leaks_fix("f(1, 2) returned -1, expected 3", patch)
-    failure = Failure(when="call", error="assert <function f at 0x7f00deadbeef> == 3",
-                      frames=(("tests/test_m.py", 4, "test_f"), ("m.py", 2, "f")))  # fmt: skip
+    failure = Failure(
+        when="call",
+        error="assert <function f at 0x7f00deadbeef> == 3",
+        frames=(("tests/test_m.py", 4, "test_f"), ("m.py", 2, "f")),
+    )
     statement = problem_statement(
         ["tests/test_m.py::test_f"], {"tests/test_m.py::test_f": failure}, "pytest {tests}"
     )
@@ -193,8 +196,14 @@ def test_a_mutant_is_kept_only_if_it_breaks_its_own_tests_and_nothing_else():
     from asyncrl.tools.swe_tasks.runner import CommandRun, ProbeRun
 
     (mutation,) = find_mutations(OPS, "calc/ops.py", ("swap-arguments",))[:1]
-    cand = _Candidate(path="calc/ops.py", function="chunks", original=OPS, mutations=(mutation,),
-                      tests=("t::covering", "t::covering2"), others=("t::other",))  # fmt: skip
+    cand = _Candidate(
+        path="calc/ops.py",
+        function="chunks",
+        original=OPS,
+        mutations=(mutation,),
+        tests=("t::covering", "t::covering2"),
+        others=("t::other",),
+    )
     cfg = GenerateConfig(repo=Path("."), repo_out=Path("repos"), name="calc")
 
     def classify(outcomes: dict[str, str]) -> tuple[str, object]:

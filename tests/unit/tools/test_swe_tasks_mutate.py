@@ -126,7 +126,15 @@ def test_flip_constant():
 
 
 def test_edits_keep_the_rest_of_the_file_byte_for_byte():
-    src = "# -*- coding: utf-8 -*-\ndef f(s):\n    t = 'héllo wörld'  # ünïcode\n    return s + t\r\n\n\nX = 1\n"
+    src = (
+        "# -*- coding: utf-8 -*-\n"
+        "def f(s):\n"
+        "    t = 'héllo wörld'  # ünïcode\n"
+        "    return s + t\r\n"
+        "\n"
+        "\n"
+        "X = 1\n"
+    )
     (m,) = find_mutations(src, "mod.py", ("swap-operator",))
     assert m.source == src.replace("s + t", "s - t")
     assert m.lineno == 4

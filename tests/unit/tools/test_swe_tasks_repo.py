@@ -15,19 +15,26 @@ from asyncrl.tools.swe_tasks.runner import TestRunner, run_shell
 
 def _task(repo: Path, base_commit: str, patch: str) -> SweTask:
     return SweTask(
-        instance_id="demo__1", repo=repo, base_commit=base_commit, problem_statement="test_add fails",
-        patch=patch, fail_to_pass=("tests/test_m.py::test_add",),
-    )  # fmt: skip
+        instance_id="demo__1",
+        repo=repo,
+        base_commit=base_commit,
+        problem_statement="test_add fails",
+        patch=patch,
+        fail_to_pass=("tests/test_m.py::test_add",),
+    )
 
 
 def test_runner_reads_each_outcome_from_the_envs_report_not_the_output(tmp_path: Path):
     (tmp_path / "test_x.py").write_text(
-        "import pytest\n\ndef test_ok():\n    pass\n\ndef test_bad():\n    print('PASSED test_x.py::test_bad')\n"
-        "    assert 1 == 2\n\n@pytest.mark.parametrize('v', ['a b', 'c'])\ndef test_p(v):\n    assert v == 'c'\n\n"
+        "import pytest\n\ndef test_ok():\n    pass\n\ndef test_bad():\n    print('PASSED "
+        "test_x.py::test_bad')\n"
+        "    assert 1 == 2\n\n@pytest.mark.parametrize('v', ['a b', 'c'])\ndef test_p(v):\n    assert v == "
+        "'c'\n\n"
         "@pytest.mark.xfail\ndef test_known():\n    assert False\n"
     )
-    runner = TestRunner("PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -rA -p no:cacheprovider {tests}",
-                        timeout_s=120)  # fmt: skip
+    runner = TestRunner(
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -rA -p no:cacheprovider {tests}", timeout_s=120
+    )
     try:
         run = runner.run(tmp_path, [])
     finally:

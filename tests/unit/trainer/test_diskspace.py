@@ -102,11 +102,10 @@ def test_a_publish_that_does_not_fit_is_refused_before_writing(tiny_model, tmp_p
     with pytest.raises(DiskFullError) as caught:
         publisher.publish(model, 2)
     run_dir = publisher.run_dir
-    assert str(
-        caught.value
-    ).startswith(
+    assert str(caught.value).startswith(
         f"no space left for the published weights of step 2 at {weights_dir(run_dir, 2)}: 500.0 KB free on "
-        f"its filesystem, about {format_bytes(state_bytes(model) // 2)} needed."  # the tokenizer adds < 0.1 MB
+        # the tokenizer adds < 0.1 MB
+        f"its filesystem, about {format_bytes(state_bytes(model) // 2)} needed."
     )
     assert stable_steps(run_dir) == [1] and not [
         p for p in (run_dir / "weights").iterdir() if "step_2" in p.name

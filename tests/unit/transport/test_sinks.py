@@ -37,8 +37,12 @@ def test_tensorboard_writes_an_event_file_with_the_scalars(tmp_path):
     (event_file,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
     acc = EventAccumulator(str(event_file)).Reload()
     assert set(acc.Tags()["tensors"]) == {
-        "trainer/loss", "trainer/skipped", "orchestrator/reward/mean", "eval/version", "eval/rt/pass@4"
-    }  # fmt: skip
+        "trainer/loss",
+        "trainer/skipped",
+        "orchestrator/reward/mean",
+        "eval/version",
+        "eval/rt/pass@4",
+    }
     loss = [(e.step, float(e.tensor_proto.float_val[0])) for e in acc.Tensors("trainer/loss")]
     assert loss == [(1, 0.25), (2, 0.125)]
 
@@ -117,7 +121,10 @@ def test_a_failing_sink_is_reported_once_and_switched_off(capsys):
 def test_enabling_a_sink_whose_package_is_missing_is_a_config_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
-    with pytest.raises(ConfigError, match=r"sinks.wandb.enabled = true but the 'wandb' package is not installed; "
-                       r"pip install 'asyncrl\[wandb\]'"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"sinks.wandb.enabled = true but the 'wandb' package is not installed; "
+        r"pip install 'asyncrl\[wandb\]'",
+    ):
         load_config(SinksConfig, ["--wandb.enabled", "true"])
     assert not load_config(SinksConfig, ["--wandb.project", "p"]).any_enabled  # off: no package needed

@@ -61,8 +61,15 @@ def test_field_errors_name_the_field():
         decode_batch(arrays, meta, where="rollouts/step_0")
     with pytest.raises(BatchFormatError, match="routed_experts differ across samples"):
         other = _sample(3, 1)
-        encode_batch(RolloutBatch(step=0, samples=[s, RolloutSample(**{**other.__dict__,
-                                  "routed_experts": other.routed_experts[:, :2]})]))  # fmt: skip
+        encode_batch(
+            RolloutBatch(
+                step=0,
+                samples=[
+                    s,
+                    RolloutSample(**{**other.__dict__, "routed_experts": other.routed_experts[:, :2]}),
+                ],
+            )
+        )
 
 
 def test_a_sample_without_routing_round_trips_as_no_routing():

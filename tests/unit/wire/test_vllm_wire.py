@@ -46,9 +46,15 @@ def _npy_b64(arr: np.ndarray) -> str:
 
 def test_request_maps_sampling_salt_and_ignore_eos():
     req = GenerateRequest(
-        prompt_token_ids=[5, 6, 7], max_tokens=9, temperature=0.7, top_k=0, seed=3, ignore_eos=True,
-        stop_token_ids=[2], cache_salt="4",
-    )  # fmt: skip
+        prompt_token_ids=[5, 6, 7],
+        max_tokens=9,
+        temperature=0.7,
+        top_k=0,
+        seed=3,
+        ignore_eos=True,
+        stop_token_ids=[2],
+        cache_salt="4",
+    )
     body = to_vllm_generate(req, kv_transfer_params={"do_remote_decode": True})
     assert body["token_ids"] == [5, 6, 7]
     assert body["cache_salt"] == "4"
@@ -126,19 +132,29 @@ def test_embedded_answer_in_vllm_shape_round_trips():
     )
     routed = RoutedExperts.from_array(np.arange(4 * 2 * 2, dtype=np.uint16).reshape(4, 2, 2) * 37, start=2)
     ours = GenerateResponse(
-        token_ids=[7, 8, 9], logprobs=[-0.1, -0.2, -0.3], policy_versions=[3, 3, 4], finish_reason="stop",
-        num_cached_tokens=2, prompt_token_ids=[1, 2, 3, 4], routed_experts=routed,
-    )  # fmt: skip
+        token_ids=[7, 8, 9],
+        logprobs=[-0.1, -0.2, -0.3],
+        policy_versions=[3, 3, 4],
+        finish_reason="stop",
+        num_cached_tokens=2,
+        prompt_token_ids=[1, 2, 3, 4],
+        routed_experts=routed,
+    )
     payload = to_vllm_answer(ours, req, "r-9")
     assert payload["choices"][0]["weight_versions"] == [
-        {"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3},
-    ]  # fmt: skip
+        {"version": "3", "start": 0, "end": 2},
+        {"version": "4", "start": 2, "end": 3},
+    ]
     assert from_vllm_generate(payload, req) == ours
 
 
 def test_vllm_request_shape_becomes_ours_and_rejects_what_we_do_not_serve():
-    body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 4, "temperature": 0, "logprobs": 0},
-            "cache_salt": "s", "return_routed_experts": True}  # fmt: skip
+    body = {
+        "token_ids": [5, 6],
+        "sampling_params": {"max_tokens": 4, "temperature": 0, "logprobs": 0},
+        "cache_salt": "s",
+        "return_routed_experts": True,
+    }
     req = VLLMGenerateRequest.model_validate(body).to_request()
     assert (req.prompt_token_ids, req.max_tokens, req.temperature, req.cache_salt) == ([5, 6], 4, 0.0, "s")
     assert req.return_routed_experts and to_vllm_generate(req)["return_routed_experts"] is True

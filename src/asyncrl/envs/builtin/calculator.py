@@ -88,7 +88,8 @@ class CalculatorEnv(Environment):
     def __init__(self, *, seed: int = 0, max_operand: int = 99, num_operands: int = 3) -> None:
         if max_operand < 2 or not 2 <= num_operands <= 6:
             raise ValueError(
-                f"calculator: need max_operand >= 2 and 2 <= num_operands <= 6, got {max_operand}, {num_operands}"
+                f"calculator: need max_operand >= 2 and 2 <= num_operands <= 6, got {max_operand}, "
+                f"{num_operands}"
             )
         super().__init__(seed=seed)
         self.max_operand, self.num_operands = max_operand, num_operands

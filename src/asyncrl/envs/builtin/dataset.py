@@ -2,7 +2,8 @@
 
     [[orchestrator.envs.envs]]
     name = "dataset"
-    args = { data = { path = "gsm.jsonl", prompt_field = "question", answer_field = "answer" }, reward = "number" }
+    args.data = { path = "gsm.jsonl", prompt_field = "question", answer_field = "answer" }
+    args.reward = "number"
 
 The rows, splits and seeded order come from `asyncrl.envs.task_data.TaskTable` (see there for
 every `data` setting). The reward compares the model's final text with the row's answer:

@@ -2,7 +2,8 @@
 
     from asyncrl.envs.builtin.swe.tasks import read_tasks, write_tasks
     from asyncrl.tools.swe_tasks import GenerateConfig, generate, verify_tasks
-    tasks, stats = generate(GenerateConfig(repo=Path("mylib"), repo_out=Path("data/tasks-repos"), name="mylib"))
+    config = GenerateConfig(repo=Path("mylib"), repo_out=Path("data/tasks-repos"), name="mylib")
+    tasks, stats = generate(config)
     write_tasks("data/tasks.jsonl", tasks)             # repos relative to the file: tasks-repos/<id>
     verdicts = verify_tasks(read_tasks("data/tasks.jsonl"))   # the bug fails, the reference fix passes
 

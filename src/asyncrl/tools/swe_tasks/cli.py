@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--name",
-        help="instance ids start with NAME__ (default: --repo's directory name); --verify/--rebuild: only those rows",
+        help="instance ids start with NAME__ (default: --repo's directory name); --verify/--rebuild: "
+        "only those rows",
     )
     add = _with_default(p)
     add("--max-tasks", type=int, default=30)
@@ -82,12 +83,20 @@ def _make(args: argparse.Namespace) -> int:
         raise GenerateError("--out makes tasks from a repository: pass --repo DIR")
     repo_out = args.repo_out or args.out.parent / f"{args.out.stem}-repos"
     cfg = GenerateConfig(
-        repo=args.repo, repo_out=repo_out, name=args.name or args.repo.resolve().name, max_tasks=args.max_tasks,
-        seed=args.seed, jobs=args.jobs, test_cmd=args.test_cmd, max_pass_to_pass=args.max_pass_to_pass,
-        max_per_function=args.max_per_function, max_tries_per_function=args.max_tries_per_function,
-        operators=tuple(o.strip() for o in args.operators.split(",") if o.strip()), timeout_s=args.timeout_s,
+        repo=args.repo,
+        repo_out=repo_out,
+        name=args.name or args.repo.resolve().name,
+        max_tasks=args.max_tasks,
+        seed=args.seed,
+        jobs=args.jobs,
+        test_cmd=args.test_cmd,
+        max_pass_to_pass=args.max_pass_to_pass,
+        max_per_function=args.max_per_function,
+        max_tries_per_function=args.max_tries_per_function,
+        operators=tuple(o.strip() for o in args.operators.split(",") if o.strip()),
+        timeout_s=args.timeout_s,
         baseline_timeout_s=args.baseline_timeout_s,
-    )  # fmt: skip
+    )
     tasks, stats = generate(cfg, log=_log)
     write_tasks(args.out, tasks)
     _log(_summary(tasks, stats))

@@ -71,7 +71,8 @@ class GenerateConfig:
             raise GenerateError(f"--repo {self.repo}: not a directory")
         if self.repo_out.exists() and any(self.repo_out.iterdir()):
             raise GenerateError(
-                f"task repositories go to {self.repo_out}, which is not empty: remove it or pass another --repo-out"
+                f"task repositories go to {self.repo_out}, which is not empty: remove it or pass another "
+                "--repo-out"
             )
         if TESTS_PLACEHOLDER not in self.test_cmd:
             raise GenerateError(f"--test-cmd {self.test_cmd!r} needs a {TESTS_PLACEHOLDER} placeholder")
@@ -169,8 +170,15 @@ def _covered_functions(
             tests = covered.get((path, fn.first_line))
             mutations = tuple(mutate_function(source, fn, cfg.operators)) if tests else ()
             if tests and mutations:
-                found.append(_Candidate(path=path, function=fn.qualname, original=source, mutations=mutations,
-                                        tests=tuple(sorted(tests))))  # fmt: skip
+                found.append(
+                    _Candidate(
+                        path=path,
+                        function=fn.qualname,
+                        original=source,
+                        mutations=mutations,
+                        tests=tuple(sorted(tests)),
+                    )
+                )
     return found
 
 
@@ -227,8 +235,14 @@ def _classify(
     still_passing = [t for t in cand.tests if t not in failing] + list(cand.others)
     if cfg.max_pass_to_pass:
         still_passing = still_passing[: cfg.max_pass_to_pass]
-    kill = _Kill(mutation=mutation, tests=cand.tests, failing=failing, still_passing=tuple(sorted(still_passing)),
-                 patch=patch, statement=statement)  # fmt: skip
+    kill = _Kill(
+        mutation=mutation,
+        tests=cand.tests,
+        failing=failing,
+        still_passing=tuple(sorted(still_passing)),
+        patch=patch,
+        statement=statement,
+    )
     return "killed", kill
 
 
@@ -252,8 +266,14 @@ def _try(cand: _Candidate, runner: TestRunner, checkout: Path, cfg: GenerateConf
     return trial
 
 
-def _search(candidates: list[_Candidate], checkouts: list[Path], runner: TestRunner, cfg: GenerateConfig,
-            stats: GenerateStats, log: Log) -> list[_Kill]:  # fmt: skip
+def _search(
+    candidates: list[_Candidate],
+    checkouts: list[Path],
+    runner: TestRunner,
+    cfg: GenerateConfig,
+    stats: GenerateStats,
+    log: Log,
+) -> list[_Kill]:
     """Candidates in order, `jobs` at a time, until `max_tasks` kills; the same kills for any `jobs`."""
     kills: list[_Kill] = []
     with ThreadPoolExecutor(max_workers=len(checkouts)) as pool:
@@ -267,8 +287,11 @@ def _search(candidates: list[_Candidate], checkouts: list[Path], runner: TestRun
                 verdict = ", ".join(
                     f"{k.mutation.operator} breaks {len(k.failing)} test(s)" for k in trial.kills
                 )
-                log(f"[{min(len(kills), cfg.max_tasks):>3}/{cfg.max_tasks} tasks] {cand.path}::{cand.function}: "
-                    f"{verdict or f'none of {sum(trial.outcomes.values())} mutant(s) kept'}")  # fmt: skip
+                log(
+                    f"[{min(len(kills), cfg.max_tasks):>3}/{cfg.max_tasks} tasks] "
+                    f"{cand.path}::{cand.function}: "
+                    f"{verdict or f'none of {sum(trial.outcomes.values())} mutant(s) kept'}"
+                )
             if len(kills) >= cfg.max_tasks:
                 break
     return kills[: cfg.max_tasks]
@@ -285,11 +308,16 @@ def _make_task(kill: _Kill, store: Path, tree: str, cfg: GenerateConfig) -> SweT
     instance_id = _instance_id(cfg.name, m, kill.patch)
     commit = build_task_repo(cfg.repo_out / instance_id, store, tree, kill.patch)
     return SweTask(
-        instance_id=instance_id, repo=(cfg.repo_out / instance_id).absolute(), base_commit=commit,
-        problem_statement=kill.statement, patch=kill.patch, fail_to_pass=kill.failing,
-        pass_to_pass=kill.still_passing, test_cmd=cfg.test_cmd,
+        instance_id=instance_id,
+        repo=(cfg.repo_out / instance_id).absolute(),
+        base_commit=commit,
+        problem_statement=kill.statement,
+        patch=kill.patch,
+        fail_to_pass=kill.failing,
+        pass_to_pass=kill.still_passing,
+        test_cmd=cfg.test_cmd,
         mutation={"file": m.path, "function": m.function, "line": m.lineno, "operator": m.operator},
-    )  # fmt: skip
+    )
 
 
 def _baseline(

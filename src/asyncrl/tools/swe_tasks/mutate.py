@@ -14,7 +14,7 @@ reference patch is the line or two a human fix would touch.
 | swap-comparison | `==` -> `!=`, `<` -> `>`, `in` -> `not in`, `is` -> `is not` |
 | off-by-one | `<` -> `<=`, `range(n)` -> `range(n - 1)`, `xs[1:]` -> `xs[2:]`, `x > 0` -> `x > 1` |
 | swap-boolean | `a and b` -> `a or b` |
-| negate-condition | `if ok:` -> `if not ok:` (an `if`, `elif`, conditional expression or comprehension filter) |
+| negate-condition | `if ok:` -> `if not ok:` (`if`, `elif`, conditional expression, comprehension filter) |
 | drop-branch | an `if` block without `else` removed; an `else`/`elif` part removed |
 | wrong-default | `def f(n=1)` -> `def f(n=2)`, `strict=True` -> `strict=False`, `sep=","` -> `sep=""` |
 | swap-arguments | `f(a, b)` -> `f(b, a)` |
@@ -35,25 +35,72 @@ Edit = tuple[int, int, str]  # (start, end) character offsets in the file, repla
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 
 _BINOP_TOKENS: dict[type[ast.operator], str] = {
-    ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%",
-    ast.Pow: "**", ast.LShift: "<<", ast.RShift: ">>", ast.BitOr: "|", ast.BitAnd: "&", ast.BitXor: "^",
-}  # fmt: skip
+    ast.Add: "+",
+    ast.Sub: "-",
+    ast.Mult: "*",
+    ast.Div: "/",
+    ast.FloorDiv: "//",
+    ast.Mod: "%",
+    ast.Pow: "**",
+    ast.LShift: "<<",
+    ast.RShift: ">>",
+    ast.BitOr: "|",
+    ast.BitAnd: "&",
+    ast.BitXor: "^",
+}
 # Each operator's replacement: one that still runs on the same operand types where it can.
 _BINOP_SWAP: dict[type[ast.operator], type[ast.operator]] = {
-    ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Add, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,
-    ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult, ast.LShift: ast.RShift, ast.RShift: ast.LShift,
-    ast.BitOr: ast.BitAnd, ast.BitAnd: ast.BitOr, ast.BitXor: ast.BitOr,
-}  # fmt: skip
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Add,
+    ast.Div: ast.Mult,
+    ast.FloorDiv: ast.Div,
+    ast.Mod: ast.FloorDiv,
+    ast.Pow: ast.Mult,
+    ast.LShift: ast.RShift,
+    ast.RShift: ast.LShift,
+    ast.BitOr: ast.BitAnd,
+    ast.BitAnd: ast.BitOr,
+    ast.BitXor: ast.BitOr,
+}
 _NON_COMMUTATIVE = (ast.Sub, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.LShift, ast.RShift)
 # Comparison operators: how to find each in the text between two operands, and how to write it.
 _CMP_PATTERNS: dict[type[ast.cmpop], str] = {
-    ast.Eq: r"==", ast.NotEq: r"!=", ast.LtE: r"<=", ast.GtE: r">=", ast.Lt: r"<(?!=)", ast.Gt: r">(?!=)",
-    ast.NotIn: r"\bnot\s+in\b", ast.In: r"\bin\b", ast.IsNot: r"\bis\s+not\b", ast.Is: r"\bis\b",
-}  # fmt: skip
-_CMP_TOKENS = {ast.Eq: "==", ast.NotEq: "!=", ast.LtE: "<=", ast.GtE: ">=", ast.Lt: "<", ast.Gt: ">",
-               ast.NotIn: "not in", ast.In: "in", ast.IsNot: "is not", ast.Is: "is"}  # fmt: skip
-_CMP_SWAP = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.Gt, ast.Gt: ast.Lt, ast.LtE: ast.GtE,
-             ast.GtE: ast.LtE, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}  # fmt: skip
+    ast.Eq: r"==",
+    ast.NotEq: r"!=",
+    ast.LtE: r"<=",
+    ast.GtE: r">=",
+    ast.Lt: r"<(?!=)",
+    ast.Gt: r">(?!=)",
+    ast.NotIn: r"\bnot\s+in\b",
+    ast.In: r"\bin\b",
+    ast.IsNot: r"\bis\s+not\b",
+    ast.Is: r"\bis\b",
+}
+_CMP_TOKENS = {
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.LtE: "<=",
+    ast.GtE: ">=",
+    ast.Lt: "<",
+    ast.Gt: ">",
+    ast.NotIn: "not in",
+    ast.In: "in",
+    ast.IsNot: "is not",
+    ast.Is: "is",
+}
+_CMP_SWAP = {
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Lt: ast.Gt,
+    ast.Gt: ast.Lt,
+    ast.LtE: ast.GtE,
+    ast.GtE: ast.LtE,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+}
 _CMP_BOUNDARY = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt}
 _ATOMS = (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.Constant, ast.List, ast.Dict, ast.Set)
 
@@ -350,9 +397,15 @@ def _mutants(text: _Text, original: str, fn: Function, operators: tuple[str, ...
             if changed:
                 lineno = source.count("\n", 0, min(e[0] for e in edits)) + 1
                 mutations.append(
-                    Mutation(operator=name, path=fn.path, function=fn.qualname, first_line=fn.first_line,
-                             lineno=lineno, source=mutated)
-                )  # fmt: skip
+                    Mutation(
+                        operator=name,
+                        path=fn.path,
+                        function=fn.qualname,
+                        first_line=fn.first_line,
+                        lineno=lineno,
+                        source=mutated,
+                    )
+                )
     return mutations
 
 

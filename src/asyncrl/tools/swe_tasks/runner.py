@@ -80,9 +80,15 @@ def run_shell(cmd: str, cwd: Path, *, env: dict[str, str], timeout_s: float) -> 
     """`cmd` in a POSIX shell in its own process group, killed as a group at the deadline."""
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        cmd, shell=True, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        cmd,
+        shell=True,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     timed_out = False
     try:
         out, _ = proc.communicate(timeout=timeout_s)

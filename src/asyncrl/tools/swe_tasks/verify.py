@@ -64,8 +64,15 @@ def verify_task(task: SweTask, *, timeout_s: float = 300.0) -> Verdict:
 
 def _verify_in(work: Path, task: SweTask, runner: TestRunner) -> Verdict:
     ids = [*task.fail_to_pass, *task.pass_to_pass]
-    verdict = Verdict(instance_id=task.instance_id, problems=(), f2p_before=0.0, f2p_after=0.0,
-                      p2p_before=0.0, p2p_after=0.0, run_s=())  # fmt: skip
+    verdict = Verdict(
+        instance_id=task.instance_id,
+        problems=(),
+        f2p_before=0.0,
+        f2p_after=0.0,
+        p2p_before=0.0,
+        p2p_after=0.0,
+        run_s=(),
+    )
     if not task.repo.exists():
         return _with(
             verdict,
@@ -86,10 +93,14 @@ def _verify_in(work: Path, task: SweTask, runner: TestRunner) -> Verdict:
     b = dict.fromkeys(ids, "missing") | before.outcomes
     a = dict.fromkeys(ids, "missing") | after.outcomes
     verdict = Verdict(
-        instance_id=task.instance_id, problems=(), f2p_before=fraction_passing(task.fail_to_pass, b),
-        f2p_after=fraction_passing(task.fail_to_pass, a), p2p_before=fraction_passing(task.pass_to_pass, b),
-        p2p_after=fraction_passing(task.pass_to_pass, a), run_s=(before.run.wall_s, after.run.wall_s),
-    )  # fmt: skip
+        instance_id=task.instance_id,
+        problems=(),
+        f2p_before=fraction_passing(task.fail_to_pass, b),
+        f2p_after=fraction_passing(task.fail_to_pass, a),
+        p2p_before=fraction_passing(task.pass_to_pass, b),
+        p2p_after=fraction_passing(task.pass_to_pass, a),
+        run_s=(before.run.wall_s, after.run.wall_s),
+    )
     problems = [f"FAIL_TO_PASS {t} passes before the patch" for t in task.fail_to_pass if b[t] in PASSING]
     problems += [
         f"PASS_TO_PASS {t} is {b[t]} before the patch" for t in task.pass_to_pass if b[t] not in PASSING
@@ -138,8 +149,10 @@ def verify_report(tasks: list[SweTask], verdicts: list[Verdict]) -> str:
     for name, vs in sorted(groups.items()):
         runs = [s for v in vs for s in v.run_s] or [0.0]
         rows.append(
-            f"| {name} | {len(vs)} | {sum(v.ok for v in vs)} | {statistics.mean(v.f2p_before for v in vs):.3f} "
-            f"| {statistics.mean(v.f2p_after for v in vs):.3f} | {statistics.mean(v.p2p_after for v in vs):.3f} "
-            f"| {statistics.median(runs):.2f} / {max(runs):.2f} |"
+            f"| {name} | {len(vs)} | {sum(v.ok for v in vs)} | "
+            f"{statistics.mean(v.f2p_before for v in vs):.3f} | "
+            f"{statistics.mean(v.f2p_after for v in vs):.3f} | "
+            f"{statistics.mean(v.p2p_after for v in vs):.3f} | {statistics.median(runs):.2f} / "
+            f"{max(runs):.2f} |"
         )
     return "\n".join(rows)

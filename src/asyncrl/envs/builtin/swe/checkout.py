@@ -29,11 +29,16 @@ from asyncrl.envs.base import EnvConfigError
 __all__ = ["CheckoutError", "GitCheckout", "GitSource", "git", "safe_relative"]
 
 _GIT_ENV = {
-    "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_TERMINAL_PROMPT": "0",
-    "GIT_AUTHOR_NAME": "asyncrl", "GIT_AUTHOR_EMAIL": "asyncrl@localhost",
-    "GIT_COMMITTER_NAME": "asyncrl", "GIT_COMMITTER_EMAIL": "asyncrl@localhost",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
-}  # fmt: skip
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": os.devnull,
+    "GIT_TERMINAL_PROMPT": "0",
+    "GIT_AUTHOR_NAME": "asyncrl",
+    "GIT_AUTHOR_EMAIL": "asyncrl@localhost",
+    "GIT_COMMITTER_NAME": "asyncrl",
+    "GIT_COMMITTER_EMAIL": "asyncrl@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+}
 
 
 class CheckoutError(EnvConfigError):
@@ -44,9 +49,14 @@ def git(*args: str, cwd: Path | None = None, stdin: str | None = None, env: dict
     """Run git with no user or system configuration; its stdout, or CheckoutError with its stderr."""
     cmd = ["git", "-c", "safe.directory=*", "-c", "core.autocrlf=false", *args]
     proc = subprocess.run(
-        cmd, cwd=cwd, input=stdin, capture_output=True, text=True, check=False,
+        cmd,
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        check=False,
         env={**os.environ, **_GIT_ENV, **(env or {})},
-    )  # fmt: skip
+    )
     if proc.returncode != 0:
         raise CheckoutError(f"git {' '.join(args[:3])}: {proc.stderr.strip()[-500:] or proc.returncode}")
     return proc.stdout

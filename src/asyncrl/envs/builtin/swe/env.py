@@ -41,8 +41,14 @@ log = logging.getLogger(__name__)
 MOUNT_POINT = "/repo"
 SHIM_DIR = "/opt/asyncrl/bin"  # where the `python` shim of the task's interpreter appears in the sandbox
 METRICS = (
-    "fail_to_pass", "pass_to_pass", "submitted", "grading_error", "test_run_s", "sandbox_start_s", "sandbox_warm",
-)  # fmt: skip
+    "fail_to_pass",
+    "pass_to_pass",
+    "submitted",
+    "grading_error",
+    "test_run_s",
+    "sandbox_start_s",
+    "sandbox_warm",
+)
 _MB = 1 << 20
 PROMPT = """You are working in a Python repository at /repo. Resolve the issue below, so that the \
 repository's tests pass.
@@ -75,9 +81,13 @@ class SandboxSettings(BaseModel):
 
     def limits(self, command_timeout_s: float) -> PoolLimits:
         return PoolLimits(
-            command_wall_s=command_timeout_s, cpu_s=self.cpu_s, memory_bytes=self.memory_mb * _MB,
-            max_processes=self.max_processes, disk_bytes=self.disk_mb * _MB, tmp_bytes=self.tmp_mb * _MB,
-        )  # fmt: skip
+            command_wall_s=command_timeout_s,
+            cpu_s=self.cpu_s,
+            memory_bytes=self.memory_mb * _MB,
+            max_processes=self.max_processes,
+            disk_bytes=self.disk_mb * _MB,
+            tmp_bytes=self.tmp_mb * _MB,
+        )
 
 
 def _settings(sandbox: dict[str, Any] | SandboxSettings) -> SandboxSettings:
@@ -144,9 +154,11 @@ class SweEnv(Environment):
         self.max_output_chars = max_output_chars
         self.table, self._tasks = _load_tasks(tasks, eval_tasks, seed=seed, shuffle=shuffle)
         self.pool = SandboxPool(
-            root=self.settings.root, max_sandboxes=self.settings.max_sandboxes, mount_point=MOUNT_POINT,
+            root=self.settings.root,
+            max_sandboxes=self.settings.max_sandboxes,
+            mount_point=MOUNT_POINT,
             limits=self.settings.limits(command_timeout_s),
-        )  # fmt: skip
+        )
         try:
             self._sources = resolve_commits(self._tasks, import_dir=self.pool.run_dir.path / "imports")
         except BaseException:
@@ -223,9 +235,13 @@ class SweEnv(Environment):
         prefix = str(swe.venv.resolve()) if swe.venv else sys.prefix
         paths = [MOUNT_POINT, *([f"{MOUNT_POINT}/src"] if (box.work / "src").is_dir() else [])]
         return {
-            "PATH": f"{SHIM_DIR}:{prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
-            "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": ":".join(paths),
-        }  # fmt: skip
+            "PATH": f"{SHIM_DIR}:{prefix}/bin:/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/tmp",
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONPATH": ":".join(paths),
+        }
 
     def _read_only(self, swe: SweTask) -> tuple[tuple[str, str], ...]:
         """What a command of the task's sandbox sees read-only: its Python environment and `python` shim."""
@@ -248,9 +264,13 @@ class SweEnv(Environment):
             state.data["submitted"], state.done = True, True
 
         return make_tools(
-            work=box.work if box else Path(MOUNT_POINT), mount_point=MOUNT_POINT, run=run, submit=submit,
-            max_chars=self.max_output_chars, max_file_bytes=self.pool.limits.max_file_bytes,
-        )  # fmt: skip
+            work=box.work if box else Path(MOUNT_POINT),
+            mount_point=MOUNT_POINT,
+            run=run,
+            submit=submit,
+            max_chars=self.max_output_chars,
+            max_file_bytes=self.pool.limits.max_file_bytes,
+        )
 
     # -- rewards ---------------------------------------------------------------------------------
 
@@ -259,9 +279,13 @@ class SweEnv(Environment):
         if "grade" not in state.data:
             swe: SweTask = state.data["swe"]
             state.data["grade"] = await grade_episode(
-                state.data["sandbox"], state.data["checkout"], swe, env=self.sandbox_env(state),
-                timeout_s=self.test_timeout_s, read_only=self._read_only(swe),
-            )  # fmt: skip
+                state.data["sandbox"],
+                state.data["checkout"],
+                swe,
+                env=self.sandbox_env(state),
+                timeout_s=self.test_timeout_s,
+                read_only=self._read_only(swe),
+            )
             if state.data["grade"].error:
                 log.warning("swe %s: %s", swe.instance_id, state.data["grade"].error)
         return state.data["grade"]

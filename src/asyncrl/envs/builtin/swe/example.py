@@ -91,20 +91,28 @@ def write_example(dest: Path) -> Path:
     git("checkout", "-q", "main", cwd=repo)
     rows = [
         {
-            "instance_id": "calclib-clamp", "repo": "calclib", "base_commit": clamp_bug,
+            "instance_id": "calclib-clamp",
+            "repo": "calclib",
+            "base_commit": clamp_bug,
             "problem_statement": "clamp(x, lo, hi) returns hi - 1 instead of hi when x is above hi.",
-            "patch": git("diff", clamp_bug, good, cwd=repo), "test_patch": "",
+            "patch": git("diff", clamp_bug, good, cwd=repo),
+            "test_patch": "",
             "FAIL_TO_PASS": _ids("test_clamp_high"),
-            "PASS_TO_PASS": _ids(*(n for n in _ALL if n != "test_clamp_high")), "test_cmd": TEST_CMD,
+            "PASS_TO_PASS": _ids(*(n for n in _ALL if n != "test_clamp_high")),
+            "test_cmd": TEST_CMD,
         },
         {
-            "instance_id": "calclib-mean", "repo": "calclib", "base_commit": mean_bug,
+            "instance_id": "calclib-mean",
+            "repo": "calclib",
+            "base_commit": mean_bug,
             "problem_statement": "mean([]) raises ZeroDivisionError; it should return 0.0 for an empty list.",
             "patch": git("diff", mean_bug, good, "--", "calclib", cwd=repo),
             "test_patch": git("diff", mean_bug, with_test, cwd=repo),
-            "FAIL_TO_PASS": _ids("test_mean_empty"), "PASS_TO_PASS": _ids(*_ALL), "test_cmd": TEST_CMD,
+            "FAIL_TO_PASS": _ids("test_mean_empty"),
+            "PASS_TO_PASS": _ids(*_ALL),
+            "test_cmd": TEST_CMD,
         },
-    ]  # fmt: skip
+    ]
     tasks = dest / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tasks

@@ -50,9 +50,17 @@ PASSING = ("passed", "xfailed")
 # Test files and what configures or hooks into pytest or the interpreter.
 TEST_DIRS = ("tests", "test", "testing")
 TEST_NAMES = (
-    "test_*.py", "*_test.py", "conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
-    "sitecustomize.py", "usercustomize.py", "*.pth",
-)  # fmt: skip
+    "test_*.py",
+    "*_test.py",
+    "conftest.py",
+    "pytest.ini",
+    "tox.ini",
+    "setup.cfg",
+    "pyproject.toml",
+    "sitecustomize.py",
+    "usercustomize.py",
+    "*.pth",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,16 +121,21 @@ async def grade_episode(
     )
     ids = (*task.fail_to_pass, *task.pass_to_pass)
     result = await sandbox.run(
-        ["bash", "-c", format_test_cmd(task.test_cmd, ids)], env=run_env, timeout_s=timeout_s,
+        ["bash", "-c", format_test_cmd(task.test_cmd, ids)],
+        env=run_env,
+        timeout_s=timeout_s,
         read_only=(*read_only, (str(PLUGIN), f"{_PLUGIN_DIR}/{PLUGIN_MODULE}.py")),
-    )  # fmt: skip
+    )
     outcomes = read_report(work / report, nonce)
     error = None
     if result.timed_out:
         error = f"the test command timed out after {timeout_s:g} s"
     elif not outcomes:
         tail = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or ["(no output)"]
-        error = f"the test command reported no outcome (it must run pytest); exit code {result.returncode}: {tail[0]}"
+        error = (
+            "the test command reported no outcome (it must run pytest); "
+            f"exit code {result.returncode}: {tail[0]}"
+        )
     return _score(task, outcomes, result.wall_s, error)
 
 
@@ -130,9 +143,11 @@ def report_env(nonce: str, report: str, plugin_dir: str, pythonpath: str) -> dic
     """The variables that load the report plugin (a copy named `PLUGIN_MODULE`.py in `plugin_dir`)
     into `test_cmd`'s pytest and have it write each outcome to the file `report`."""
     return {
-        "ASYNCRL_SWE_NONCE": nonce, "ASYNCRL_SWE_REPORT": report, "PYTEST_ADDOPTS": f"-p {PLUGIN_MODULE}",
+        "ASYNCRL_SWE_NONCE": nonce,
+        "ASYNCRL_SWE_REPORT": report,
+        "PYTEST_ADDOPTS": f"-p {PLUGIN_MODULE}",
         "PYTHONPATH": f"{pythonpath}:{plugin_dir}" if pythonpath else plugin_dir,
-    }  # fmt: skip
+    }
 
 
 def write_python_shim(directory: Path, python: str) -> Path:

@@ -1,7 +1,8 @@
 """The reference solution of a `swe` task as tool calls: the task's patch, applied through the agent's tools.
 
     messages = reference_messages(task, source, commit, max_chars=3000)
-    # assistant: <tool_call>{"name": "str_replace", "arguments": {"path": ..., "old_str": ..., "new_str": ...}}</tool_call>
+    # assistant: <tool_call>{"name": "str_replace",
+    #             "arguments": {"path": ..., "old_str": ..., "new_str": ...}}</tool_call>
     # tool:      Edited mylib/ops.py. Lines 3-9 now read: ...
     # ...        then "submit"
 

@@ -54,8 +54,14 @@ __all__ = [
 
 K = TypeVar("K")
 REQUIRED_FIELDS = (
-    "instance_id", "repo", "base_commit", "problem_statement", "patch", "FAIL_TO_PASS", "test_cmd",
-)  # fmt: skip
+    "instance_id",
+    "repo",
+    "base_commit",
+    "problem_statement",
+    "patch",
+    "FAIL_TO_PASS",
+    "test_cmd",
+)
 TESTS_PLACEHOLDER = "{tests}"
 # -rA: a summary line per test for whoever reads the output (grading reads a plugin's report);
 # --rootdir=.: test ids are relative to the checkout root whichever tests are named; no cache
@@ -90,7 +96,8 @@ class SweTask:
 
         SweTask(instance_id="calclib-clamp", repo=Path("/data/swe/calclib"), base_commit="3f2e...",
                 problem_statement="clamp(x, lo, hi) returns hi - 1 ...", patch="diff --git a/...",
-                fail_to_pass=("tests/test_ops.py::test_clamp_high",), pass_to_pass=("tests/test_ops.py::test_add",))
+                fail_to_pass=("tests/test_ops.py::test_clamp_high",),
+                pass_to_pass=("tests/test_ops.py::test_add",))
     """
 
     instance_id: str
@@ -127,22 +134,33 @@ class SweTask:
         if not isinstance(mutation, dict):
             raise SweTaskError(f"{where}: field 'mutation' must be an object, got {type(mutation).__name__}")
         return cls(
-            instance_id=text["instance_id"], repo=_path(base_dir, text["repo"]),
-            base_commit=text["base_commit"].strip(), problem_statement=text["problem_statement"],
-            patch=text["patch"], test_patch=text["test_patch"], fail_to_pass=f2p,
+            instance_id=text["instance_id"],
+            repo=_path(base_dir, text["repo"]),
+            base_commit=text["base_commit"].strip(),
+            problem_statement=text["problem_statement"],
+            patch=text["patch"],
+            test_patch=text["test_patch"],
+            fail_to_pass=f2p,
             pass_to_pass=_test_ids(where, "PASS_TO_PASS", data.get("PASS_TO_PASS") or []),
-            test_cmd=text["test_cmd"], venv=_path(base_dir, text["venv"]) if text["venv"] else None,
-            mutation=dict(mutation), where=where,
-        )  # fmt: skip
+            test_cmd=text["test_cmd"],
+            venv=_path(base_dir, text["venv"]) if text["venv"] else None,
+            mutation=dict(mutation),
+            where=where,
+        )
 
     def to_row(self, *, base_dir: Path) -> dict[str, Any]:
         """The row, with `repo` and `venv` relative to `base_dir` when they lie under it."""
         row = {
-            "instance_id": self.instance_id, "repo": _relative(self.repo, base_dir),
-            "base_commit": self.base_commit, "problem_statement": self.problem_statement,
-            "patch": self.patch, "test_patch": self.test_patch, "FAIL_TO_PASS": list(self.fail_to_pass),
-            "PASS_TO_PASS": list(self.pass_to_pass), "test_cmd": self.test_cmd,
-        }  # fmt: skip
+            "instance_id": self.instance_id,
+            "repo": _relative(self.repo, base_dir),
+            "base_commit": self.base_commit,
+            "problem_statement": self.problem_statement,
+            "patch": self.patch,
+            "test_patch": self.test_patch,
+            "FAIL_TO_PASS": list(self.fail_to_pass),
+            "PASS_TO_PASS": list(self.pass_to_pass),
+            "test_cmd": self.test_cmd,
+        }
         if self.venv is not None:
             row["venv"] = _relative(self.venv, base_dir)
         return row | ({"mutation": self.mutation} if self.mutation else {})
@@ -161,7 +179,8 @@ def read_tasks(path: str | Path) -> list[SweTask]:
 
 
 def write_tasks(path: str | Path, tasks: Iterable[SweTask]) -> None:
-    """JSONL, one row a line, paths relative to the file's directory; written to a temporary name, then renamed."""
+    """JSONL, one row a line, paths relative to the file's directory; written to a temporary name,
+    then renamed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     base_dir = path.absolute().parent
@@ -248,5 +267,6 @@ def _check_pytest(venv: Path | None, where: str) -> None:
         owner = f"the venv {venv}" if venv is not None else f"asyncrl's environment ({sys.prefix})"
         raise SweTaskError(
             f"{where}: grading runs pytest, which {owner} cannot import: install it there "
-            f'(pip install pytest, or pip install -e ".[swe]"), or name a venv that has it in the row\'s "venv"'
+            '(pip install pytest, or pip install -e ".[swe]"), or name a venv that has it in the row\'s '
+            '"venv"'
         )

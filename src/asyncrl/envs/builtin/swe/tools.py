@@ -1,13 +1,15 @@
 """The `swe` agent's tools: a shell, a file viewer, a string-replace editor, file creation, search, submit.
 
-| tool | what it does |
-|---|---|
-| `bash(command)` | a fresh `bash -c` in the repository (cd and variables do not persist), in the sandbox, under its limits; "exit code N" then stdout and stderr interleaved |
-| `view(path, start_line, end_line)` | a file with line numbers (a 1-based inclusive range; end_line -1 = the end), or a directory two levels deep |
-| `str_replace(path, old_str, new_str)` | replace the one occurrence of `old_str`; an error names the problem when it occurs 0 or several times |
-| `create(path, content)` | write a whole file (created or overwritten) |
-| `search(pattern, path)` | a Python regular expression over the text files under `path`: `file:line: text` |
-| `submit()` | end the episode; the tests then run on the repository as it is |
+- `bash(command)`: a fresh `bash -c` in the repository (cd and variables do not persist), in the
+  sandbox, under its limits; "exit code N" then stdout and stderr interleaved.
+- `view(path, start_line, end_line)`: a file with line numbers (a 1-based inclusive range;
+  end_line -1 = the end), or a directory two levels deep.
+- `str_replace(path, old_str, new_str)`: replace the one occurrence of `old_str`; an error names the
+  problem when it occurs 0 or several times.
+- `create(path, content)`: write a whole file (created or overwritten).
+- `search(pattern, path)`: a Python regular expression over the text files under `path`:
+  `file:line: text`.
+- `submit()`: end the episode; the tests then run on the repository as it is.
 
 Paths are relative to the repository root or absolute under it (`/repo/...`). The file tools run
 on the host on the sandbox's directory, and refuse paths that leave it (`..`, symlinks pointing out).

@@ -55,40 +55,83 @@ TEMPLATES: tuple[BugTemplate, ...] = (
         kind="off-by-one",
         names=("count_up", "one_to_n", "first_n"),
         modules=("sequences", "numseq", "series"),
-        body_buggy='def {fn}(n):\n    """Return the list [1, 2, ..., n]."""\n    return list(range(1, n))\n',
-        body_fixed='def {fn}(n):\n    """Return the list [1, 2, ..., n]."""\n    return list(range(1, n + 1))\n',
+        body_buggy=(
+            'def {fn}(n):\n    """Return the list [1, 2, ..., n]."""\n    return list(range(1, n))\n'
+        ),
+        body_fixed=(
+            'def {fn}(n):\n    """Return the list [1, 2, ..., n]."""\n    return list(range(1, n + 1))\n'
+        ),
         cases=(("3", "[1, 2, 3]"), ("1", "[1]"), ("0", "[]"), ("5", "[1, 2, 3, 4, 5]")),
     ),
     BugTemplate(
         kind="wrong-operator",
         names=("rect_area", "area", "surface"),
         modules=("geometry", "shapes", "measure"),
-        body_buggy='def {fn}(width, height):\n    """Area of a width x height rectangle."""\n    return width + height\n',
-        body_fixed='def {fn}(width, height):\n    """Area of a width x height rectangle."""\n    return width * height\n',
+        body_buggy=(
+            "def {fn}(width, height):\n"
+            '    """Area of a width x height rectangle."""\n'
+            "    return width + height\n"
+        ),
+        body_fixed=(
+            "def {fn}(width, height):\n"
+            '    """Area of a width x height rectangle."""\n'
+            "    return width * height\n"
+        ),
         cases=(("2, 2", "4"), ("3, 4", "12"), ("1, 5", "5"), ("0, 7", "0")),
     ),
     BugTemplate(
         kind="missing-case",
         names=("sign", "signum", "direction"),
         modules=("mathx", "signs", "numeric"),
-        body_buggy='def {fn}(x):\n    """-1, 0 or 1 for negative, zero or positive x."""\n    if x > 0:\n        return 1\n    return -1\n',
-        body_fixed='def {fn}(x):\n    """-1, 0 or 1 for negative, zero or positive x."""\n    if x > 0:\n        return 1\n    if x == 0:\n        return 0\n    return -1\n',
+        body_buggy=(
+            "def {fn}(x):\n"
+            '    """-1, 0 or 1 for negative, zero or positive x."""\n'
+            "    if x > 0:\n"
+            "        return 1\n"
+            "    return -1\n"
+        ),
+        body_fixed=(
+            "def {fn}(x):\n"
+            '    """-1, 0 or 1 for negative, zero or positive x."""\n'
+            "    if x > 0:\n"
+            "        return 1\n"
+            "    if x == 0:\n"
+            "        return 0\n"
+            "    return -1\n"
+        ),
         cases=(("5", "1"), ("-3", "-1"), ("0", "0")),
     ),
     BugTemplate(
         kind="wrong-comparison",
         names=("clamp", "bound", "limit"),
         modules=("ranges", "bounds", "limits"),
-        body_buggy='def {fn}(x, lo, hi):\n    """x limited to the interval [lo, hi]."""\n    return min(lo, max(x, hi))\n',
-        body_fixed='def {fn}(x, lo, hi):\n    """x limited to the interval [lo, hi]."""\n    return max(lo, min(x, hi))\n',
+        body_buggy=(
+            "def {fn}(x, lo, hi):\n"
+            '    """x limited to the interval [lo, hi]."""\n'
+            "    return min(lo, max(x, hi))\n"
+        ),
+        body_fixed=(
+            "def {fn}(x, lo, hi):\n"
+            '    """x limited to the interval [lo, hi]."""\n'
+            "    return max(lo, min(x, hi))\n"
+        ),
         cases=(("5, 0, 10", "5"), ("-2, 0, 10", "0"), ("12, 0, 10", "10"), ("0, 0, 0", "0")),
     ),
     BugTemplate(
         kind="missing-normalisation",
         names=("is_palindrome", "reads_same", "mirror_word"),
         modules=("text", "words", "strings"),
-        body_buggy='def {fn}(s):\n    """True if s reads the same backwards, ignoring case."""\n    return s == s[::-1]\n',
-        body_fixed='def {fn}(s):\n    """True if s reads the same backwards, ignoring case."""\n    s = s.lower()\n    return s == s[::-1]\n',
+        body_buggy=(
+            "def {fn}(s):\n"
+            '    """True if s reads the same backwards, ignoring case."""\n'
+            "    return s == s[::-1]\n"
+        ),
+        body_fixed=(
+            "def {fn}(s):\n"
+            '    """True if s reads the same backwards, ignoring case."""\n'
+            "    s = s.lower()\n"
+            "    return s == s[::-1]\n"
+        ),
         cases=(("'abba'", "True"), ("'Abba'", "True"), ("'abc'", "False"), ("'RaceCar'", "True")),
     ),
 )
