@@ -89,14 +89,37 @@ def serve(kind: str, model: Path, args: argparse.Namespace, log: Path) -> Iterat
     if not kind.startswith("vllm"):
         if kind.startswith("baseline"):
             env["PYTHONPATH"] = args.baseline_src
-        argv = [sys.executable, "-m", "asyncrl", "inference", "--model", str(model), "--port", str(port),
-                "--dtype", dtype, "--device", "cpu", "--max-num-seqs", str(args.concurrency),
-                "--kv-cache-tokens", "65536", "--log-level", "warning"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "inference",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--device",
+            "cpu",
+            "--max-num-seqs",
+            str(args.concurrency),
+            "--kv-cache-tokens",
+            "65536",
+            "--log-level",
+            "warning",
+        ]
     else:
         cfg = InferenceConfig(
-            model=str(model), backend="vllm", port=port, dtype=dtype, max_num_seqs=args.concurrency,
-            max_model_len=1024, log_level="warning", vllm={"cpu_kv_cache_space_gb": 2},
-        )  # fmt: skip
+            model=str(model),
+            backend="vllm",
+            port=port,
+            dtype=dtype,
+            max_num_seqs=args.concurrency,
+            max_model_len=1024,
+            log_level="warning",
+            vllm={"cpu_kv_cache_space_gb": 2},
+        )
         command = build_vllm_command(cfg, python=args.vllm_python)
         argv, env = command.argv, env | command.env
     with log.open("w") as out:
@@ -229,8 +252,11 @@ def main() -> None:
                         for name, reqs in loads.items():
                             rate = asyncio.run(throughput(kind, server, reqs, args.concurrency))
                             runs.setdefault((kind, name), []).append(rate)
-                            print(f"run {rep}: {kind:13s} {name:5s}: {rate.tok_s:8.1f} tok/s, "
-                                  f"{rate.cpu_ms_per_token:.3f} CPU ms/token", flush=True)  # fmt: skip
+                            print(
+                                f"run {rep}: {kind:13s} {name:5s}: {rate.tok_s:8.1f} tok/s, "
+                                f"{rate.cpu_ms_per_token:.3f} CPU ms/token",
+                                flush=True,
+                            )
                 except RuntimeError as e:  # a server that does not start here (vLLM in fp32, say)
                     failed[kind] = str(e)
                     print(f"{kind}: {e}\n{_log_tail(root / f'{kind}-tput.log')}", flush=True)
@@ -279,7 +305,8 @@ def format_tables(args, kinds, tok_s, cpu_ms, pauses) -> str:
         "",
         f"Machine: {machine_line()}; shared. Median of {args.repeats} run(s) of each server, in rounds. "
         f"Model {args.preset}, {args.requests} requests, token-id prompts of 16-64 tokens, concurrency "
-        f"{args.concurrency}, greedy, EOS ignored; `-bf16`/`vllm` bfloat16, `embedded`/`baseline`/`vllm-fp32` "
+        f"{args.concurrency}, greedy, EOS ignored; `-bf16`/`vllm` bfloat16, "
+        "`embedded`/`baseline`/`vllm-fp32` "
         "float32, all over HTTP through the orchestrator's backend classes.",
         "",
         "Generated tokens per second (wall time):",

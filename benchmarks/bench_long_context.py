@@ -65,12 +65,25 @@ DECODE_PATHS = {
 
 def bench_args(topk: int, max_len: int) -> ModelArgs:
     return dataclasses.replace(
-        preset_args("tiny-glm5"), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=8, head_dim=32, q_lora_rank=128, kv_lora_rank=128,
-        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, moe_intermediate_size=128,
-        index_n_heads=4, index_head_dim=32, index_topk=topk, indexer_types=("full", "full"),
+        preset_args("tiny-glm5"),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=32,
+        q_lora_rank=128,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        moe_intermediate_size=128,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=topk,
+        indexer_types=("full", "full"),
         max_position_embeddings=max_len,
-    )  # fmt: skip
+    )
 
 
 def build_model(topk: int, max_len: int) -> Transformer:
@@ -83,9 +96,14 @@ def build_model(topk: int, max_len: int) -> Transformer:
 def _engine(model: Transformer, length: int, extra: int, chunk: int, paths: AttentionPaths) -> Engine:
     tokens = length + extra
     config = InferenceConfig(
-        model="unused", block_size=16, kv_cache_tokens=tokens, max_model_len=tokens,
-        max_num_batched_tokens=chunk, max_num_seqs=1, enable_prefix_caching=False,
-    )  # fmt: skip
+        model="unused",
+        block_size=16,
+        kv_cache_tokens=tokens,
+        max_model_len=tokens,
+        max_num_batched_tokens=chunk,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+    )
     return Engine(model, config, attention_paths=paths)
 
 
@@ -225,8 +243,17 @@ def _run_child(topk: int, length: int, sparse: bool, cap_gb: float) -> dict | No
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
-    cmd = [sys.executable, __file__, "--trainer-child", str(length), str(int(sparse)), "--topk", str(topk),
-           "--threads", str(torch.get_num_threads())]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--trainer-child",
+        str(length),
+        str(int(sparse)),
+        "--topk",
+        str(topk),
+        "--threads",
+        str(torch.get_num_threads()),
+    ]
     done = subprocess.run(cmd, preexec_fn=limit, capture_output=True, text=True)
     if done.returncode != 0:
         print(f"trainer {length} {'sparse' if sparse else 'dense'}: failed ({done.stderr.strip()[-200:]})")
@@ -253,7 +280,8 @@ def _dense_floor(length: int) -> int:
 
 def trainer_table(rows: list[dict]) -> str:
     lines = [
-        "| context | step sparse (s) | step dense (s) | peak sparse (GiB) | peak dense (GiB) | dense / sparse peak |",
+        "| context | step sparse (s) | step dense (s) | peak sparse (GiB) | peak dense (GiB) | dense "
+        "/ sparse peak |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -342,13 +370,16 @@ def main() -> None:
         ]
     args = bench_args(a.topk, 0)
     header = (
-        f"One run. Command: `PYTHONPATH=src python benchmarks/bench_long_context.py {' '.join(sys.argv[1:])}` "
+        "One run. Command: `PYTHONPATH=src python benchmarks/bench_long_context.py "
+        f"{' '.join(sys.argv[1:])}` "
         f"({(time.perf_counter() - started) / 60:.0f} min).\n"
         f"Machine: {machine()}; torch {torch.__version__}, {torch.get_num_threads()} torch thread(s); "
         f"1-minute load average {load_at_start:.1f} at start, {os.getloadavg()[0]:.1f} at end.\n"
         f"Model: tiny-glm5 widened, fp32, random weights: hidden {args.hidden_size}, "
-        f"{args.num_hidden_layers} layers, {args.num_attention_heads} heads, latent {args.kv_lora_rank} + rope "
-        f"{args.qk_rope_head_dim}, indexer {args.index_n_heads} heads x {args.index_head_dim} in every layer, "
+        f"{args.num_hidden_layers} layers, {args.num_attention_heads} heads, latent "
+        f"{args.kv_lora_rank} + rope "
+        f"{args.qk_rope_head_dim}, indexer {args.index_n_heads} heads x {args.index_head_dim} in "
+        "every layer, "
         f'index_topk {a.topk} ({args.num_params() / 1e6:.1f}M parameters). Cells are "wall (cpu)" seconds, '
         f"or tokens per wall (cpu) second; on a shared machine the CPU figures, and ratios of them, are "
         f"the ones to read."

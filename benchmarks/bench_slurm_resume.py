@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"job 2's head node: {plan}")
     if not ns.no_write:
         header = (
-            f"The rendered sbatch of a {ns.preset} run (2 inference servers on one fake node, 4 trainer ranks "
+            f"The rendered sbatch of a {ns.preset} run (2 inference servers on one fake node, 4 "
+            "trainer ranks "
             "under torchrun with gloo on another, the orchestrator beside them) through tests/fake_slurm.py: "
             f"{KILL_AFTER} steps, scancel, `asyncrl rl --slurm --resume`, {MAX_STEPS} steps in all.\n"
             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, shared (1-minute load average "

@@ -48,8 +48,17 @@ from asyncrl.model import from_pretrained, torch_dtype
 from asyncrl.model.moe import GroupedExperts, Router
 from asyncrl.tools.init_model import init_model
 
-PHASES = ("schedule", "inputs", "attention", "experts", "router", "forward other", "lm_head", "sampling",
-          "commit + outputs")  # fmt: skip
+PHASES = (
+    "schedule",
+    "inputs",
+    "attention",
+    "experts",
+    "router",
+    "forward other",
+    "lm_head",
+    "sampling",
+    "commit + outputs",
+)
 
 
 class Clock:
@@ -208,9 +217,11 @@ def main() -> None:
     args = p.parse_args()
     import asyncrl
 
-    print(f"asyncrl from {Path(asyncrl.__file__).parent}; torch {torch.__version__}, "
-          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
-          f"{platform.machine()} {os.cpu_count()} cores")  # fmt: skip
+    print(
+        f"asyncrl from {Path(asyncrl.__file__).parent}; torch {torch.__version__}, "
+        f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
+        f"{platform.machine()} {os.cpu_count()} cores"
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):

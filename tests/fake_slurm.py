@@ -178,8 +178,15 @@ def _sbatch(argv: list[str]) -> int:
         ]
         # the runner carries no tag: it outlives a scancel to record the job's status
         env_runner = {k: v for k, v in env.items() if k != _TAG} | {"FAKE_SLURM_JOB_ENV": json.dumps(env)}
-        subprocess.Popen(runner, cwd=workdir, env=env_runner, stdout=out, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        subprocess.Popen(
+            runner,
+            cwd=workdir,
+            env=env_runner,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     print(f"Submitted batch job {job}")
     return 0
 
@@ -254,17 +261,25 @@ def _srun(argv: list[str]) -> int:
     nodes = _step_nodes(args, job_nodes)
     per_node = _tasks_per_node(args, len(nodes))
     base = _step_env(args.export)
-    step = {"SLURM_STEP_NODELIST": ",".join(nodes), "SLURM_STEP_NUM_NODES": str(len(nodes)),
-            "SLURM_STEP_NUM_TASKS": str(per_node * len(nodes)), "SLURM_NTASKS": str(per_node * len(nodes)),
-            "SLURM_NNODES": str(len(nodes))}  # fmt: skip
+    step = {
+        "SLURM_STEP_NODELIST": ",".join(nodes),
+        "SLURM_STEP_NUM_NODES": str(len(nodes)),
+        "SLURM_STEP_NUM_TASKS": str(per_node * len(nodes)),
+        "SLURM_NTASKS": str(per_node * len(nodes)),
+        "SLURM_NNODES": str(len(nodes)),
+    }
     files: dict[str, object] = {}
     tasks = []
     for n, node in enumerate(nodes):
         for local in range(per_node):
             rank = n * per_node + local
             env = base | step | cluster["node_env"].get(node, {})
-            env |= {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local), "SLURMD_NODENAME": node,
-                    "SLURM_NODEID": str(job_nodes.index(node))}  # fmt: skip
+            env |= {
+                "SLURM_PROCID": str(rank),
+                "SLURM_LOCALID": str(local),
+                "SLURMD_NODENAME": node,
+                "SLURM_NODEID": str(job_nodes.index(node)),
+            }
             out = None
             if args.output:
                 name = args.output.replace("%t", str(rank)).replace("%n", str(n)).replace("%N", node)
@@ -274,8 +289,11 @@ def _srun(argv: list[str]) -> int:
                     files[name] = open(name, "a" if args.open_mode == "append" else "w")  # noqa: SIM115
                 out = files[name]
             cwd = cluster["node_cwd"].get(node)
-            tasks.append(subprocess.Popen(args.command, env=env, cwd=cwd, stdout=out,
-                                          stderr=subprocess.STDOUT if out else None))  # fmt: skip
+            tasks.append(
+                subprocess.Popen(
+                    args.command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT if out else None
+                )
+            )
     return _wait_tasks(tasks)
 
 

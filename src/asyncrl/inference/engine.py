@@ -92,7 +92,7 @@ class Engine:
             device=self.device,
             latent_dim=args.kv_lora_rank + args.qk_rope_head_dim if args.uses_mla else 0,
             index_dim=args.index_head_dim if args.uses_dsa else 0,
-        )  # fmt: skip
+        )
         self._log_kv_memory()
         self.scheduler = Scheduler(
             self.pool,
@@ -114,9 +114,13 @@ class Engine:
         parts = ", ".join(f"{name} {n}" for name, n in per_token.items())
         log.info(
             "KV cache: %d bytes per token (%s) x %d tokens (%d blocks of %d) = %.1f MiB",
-            sum(per_token.values()), parts, self.cache.num_tokens, self.pool.num_blocks,
-            self.cache.block_size, self.cache.nbytes() / 2**20,
-        )  # fmt: skip
+            sum(per_token.values()),
+            parts,
+            self.cache.num_tokens,
+            self.pool.num_blocks,
+            self.cache.block_size,
+            self.cache.nbytes() / 2**20,
+        )
 
     @classmethod
     def from_config(cls, config: InferenceConfig, **kwargs) -> Engine:
@@ -159,10 +163,15 @@ class Engine:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
         generator = torch.Generator(device=self.device).manual_seed(seed)
         req = Request(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids), options=options,
-            cache_salt=cache_salt, return_routed_experts=return_routed_experts,
-            arrival=next(self._arrivals), generator=generator, stream=stream,
-        )  # fmt: skip
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            options=options,
+            cache_salt=cache_salt,
+            return_routed_experts=return_routed_experts,
+            arrival=next(self._arrivals),
+            generator=generator,
+            stream=stream,
+        )
         self.requests[request_id] = req
         self._routing_start[request_id] = min(routed_experts_start, len(prompt_token_ids))
         self.num_prompt_tokens += len(prompt_token_ids)
@@ -336,13 +345,18 @@ class Engine:
             return self._finish(req, [token], [logprob], [self.version])
         if not req.stream:
             return None
-        return RequestOutput(request_id=req.request_id, new_token_ids=[token], new_logprobs=[logprob],
-                             new_versions=[self.version])  # fmt: skip
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_logprobs=[logprob],
+            new_versions=[self.version],
+        )
 
     def _finish(
         self, req: Request, tokens: list[int], logprobs: list[float], versions: list[int]
     ) -> RequestOutput:
-        """The final output: the last delta (`tokens`...), or all tokens for a request that does not stream."""
+        """The final output: the last delta (`tokens`...), or all tokens for a request that does not
+        stream."""
         if not req.stream:
             tokens, logprobs, versions = req.output_token_ids, req.output_logprobs, req.output_versions
         routing = self._routing(req) if req.return_routed_experts else None

@@ -95,8 +95,12 @@ class KVCache:
     def bytes_per_token(self) -> dict[str, int]:
         """Bytes one cached token takes over all layers, by buffer: {"kv" (per-head K and V) or
         "latent" (MLA), "index_keys" (DSA), "routing"}; only the buffers this model has."""
-        held = {"kv": (self.k_LPGd, self.v_LPGd), "latent": (self.latent_LPc,),
-                "index_keys": (self.index_k_LPd,), "routing": (self.routing_PLK,)}  # fmt: skip
+        held = {
+            "kv": (self.k_LPGd, self.v_LPGd),
+            "latent": (self.latent_LPc,),
+            "index_keys": (self.index_k_LPd,),
+            "routing": (self.routing_PLK,),
+        }
         per_token = {
             name: sum(t.numel() * t.element_size() for t in ts) // self.num_tokens
             for name, ts in held.items()
@@ -247,8 +251,9 @@ class PagedAttention:
         q_SH1d = index.q_BHTd[0][:, rows].transpose(0, 1).unsqueeze(2)
         keys_SCd = self._decode_context(self.cache.index_k_LPd[layer_idx])
         first_S1 = torch.zeros_like(self.decode_last_S1)
-        idx_S1K = select_topk(q_SH1d, index.w_BTH[0][rows].unsqueeze(1), keys_SCd, first_S1,
-                              self.decode_last_S1, index.topk)  # fmt: skip
+        idx_S1K = select_topk(
+            q_SH1d, index.w_BTH[0][rows].unsqueeze(1), keys_SCd, first_S1, self.decode_last_S1, index.topk
+        )
         if index.reused:
             self.dsa_selection[(layer_idx, "decode")] = idx_S1K
         return idx_S1K
@@ -268,14 +273,20 @@ class PagedAttention:
             keep = None if keep_SJ is None else keep_SJ[:, None, None, :]
             return sdpa(q_SHd.unsqueeze(2), k_SHJd, v_SHJv, attn_mask=keep).squeeze(2)
         q_SHc = mla.absorb(q_SHd.unsqueeze(2)).squeeze(2)
-        o_SHR = latent_attention(q_SHc, mla.latent(rows_SJc), keep_SJ, value_dim=mla.kv_lora_rank,
-                                 scale=mla.softmax_scale)  # fmt: skip
+        o_SHR = latent_attention(
+            q_SHc, mla.latent(rows_SJc), keep_SJ, value_dim=mla.kv_lora_rank, scale=mla.softmax_scale
+        )
         return mla.project_out(o_SHR.unsqueeze(2)).squeeze(2)
 
     def _prefill_latent(
-        self, q_1HTd: torch.Tensor, i: int, s: SeqSlice, mla: LatentProjections, layer_idx: int,
+        self,
+        q_1HTd: torch.Tensor,
+        i: int,
+        s: SeqSlice,
+        mla: LatentProjections,
+        layer_idx: int,
         index: IndexQuery | None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """[1, H, T, v]: one prefill chunk over its context: expanded causal (MLA), or each query
         over its selected keys (DSA)."""
         ctx_C = self._context_slots(s)
@@ -289,8 +300,14 @@ class PagedAttention:
             rows = slice(s.q_start, s.q_start + s.q_len)
             keys_1Cd = self.cache.index_k_LPd[layer_idx][ctx_C].unsqueeze(0)
             last_1T = torch.arange(s.num_ctx - s.q_len, s.num_ctx, device=q_1HTd.device).unsqueeze(0)
-            idx_1TK = select_topk(index.q_BHTd[:, :, rows], index.w_BTH[:, rows], keys_1Cd,
-                                  torch.zeros_like(last_1T), last_1T, index.topk)  # fmt: skip
+            idx_1TK = select_topk(
+                index.q_BHTd[:, :, rows],
+                index.w_BTH[:, rows],
+                keys_1Cd,
+                torch.zeros_like(last_1T),
+                last_1T,
+                index.topk,
+            )
             if index.reused:
                 self.dsa_selection[(layer_idx, i)] = idx_1TK
         attend = attend_selected if self.paths.sparse else attend_masked

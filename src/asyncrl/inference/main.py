@@ -70,8 +70,15 @@ def main(argv: list[str]) -> int:
     engine = app.state.server.engine.engine
     log.info(
         "serving %s on http://%s:%d (%s, %s, KV pool %d blocks x %d tokens, %.1f MiB%s)",
-        app.state.server.model_name, config.host, config.port, config.dtype, engine.device,
-        engine.pool.num_blocks, config.block_size, engine.cache.nbytes() / 2**20, _kernels_note(engine),
-    )  # fmt: skip
+        app.state.server.model_name,
+        config.host,
+        config.port,
+        config.dtype,
+        engine.device,
+        engine.pool.num_blocks,
+        config.block_size,
+        engine.cache.nbytes() / 2**20,
+        _kernels_note(engine),
+    )
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
     return 0

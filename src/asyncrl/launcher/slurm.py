@@ -1,4 +1,4 @@
-"""`asyncrl slurm @ rl.toml [--dry-run] [--resume]`: render (and submit) one sbatch job for a multi-node RL run.
+"""`asyncrl slurm @ rl.toml [--dry-run] [--resume]`: render (and submit) a multi-node RL run's sbatch job.
 
 The same TOML as `asyncrl rl`, plus a `[slurm]` table (asyncrl.config.SlurmConfig). The job
 holds inference_nodes + trainer_nodes nodes; Slurm's node list is split in that order:
@@ -130,7 +130,8 @@ def _vllm_server(cfg: SlurmRLConfig) -> str:
 
 
 def _vllm_paths(cfg: SlurmRLConfig) -> list[str]:
-    """What a vLLM server reads from the submitting host's filesystem: its interpreter and our worker extension."""
+    """What a vLLM server reads from the submitting host's filesystem: its interpreter and our worker
+    extension."""
     if cfg.inference.backend != "vllm":
         return []
     return [cfg.inference.vllm.python or DEFAULT_VLLM_PYTHON, str(WORKER_EXTENSION_DIR)]
@@ -171,10 +172,12 @@ def _inference(cfg: SlurmRLConfig, py: str, run_dir: Path) -> list[str]:
     lines.append(f"    i=$((n * {per} + j)); port=$(({base_port} + j))")
     lines.append('    SERVERS+=("\\"http://${INFERENCE_NODES[$n]}:${port}\\"")')
     lines.append(
-        f'    srun --overlap --nodes=1 --ntasks=1 --nodelist="${{INFERENCE_NODES[$n]}}" --gpus-per-node={s.gpus_per_node} \\'
+        '    srun --overlap --nodes=1 --ntasks=1 --nodelist="${INFERENCE_NODES[$n]}" '
+        f"--gpus-per-node={s.gpus_per_node} \\"
     )
     lines.append(
-        f'      --open-mode=append --output="{log}" --export=ALL,ASYNCRL_GPU_SLICE="$((j * {gpus})):{gpus}" \\'
+        f'      --open-mode=append --output="{log}" --export=ALL,ASYNCRL_GPU_SLICE="$((j * '
+        f'{gpus})):{gpus}" \\'
     )
     lines.append(f'      bash -c "$BIND_GPUS" bind-gpus {command} &')
     lines += ["    PIDS+=($!)", "  done", "done"]
@@ -214,15 +217,19 @@ def render_sbatch(
     lines += [
         "",
         "# trainer: one torchrun per node, c10d rendezvous on the first trainer node",
-        f'srun --nodes={s.trainer_nodes} --ntasks-per-node=1 --nodelist="$(IFS=,; echo "${{TRAINER_NODES[*]}}")" '
+        f'srun --nodes={s.trainer_nodes} --ntasks-per-node=1 --nodelist="$(IFS=,; echo '
+        '"${TRAINER_NODES[*]}")" '
         f'--open-mode=append --output="{log_file(run_dir, "trainer-%t")}" \\',
-        f"  {s.python} -m torch.distributed.run --nnodes={s.trainer_nodes} --nproc-per-node={s.gpus_per_node} "
-        f'--rdzv-backend=c10d --rdzv-endpoint="${{TRAINER_MASTER}}:{s.rdzv_port}" --rdzv-id="$SLURM_JOB_ID" \\',
+        f"  {s.python} -m torch.distributed.run --nnodes={s.trainer_nodes} "
+        f"--nproc-per-node={s.gpus_per_node} "
+        f'--rdzv-backend=c10d --rdzv-endpoint="${{TRAINER_MASTER}}:{s.rdzv_port}" '
+        '--rdzv-id="$SLURM_JOB_ID" \\',
         f'  -m asyncrl trainer @ "{config_file(run_dir, "trainer")}" &',
         "TRAINER_PID=$!",
         "",
         "# orchestrator (CPU only): told the servers' URLs now that the hosts are known",
-        f'srun --overlap --nodes=1 --ntasks=1 --nodelist="{orch_node}" --open-mode=append --output="{orch_log}" \\',
+        f'srun --overlap --nodes=1 --ntasks=1 --nodelist="{orch_node}" --open-mode=append '
+        f'--output="{orch_log}" \\',
         f'  {py} orchestrator @ "{orch_config}" --servers "[$(IFS=,; echo "${{SERVERS[*]}}")]" &',
         "PIDS+=($!)",
         "",
@@ -350,7 +357,8 @@ def main(argv: list[str]) -> int:
             plan = plan_resume(resolved, dry_run=True)  # the job plans again when it starts
             resolved = plan.resolved
             print(
-                f"asyncrl slurm: the job resumes the run; from what {cfg.run_dir} holds now: {plan.describe()}"
+                f"asyncrl slurm: the job resumes the run; from what {cfg.run_dir} holds now: "
+                f"{plan.describe()}"
             )
         else:
             check_fresh_run_dir(cfg.run_dir)

@@ -55,12 +55,15 @@ def _node_check(python: str, paths: list[str], run_dir: Path, gpus_per_node: int
         "done",
         f'pkg="$({shlex.quote(python)} {_IMPORT_ASYNCRL} 2>&1)" || '
         f'fail "{python} cannot import asyncrl: $pkg"',
-        '[ "$pkg" = "$ASYNCRL_PKG" ] || fail "asyncrl is imported from $pkg here, from $ASYNCRL_PKG on the head node"',
-        'if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then gpus=$(tr , "\\n" <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)',
+        '[ "$pkg" = "$ASYNCRL_PKG" ] || fail "asyncrl is imported from $pkg here, from $ASYNCRL_PKG '
+        'on the head node"',
+        'if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then gpus=$(tr , "\\n" <<< "$CUDA_VISIBLE_DEVICES" | '
+        "grep -c .)",
         "elif command -v nvidia-smi > /dev/null; then gpus=$(nvidia-smi -L | grep -c '^GPU')",
         'else gpus=""; fi',
         'if [ -z "$gpus" ]; then',
-        '  echo "asyncrl slurm: node $node: warning: no GPU visible (no CUDA_VISIBLE_DEVICES, no nvidia-smi); '
+        '  echo "asyncrl slurm: node $node: warning: no GPU visible (no CUDA_VISIBLE_DEVICES, no '
+        "nvidia-smi); "
         'GPUs not counted" >&2',
         f'elif [ "$gpus" -lt {gpus_per_node} ]; then',
         f'  fail "$gpus GPU(s) visible, but [slurm] gpus_per_node is {gpus_per_node}"',

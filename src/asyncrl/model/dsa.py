@@ -13,9 +13,10 @@ the nearest "full" layer below, as transformers does.
 The indexer runs without gradient and is frozen (requires_grad False, so no optimizer holds
 it): the selection is discrete, so the policy loss gives it no gradient, and training it needs its
 own loss (a KL to the main attention's distribution, as DeepSeek-V3.2 and GLM-5 do in
-pre-training), not implemented; docs/trainer.md says why RL leaves it as the checkpoint has it. The attention backend does the
-selection because only it knows each query's context: the whole row while training, the cached
-prefix plus new tokens in the engine, which caches each token's index key next to its MLA latent.
+pre-training), not implemented; docs/trainer.md says why RL leaves it as the checkpoint has it.
+The attention backend does the selection because only it knows each query's context: the whole
+row while training, the cached prefix plus new tokens in the engine, which caches each token's
+index key next to its MLA latent.
 
 Shape legend: B batch, T tokens, D model dim, H index heads, d index head dim.
 """
@@ -95,6 +96,6 @@ class DSAttention(MLAttention):
             topk=self.index_topk,
             source_layer=self.source_layer,
             reused=self.selection_reused,
-        )  # fmt: skip
+        )
         o_BHTv = backend.attend_latent(p.q_BHTd, p.state_BTc, self, self.layer_idx, index=index)
         return self.o_proj(o_BHTv.transpose(1, 2).reshape(B, T, -1))

@@ -165,13 +165,26 @@ def _step_arguments(g: argparse._ArgumentGroup) -> None:
 def _layout(ns: argparse.Namespace) -> Layout:
     gpu = GPUS[ns.gpu]
     return Layout(
-        nodes=ns.nodes, gpus_per_node=ns.gpus_per_node, seq_len=ns.seq_len, dp_replicate=ns.dp_replicate,
-        dp_shard=ns.dp_shard, ep=ns.ep, cp=ns.cp, micro_batches=ns.micro_batches,
-        activation_checkpointing=not ns.no_activation_checkpointing, param_dtype=ns.param_dtype,
-        prefetch=ns.prefetch, gpu_mem_gb=ns.gpu_mem_gb or gpu.mem_gb, reserve_gb=ns.reserve_gb,
-        peak_tflops=gpu.bf16_tflops, fp32_tflops=gpu.fp32_tflops, mfu=ns.mfu, a2a_gbps=ns.a2a_gbps,
-        nvlink_gbps=ns.nvlink_gbps, dsa_bf16=ns.dsa_bf16,
-    )  # fmt: skip
+        nodes=ns.nodes,
+        gpus_per_node=ns.gpus_per_node,
+        seq_len=ns.seq_len,
+        dp_replicate=ns.dp_replicate,
+        dp_shard=ns.dp_shard,
+        ep=ns.ep,
+        cp=ns.cp,
+        micro_batches=ns.micro_batches,
+        activation_checkpointing=not ns.no_activation_checkpointing,
+        param_dtype=ns.param_dtype,
+        prefetch=ns.prefetch,
+        gpu_mem_gb=ns.gpu_mem_gb or gpu.mem_gb,
+        reserve_gb=ns.reserve_gb,
+        peak_tflops=gpu.bf16_tflops,
+        fp32_tflops=gpu.fp32_tflops,
+        mfu=ns.mfu,
+        a2a_gbps=ns.a2a_gbps,
+        nvlink_gbps=ns.nvlink_gbps,
+        dsa_bf16=ns.dsa_bf16,
+    )
 
 
 def _rl_inputs(ns: argparse.Namespace) -> RLInputs | None:
@@ -190,13 +203,23 @@ def _rl_inputs(ns: argparse.Namespace) -> RLInputs | None:
     if missing:
         raise RLStepError(f"the RL step (--inference-nodes) needs {', '.join(missing)}")
     return RLInputs(
-        inference_nodes=ns.inference_nodes, rollouts=ns.rollouts, prompt_tokens=ns.prompt_tokens,
-        completion_tokens=ns.completion_tokens, servers_per_node=ns.servers_per_node,
-        max_async_steps=ns.max_async_steps, max_num_seqs=ns.max_num_seqs, serve_dtype=ns.serve_dtype,
-        gpu=ns.gpu, transfer=ns.transfer, fs_write_gbps=ns.fs_write_gbps, fs_read_gbps=ns.fs_read_gbps,
-        net_gbps=ns.net_gbps, publish_overlap=not ns.no_publish_overlap, decode_tok_s=ns.decode_tok_s,
+        inference_nodes=ns.inference_nodes,
+        rollouts=ns.rollouts,
+        prompt_tokens=ns.prompt_tokens,
+        completion_tokens=ns.completion_tokens,
+        servers_per_node=ns.servers_per_node,
+        max_async_steps=ns.max_async_steps,
+        max_num_seqs=ns.max_num_seqs,
+        serve_dtype=ns.serve_dtype,
+        gpu=ns.gpu,
+        transfer=ns.transfer,
+        fs_write_gbps=ns.fs_write_gbps,
+        fs_read_gbps=ns.fs_read_gbps,
+        net_gbps=ns.net_gbps,
+        publish_overlap=not ns.no_publish_overlap,
+        decode_tok_s=ns.decode_tok_s,
         prefill_tok_s=ns.prefill_tok_s,
-    )  # fmt: skip
+    )
 
 
 class _PlannedRL(RLConfig):
@@ -214,15 +237,23 @@ def config_defaults(path: str) -> dict[str, Any]:
     serve = "fp8" if inf.fp8.enabled else {"float32": "fp32", "bfloat16": "bf16"}[inf.dtype]
     model = Path(cfg.model) / "config.json"
     return {
-        "model": str(model) if model.is_file() else None, "nodes": s.trainer_nodes,
-        "inference_nodes": s.inference_nodes, "gpus_per_node": s.gpus_per_node,
-        "servers_per_node": s.servers_per_inference_node, "seq_len": cfg.seq_len,
-        "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "ep": par.ep, "cp": par.cp,
+        "model": str(model) if model.is_file() else None,
+        "nodes": s.trainer_nodes,
+        "inference_nodes": s.inference_nodes,
+        "gpus_per_node": s.gpus_per_node,
+        "servers_per_node": s.servers_per_inference_node,
+        "seq_len": cfg.seq_len,
+        "dp_replicate": par.dp_replicate,
+        "dp_shard": par.dp_shard,
+        "ep": par.ep,
+        "cp": par.cp,
         "no_activation_checkpointing": not par.activation_checkpointing,
-        "rollouts": cfg.orchestrator.batch_size, "max_async_steps": cfg.orchestrator.max_async_steps,
-        "max_num_seqs": inf.max_num_seqs, "serve_dtype": serve,
+        "rollouts": cfg.orchestrator.batch_size,
+        "max_async_steps": cfg.orchestrator.max_async_steps,
+        "max_num_seqs": inf.max_num_seqs,
+        "serve_dtype": serve,
         "no_publish_overlap": not cfg.trainer.publish.overlap,
-    }  # fmt: skip
+    }
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

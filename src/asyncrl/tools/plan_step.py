@@ -168,12 +168,17 @@ def _mtp_layer_params(args: ModelArgs) -> int:
 def _check(inputs: RLInputs, layout: Layout) -> None:
     """Inputs that cannot describe a run, named by their flag."""
     positive = {
-        "--inference-nodes": inputs.inference_nodes, "--rollouts": inputs.rollouts,
-        "--completion-tokens": inputs.completion_tokens, "--servers-per-node": inputs.servers_per_node,
-        "--max-num-seqs": inputs.max_num_seqs, "--fs-write-gbps": inputs.fs_write_gbps,
-        "--fs-read-gbps": inputs.fs_read_gbps, "--net-gbps": inputs.net_gbps,
-        "--decode-tok-s": inputs.decode_tok_s or 1, "--prefill-tok-s": inputs.prefill_tok_s or 1,
-    }  # fmt: skip
+        "--inference-nodes": inputs.inference_nodes,
+        "--rollouts": inputs.rollouts,
+        "--completion-tokens": inputs.completion_tokens,
+        "--servers-per-node": inputs.servers_per_node,
+        "--max-num-seqs": inputs.max_num_seqs,
+        "--fs-write-gbps": inputs.fs_write_gbps,
+        "--fs-read-gbps": inputs.fs_read_gbps,
+        "--net-gbps": inputs.net_gbps,
+        "--decode-tok-s": inputs.decode_tok_s or 1,
+        "--prefill-tok-s": inputs.prefill_tok_s or 1,
+    }
     for flag, value in positive.items():
         if value <= 0:
             raise RLStepError(f"{flag} must be positive, got {value}")
@@ -189,8 +194,11 @@ def _check(inputs: RLInputs, layout: Layout) -> None:
             f"a rollout of {inputs.rollout_tokens} tokens (--prompt-tokens + --completion-tokens) is longer "
             f"than --seq-len ({layout.seq_len}): the trainer packs whole rollouts into rows; raise --seq-len"
         )
-    choices = {"--serve-dtype": (inputs.serve_dtype, _SERVE_BYTES), "--gpu": (inputs.gpu, GPUS),
-               "--transfer": (inputs.transfer, ("filesystem", "network"))}  # fmt: skip
+    choices = {
+        "--serve-dtype": (inputs.serve_dtype, _SERVE_BYTES),
+        "--gpu": (inputs.gpu, GPUS),
+        "--transfer": (inputs.transfer, ("filesystem", "network")),
+    }
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
             raise RLStepError(f"{flag} must be one of {sorted(allowed)}, got {value!r}")
@@ -267,9 +275,16 @@ def _inference(args: ModelArgs, layout: Layout, inputs: RLInputs, weights: float
     )
     prefill = inputs.prefill_tok_s or g * peak * inputs.inference_mfu / prefill_flops
     return Inference(
-        num_servers=num_servers, gpus_per_server=g, weights=weights, kv_bytes_per_token=kv_token,
-        seqs_fit=seqs_fit, batch=batch, decode_tok_s=decode, prefill_tok_s=prefill, step_s=batch / decode,
-    )  # fmt: skip
+        num_servers=num_servers,
+        gpus_per_server=g,
+        weights=weights,
+        kv_bytes_per_token=kv_token,
+        seqs_fit=seqs_fit,
+        batch=batch,
+        decode_tok_s=decode,
+        prefill_tok_s=prefill,
+        step_s=batch / decode,
+    )
 
 
 def _trainer(args: ModelArgs, layout: Layout, inputs: RLInputs) -> tuple[MemoryPlan, int]:
@@ -310,10 +325,18 @@ def build_step(args: ModelArgs, layout: Layout, inputs: RLInputs) -> StepPlan:
     }
     bound = max(bounds, key=bounds.__getitem__)
     return StepPlan(
-        trainer=trainer, micro_batches=micro, inference=inf, version_bytes=weights, trainer_s=trainer_s,
-        write_s=write_s, read_s=read_s, throughput_s=throughput_s, latency_s=latency_s,
-        step_s=bounds[bound], bound=bound,
-    )  # fmt: skip
+        trainer=trainer,
+        micro_batches=micro,
+        inference=inf,
+        version_bytes=weights,
+        trainer_s=trainer_s,
+        write_s=write_s,
+        read_s=read_s,
+        throughput_s=throughput_s,
+        latency_s=latency_s,
+        step_s=bounds[bound],
+        bound=bound,
+    )
 
 
 _WHY = {
@@ -340,7 +363,8 @@ def format_step(step: StepPlan, layout: Layout, inputs: RLInputs) -> str:
         f"RL step: {layout.nodes} trainer + {inputs.inference_nodes} inference nodes ({inf.num_servers} "
         f"server(s) of {inf.gpus_per_server} GPUs), {inputs.rollouts} rollouts of {inputs.prompt_tokens} "
         f"prompt + {inputs.completion_tokens} sampled tokens, max_async_steps {inputs.max_async_steps}",
-        f"  trainer    {step.trainer_s:8.1f} s  {step.micro_batches} micro-batch(es) per GPU over {dp} data ranks",
+        f"  trainer    {step.trainer_s:8.1f} s  {step.micro_batches} micro-batch(es) per GPU over "
+        f"{dp} data ranks",
         f"  publish    {step.write_s + step.read_s:8.1f} s  {step.version_bytes / GB:.1f} GB per version in "
         f"{inputs.serve_dtype}; {how}",
         f"  rollouts   {step.rollout_s:8.1f} s  servers' work {step.throughput_s:.1f} s, one rollout "

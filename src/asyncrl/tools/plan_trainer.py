@@ -333,9 +333,13 @@ def build_plan(args: ModelArgs, layout: Layout) -> MemoryPlan:
     """All the per-GPU figures for `layout`; raises ParallelDimsError for an invalid layout."""
     world = layout.nodes * layout.gpus_per_node
     dims = ParallelDims.build(
-        world_size=world, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
-        ep=layout.ep, cp=layout.cp, num_experts=args.num_experts if args.is_moe else 0,
-    )  # fmt: skip
+        world_size=world,
+        dp_replicate=layout.dp_replicate,
+        dp_shard=layout.dp_shard,
+        ep=layout.ep,
+        cp=layout.cp,
+        num_experts=args.num_experts if args.is_moe else 0,
+    )
     if layout.seq_len % layout.cp:
         raise ParallelDimsError(f"seq_len ({layout.seq_len}) must be a multiple of cp ({layout.cp})")
     p_bytes = _DTYPE_BYTES[layout.param_dtype]
@@ -354,17 +358,29 @@ def build_plan(args: ModelArgs, layout: Layout) -> MemoryPlan:
     fp32_peak = layout.peak_tflops if layout.dsa_bf16 else layout.fp32_tflops
     compute_s += fp32_flops / (fp32_peak * 1e12 * layout.mfu)
     return MemoryPlan(
-        dims=dims, total_params=total, active_params=args.num_params(active=True),
+        dims=dims,
+        total_params=total,
+        active_params=args.num_params(active=True),
         active_params_no_embedding=args.num_params(active=True) - root,
         kv_cache_bytes_per_token=kv_cache_elements_per_token(args) * p_bytes,
-        params=total * 4 / shard, grads=total * 4 / shard, optimizer=total * 8 / shard,
-        gathered_layer=unit * p_bytes, gathered_with_prefetch=unit * p_bytes * (1 + layout.prefetch),
-        layer_grads=unit * 4, root=root * p_bytes, activations_ac=ac, activations_no_ac=no_ac,
-        all_to_all_bytes=a2a, step_flops=flops, fp32_flops=fp32_flops, reserve=layout.reserve_gb * GB,
-        gpu_mem=layout.gpu_mem_gb * GB, activation_checkpointing=layout.activation_checkpointing,
+        params=total * 4 / shard,
+        grads=total * 4 / shard,
+        optimizer=total * 8 / shard,
+        gathered_layer=unit * p_bytes,
+        gathered_with_prefetch=unit * p_bytes * (1 + layout.prefetch),
+        layer_grads=unit * 4,
+        root=root * p_bytes,
+        activations_ac=ac,
+        activations_no_ac=no_ac,
+        all_to_all_bytes=a2a,
+        step_flops=flops,
+        fp32_flops=fp32_flops,
+        reserve=layout.reserve_gb * GB,
+        gpu_mem=layout.gpu_mem_gb * GB,
+        activation_checkpointing=layout.activation_checkpointing,
         compute_seconds=compute_s,
         all_to_all_seconds=a2a / (_a2a_bandwidth(layout, dims.ep) * GB),
-    )  # fmt: skip
+    )
 
 
 def format_plan(plan: MemoryPlan, layout: Layout) -> str:
@@ -382,7 +398,8 @@ def format_plan(plan: MemoryPlan, layout: Layout) -> str:
         f"  gradients (fp32, sharded)                  {plan.grads / GB:8.1f}",
         f"  optimizer (AdamW, 2 x fp32, sharded)       {plan.optimizer / GB:8.1f}",
         f"  largest all-gathered layer                 {plan.gathered_layer / GB:8.1f}",
-        f"    with {layout.prefetch} layer(s) of prefetch              {plan.gathered_with_prefetch / GB:8.1f}",
+        f"    with {layout.prefetch} layer(s) of prefetch              "
+        f"{plan.gathered_with_prefetch / GB:8.1f}",
         f"  that layer's gradient (fp32 reduce)        {plan.layer_grads / GB:8.1f}",
         f"  embeddings + LM head (gathered)            {plan.root / GB:8.1f}",
         f"  activations, checkpointing on              {plan.activations_ac / GB:8.1f}",

@@ -39,8 +39,20 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int, parallel: 
 
 
 def _torchrun(cfg: Path, nproc: int, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "asyncrl.trainer.main",
+        "@",
+        str(cfg),
+        *extra,
+    ]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

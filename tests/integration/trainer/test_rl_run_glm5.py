@@ -42,8 +42,10 @@ def _cfg(model_dir, run_dir, **overrides) -> RLTrainerConfig:
 def test_glm5_run_resumes_from_its_checkpoint_with_the_indexer_frozen(model_dir, tmp_path):
     model = from_pretrained(model_dir)
     for step in (1, 2):
-        write_batch(tmp_path, synthetic_batch(model, step=step, num_samples=4, prompt_len=8,
-                                              completion_len=12, seed=step))  # fmt: skip
+        write_batch(
+            tmp_path,
+            synthetic_batch(model, step=step, num_samples=4, prompt_len=8, completion_len=12, seed=step),
+        )
     first = run_rl(_cfg(model_dir, tmp_path))
     again = run_rl(_cfg(model_dir, tmp_path, resume_step=1))
     assert [r["step"] for r in again] == [2]

@@ -36,9 +36,14 @@ env = {{ NCCL_DEBUG = "WARN", HF_HUB_OFFLINE = "1" }}
 
 def _batch(step: int) -> RolloutBatch:
     n = 4
-    sample = RolloutSample(token_ids=np.ones(n, np.int32), loss_mask=np.ones(n, bool),
-                           inference_logprobs=np.zeros(n, np.float32), advantages=np.zeros(n, np.float32),
-                           temperatures=np.ones(n, np.float32), policy_versions=np.zeros(n, np.int32))  # fmt: skip
+    sample = RolloutSample(
+        token_ids=np.ones(n, np.int32),
+        loss_mask=np.ones(n, bool),
+        inference_logprobs=np.zeros(n, np.float32),
+        advantages=np.zeros(n, np.float32),
+        temperatures=np.ones(n, np.float32),
+        policy_versions=np.zeros(n, np.int32),
+    )
     return RolloutBatch(step=step, samples=[sample])
 
 

@@ -114,11 +114,24 @@ def test_sparse_training_step_never_builds_a_query_by_key_tensor(monkeypatch):
     monkeypatch.setattr(sparse_index, "CPU_SCORE_ELEMENTS", 2**15)
     monkeypatch.setattr(latent_attention, "CPU_GATHER_ELEMENTS", 2**14)
     args = replace(
-        GLM5, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=8, moe_intermediate_size=16, index_n_heads=2, index_head_dim=8, index_topk=16,
+        GLM5,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        moe_intermediate_size=16,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_topk=16,
         indexer_types=("full", "full"),
-    )  # fmt: skip
+    )
     model = _model(args)
     T = 1024
     ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(0))
@@ -126,8 +139,12 @@ def test_sparse_training_step_never_builds_a_query_by_key_tensor(monkeypatch):
     sizes = {}
     for sparse in (True, False):
         with _LargestAllocation() as largest:
-            out = model(ids, positions, attention=PackedCausalAttention(positions, sparse=sparse),
-                        compute_logits=False)  # fmt: skip
+            out = model(
+                ids,
+                positions,
+                attention=PackedCausalAttention(positions, sparse=sparse),
+                compute_logits=False,
+            )
             out.hidden_states.square().mean().backward()
         sizes[sparse] = largest.nbytes
     assert sizes[True] < T * T // 2 < T * T <= sizes[False]

@@ -20,8 +20,16 @@ GLM5 = Path(__file__).resolve().parents[3] / "docs" / "configs" / "glm5.json"
 
 
 def _qwen3(**shapes: int) -> ModelArgs:
-    cfg = {"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
-           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128}  # fmt: skip
+    cfg = {
+        "model_type": "qwen3",
+        "vocab_size": 1000,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+    }
     return ModelArgs.from_hf_config(cfg | shapes)
 
 
@@ -53,9 +61,15 @@ def test_version_bytes_are_what_the_publishers_file_plan_holds(preset):
 def _step(**over) -> tuple[Layout, RLInputs]:
     layout = Layout(nodes=1, gpus_per_node=1, seq_len=256)
     inputs = RLInputs(
-        inference_nodes=1, rollouts=8, prompt_tokens=0, completion_tokens=100, decode_tok_s=100.0,
-        prefill_tok_s=1000.0, fs_write_gbps=1e-3, fs_read_gbps=1e-3,
-    )  # fmt: skip
+        inference_nodes=1,
+        rollouts=8,
+        prompt_tokens=0,
+        completion_tokens=100,
+        decode_tok_s=100.0,
+        prefill_tok_s=1000.0,
+        fs_write_gbps=1e-3,
+        fs_read_gbps=1e-3,
+    )
     return layout, replace(inputs, **over)
 
 
