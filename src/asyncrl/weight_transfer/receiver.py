@@ -1,0 +1,68 @@
+"""A server's side: receive one policy version over its channel into staging, all or nothing.
+
+    receiver = BucketReceiver(channel, published_shapes(model))
+    version, state = receiver.receive()              # serving format; TransferError: nothing changed
+    engine.load_weights(as_dtype(state, engine.dtype), version)
+
+Buckets are read from each trainer rank in turn until every rank's stream has ended, and written
+into new tensors; delta pieces start from the version the receiver last completed. Only a
+complete version (every published tensor filled exactly, shapes as expected, from a base the
+receiver holds) becomes the held version; anything else raises `TransferError` after the streams
+are drained where they still flow, and leaves the held version as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from asyncrl.weight_transfer.buckets import Assembly, BucketHeader, TransferError
+from asyncrl.weight_transfer.channel import Channel
+
+__all__ = ["BucketReceiver", "as_dtype"]
+
+
+def as_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`state` in the engine's dtype, converted as the file reader converts (the same bits).
+    Tensors already in `dtype` are shared, not copied: the engine never writes its weights."""
+    return {name: t.to(dtype) for name, t in state.items()}
+
+
+class BucketReceiver:
+    def __init__(self, channel: Channel, expected: Mapping[str, tuple[int, ...]]) -> None:
+        self.channel, self.expected = channel, dict(expected)
+        self.version: int | None = None  # the version held, once one was received
+        self._held: dict[str, torch.Tensor] = {}  # its tensors, the base of delta pieces
+
+    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The next version and its tensors (serving format). The caller must not modify them."""
+        assembly = Assembly(expected=self.expected, base=self._held)
+        versions, error = set(), None
+        for src in self.channel.senders:
+            while True:
+                header, payload = self.channel.recv_bucket(src)  # a broken stream raises here
+                versions.add(header.version)
+                if header.last:
+                    break
+                error = error or self._add(assembly, header, payload)
+        if len(versions) != 1:
+            raise TransferError(f"the trainer ranks sent different versions: {sorted(versions)}")
+        if error is not None:
+            raise error
+        state = assembly.finish()
+        self._held, self.version = state, versions.pop()
+        return self.version, state
+
+    def _add(self, assembly: Assembly, header: BucketHeader, payload: torch.Tensor) -> TransferError | None:
+        if header.base_version is not None and header.base_version != self.version:
+            return TransferError(
+                f"version {header.version} came as a delta on version {header.base_version}, but this "
+                f"server holds {self.version}; it needs a dense transfer"
+            )
+        try:
+            for piece in header.pieces:
+                assembly.add(piece, payload)
+        except TransferError as e:
+            return e
+        return None
