@@ -1,0 +1,171 @@
+"""A version sent over an update channel is the version the files hold, bit for bit.
+
+tiny-moe in bf16 serving format, gloo on CPU. The trainer is FSDP2 over 2 ranks (each sends only
+its own shards) or one process; one receiver process assembles what they send. Version 1 goes
+dense, version 2 (a small step: most bf16 values unchanged) as a delta and then dense again: each
+must equal `load_state_dict` of the same version published as files by one process, and the delta
+must have carried fewer bytes. A receiver that dies mid-transfer leaves another server's channel
+unaffected (the sender reports that one channel's failure and goes on). About 15 s on 2 busy cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from asyncrl.config.trainer import PublishConfig
+from asyncrl.distributed import DistInfo, ParallelDims, apply_parallelism, load_full_state_dict
+from asyncrl.model import Transformer, from_pretrained
+from asyncrl.model.hf import load_state_dict
+from asyncrl.run_dir import weights_dir
+from asyncrl.tools.init_model import init_model
+from asyncrl.trainer.publish import FilesystemWeightPublisher
+from asyncrl.weight_transfer import (
+    BucketReceiver,
+    BucketSender,
+    Channel,
+    Rendezvous,
+    TransferError,
+    as_dtype,
+    published_shapes,
+)
+from helpers import free_port
+
+BUCKET_BYTES = 64 << 10  # many buckets for tiny-moe, and shards split across them
+SERVING = torch.bfloat16
+TIMEOUT_S = 60.0
+
+
+def _step(model: Transformer) -> None:
+    """A small deterministic update, relative 1e-4: below bf16's resolution for most values."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-4 * p.abs())
+
+
+def _publish_files(model_dir: Path, run_dir: Path) -> None:
+    """Versions 1 and 2 as files, written by one process."""
+    model = from_pretrained(model_dir)
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    publisher = FilesystemWeightPublisher(
+        run_dir, model_dir, PublishConfig(dtype="bfloat16", overlap=False), one
+    )
+    for version in (1, 2):
+        if version == 2:
+            _step(model)
+        publisher.publish(model, version)
+        publisher.wait()
+
+
+def _trainer_model(model_dir: Path, num_senders: int) -> Transformer:
+    full = from_pretrained(model_dir)
+    if num_senders == 1:
+        return full
+    rank = dist.get_rank()
+    dims = ParallelDims.build(world_size=num_senders, num_experts=full.args.num_experts, dp_shard=num_senders)
+    with torch.device("meta"):
+        model = Transformer(full.args)
+    apply_parallelism(model, dims, dims.build_meshes("cpu"), device_type="cpu")
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    load_full_state_dict(model, full.state_dict() if rank == 0 else None)
+    return model
+
+
+def _trainer(rank: int, num_senders: int, ports: dict, model_dir: Path, out: Path) -> None:
+    if num_senders > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["trainer"]))
+        dist.init_process_group("gloo", rank=rank, world_size=num_senders)
+    try:
+        model = _trainer_model(model_dir, num_senders)
+        channels = {
+            name: Channel.join(
+                _rdv(port, num_senders), rank=rank, device=torch.device("cpu"), timeout_s=TIMEOUT_S
+            )
+            for name, port in ports["servers"].items()
+        }
+        sender = BucketSender(bucket_bytes=BUCKET_BYTES, delta=True)
+        sent = {"v1": sender.send(model, SERVING, 1, channels)}
+        if num_senders > 1:
+            step = from_pretrained(model_dir)
+            _step(step)
+            load_full_state_dict(model, step.state_dict() if rank == 0 else None)
+        else:
+            _step(model)
+        sent["v2"] = sender.send(model, SERVING, 2, channels)
+        sent["v2_dense"] = sender.send(model, SERVING, 2, channels, dense={"a"})
+        report = {
+            k: {ch: r.__dict__ if not isinstance(r, TransferError) else str(r) for ch, r in v.items()}
+            for k, v in sent.items()
+        }
+        (out / f"sender{rank}.json").write_text(json.dumps(report))
+    finally:
+        if num_senders > 1:
+            dist.destroy_process_group()
+
+
+def _rdv(port: int, num_senders: int) -> Rendezvous:
+    return Rendezvous(host="127.0.0.1", port=port, num_senders=num_senders, world_size=num_senders + 1)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _receiver(name: str, num_senders: int, port: int, model_dir: Path, files: Path, die: bool) -> None:
+    model = from_pretrained(model_dir)
+    channel = Channel.join(
+        _rdv(port, num_senders), rank=num_senders, device=torch.device("cpu"), timeout_s=TIMEOUT_S
+    )
+    if die:
+        channel.recv_bucket(0)  # one bucket of version 1, then gone
+        os._exit(0)
+    receiver = BucketReceiver(channel, published_shapes(model))
+    for version, label in ((1, "dense"), (2, "delta"), (2, "dense again")):
+        got_version, state = receiver.receive()
+        assert got_version == version
+        for dtype in (SERVING, torch.float32):
+            want = load_state_dict(weights_dir(files, version), model.args, dtype)
+            got = as_dtype(state, dtype)
+            assert got.keys() == want.keys()
+            for key in want:
+                assert torch.equal(_bits(got[key]), _bits(want[key])), f"v{version} {label}: {key} ({dtype})"
+
+
+def _run(rank: int, num_senders: int, ports: dict, model_dir: Path, files: Path, out: Path) -> None:
+    torch.set_num_threads(1)
+    if rank < num_senders:
+        _trainer(rank, num_senders, ports, model_dir, out)
+    else:
+        name = sorted(ports["servers"])[rank - num_senders]
+        _receiver(name, num_senders, ports["servers"][name], model_dir, files, die=name == "dead")
+
+
+@pytest.mark.parametrize("num_senders", [1, 2], ids=["trainer-1", "fsdp2"])
+def test_a_version_over_the_channel_is_the_version_in_the_files(tmp_path, num_senders):
+    model_dir, files, out = tmp_path / "model", tmp_path / "run", tmp_path / "out"
+    init_model("tiny-moe", model_dir, seed=0)
+    _publish_files(model_dir, files)
+    out.mkdir()
+    ports = {"trainer": free_port(), "servers": {"a": free_port(), "dead": free_port()}}
+    mp.start_processes(
+        _run,
+        args=(num_senders, ports, model_dir, files, out),
+        nprocs=num_senders + 2,
+        join=True,
+        start_method="fork",
+    )
+    for rank in range(num_senders):
+        sent = json.loads((out / f"sender{rank}.json").read_text())
+        assert all("sending to channel rank" in sent[v]["dead"] for v in sent)  # that channel only
+        v1, v2, v2_dense = (sent[v]["a"] for v in ("v1", "v2", "v2_dense"))
+        assert v1["num_changed"] == v1["num_elements"] == v2_dense["num_elements"] > 0
+        assert 0 < v2["num_changed"] < v2["num_elements"] // 4
+        assert v2["num_bytes"] < v2_dense["num_bytes"] // 2 and v2_dense["num_bytes"] >= v1["num_bytes"]
