@@ -35,6 +35,11 @@ class BucketReceiver:
         self.version: int | None = None  # the version held, once one was received
         self._held: dict[str, torch.Tensor] = {}  # its tensors, the base of delta pieces
 
+    @property
+    def held(self) -> Mapping[str, torch.Tensor]:
+        """The tensors of the held version (serving format), the base of the next delta."""
+        return self._held
+
     def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
         """The next version and its tensors (serving format). The caller must not modify them."""
         assembly = Assembly(expected=self.expected, base=self._held)
