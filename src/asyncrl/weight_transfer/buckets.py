@@ -22,13 +22,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from asyncrl.model.dtypes import dtype_name, torch_dtype
+from asyncrl.model.dtypes import DTYPES
+from asyncrl.model.fp8 import FP8_DTYPE
 
 __all__ = ["Assembly", "BucketHeader", "Piece", "Shard", "TransferError", "pack_buckets"]
 
 _POSITION = torch.int32
 _ALIGN = 8
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # element size -> an integer view of its bits
+_WIRE_DTYPES = DTYPES | {"float8_e4m3fn": FP8_DTYPE}  # the serving dtypes, block-FP8 weights included
 
 
 class TransferError(RuntimeError):
@@ -102,11 +104,12 @@ def _encode(new: torch.Tensor, old: torch.Tensor | None) -> tuple[list[torch.Ten
     """The payload parts of one piece: dense [values], or delta [positions, values] when smaller."""
     if old is None:
         return [new], None
-    where = (_bits(new) != _bits(old)).nonzero().view(-1)
+    new_bits = _bits(new)
+    where = (new_bits != _bits(old)).nonzero().view(-1)
     delta_bytes = where.numel() * (4 + new.element_size())
     if delta_bytes >= new.numel() * new.element_size():
         return [new], None
-    return [where.to(_POSITION), new[where]], where.numel()
+    return [where.to(_POSITION), new_bits[where]], where.numel()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -132,7 +135,7 @@ def pack_buckets(
 
     def flush() -> tuple[BucketHeader, torch.Tensor]:
         nonlocal pieces, parts, used
-        payload = torch.zeros(used, dtype=torch.uint8)
+        payload = torch.zeros(used, dtype=torch.uint8, device=parts[0].device if parts else "cpu")
         for piece, blob in zip(pieces, parts):
             payload[piece.at : piece.at + piece.nbytes] = blob
         header = BucketHeader(
@@ -165,6 +168,10 @@ def pack_buckets(
     )
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in _WIRE_DTYPES.items() if d == dtype)
+
+
 def _align(nbytes: int) -> int:
     """Pieces start on 8-byte boundaries, so each views the payload in its own dtype without a copy."""
     return -(-nbytes // _ALIGN) * _ALIGN
@@ -176,7 +183,7 @@ def _piece(shard: Shard, start: int, count: int, at: int, nbytes: int, num_chang
         shape=shard.shape,
         offset=shard.offset,
         local_shape=shard.local_shape,
-        dtype=dtype_name(shard.values.dtype),
+        dtype=_dtype_name(shard.values.dtype),
         start=start,
         count=count,
         at=at,
@@ -202,22 +209,21 @@ class Assembly:
             raise TransferError(
                 f"tensor '{piece.name}' arrived with shape {list(piece.shape)}, expected {want}"
             )
-        dtype = torch_dtype(piece.dtype)
+        dtype = _WIRE_DTYPES[piece.dtype]
         full = self.tensors.get(piece.name)
         if full is None:
             full = self.tensors[piece.name] = torch.empty(piece.shape, dtype=dtype)
-        region = _Region(full, piece)
+        region = _Region(_bits(full), piece)  # bits: the same for every dtype, FP8 included
         data = payload[piece.at : piece.at + piece.nbytes]
         if piece.num_changed is None:
-            region.write(data.view(dtype))
+            region.write(data.view(region.full.dtype))
         else:
             base = self.base.get(piece.name)
             if base is None:
                 raise TransferError(f"a delta piece of '{piece.name}' arrived but the receiver holds no base")
             n = piece.num_changed
-            values = region.read(base).clone()
-            where = data[: 4 * n].view(_POSITION).long()
-            values[where] = data[4 * n :].view(dtype)
+            values = region.read(_bits(base)).clone()
+            values[data[: 4 * n].view(_POSITION).long()] = data[4 * n :].view(region.full.dtype)
             region.write(values)
         self.filled[piece.name] = self.filled.get(piece.name, 0) + piece.count
 

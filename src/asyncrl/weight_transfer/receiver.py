@@ -1,6 +1,6 @@
 """A server's side: receive one policy version over its channel into staging, all or nothing.
 
-    receiver = BucketReceiver(channel, published_shapes(model))
+    receiver = BucketReceiver(channel, published_shapes(model, fmt))
     version, state = receiver.receive()              # serving format; TransferError: nothing changed
     engine.load_weights(as_dtype(state, engine.dtype), version)
 
@@ -17,6 +17,8 @@ from collections.abc import Mapping
 
 import torch
 
+from asyncrl.model.fp8 import FP8_DTYPE
+from asyncrl.model.serving import SCALE_SUFFIX, dequantize_blocks
 from asyncrl.weight_transfer.buckets import Assembly, BucketHeader, TransferError
 from asyncrl.weight_transfer.channel import Channel
 
@@ -24,9 +26,28 @@ __all__ = ["BucketReceiver", "as_dtype"]
 
 
 def as_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`state` in the engine's dtype, converted as the file reader converts (the same bits).
-    Tensors already in `dtype` are shared, not copied: the engine never writes its weights."""
-    return {name: t.to(dtype) for name, t in state.items()}
+    """`state` in the engine's dtype, converted as the file reader converts (the same bits): FP8
+    weights dequantised with their `_scale_inv` blocks, which are dropped. Tensors already in
+    `dtype` are shared, not copied: the engine never writes its weights."""
+    out = {}
+    for name, t in state.items():
+        if t.dtype == FP8_DTYPE:
+            out[name] = _dequantize(t, state[name + SCALE_SUFFIX], dtype)
+        elif not (
+            name.endswith(SCALE_SUFFIX) and state.get(name.removesuffix(SCALE_SUFFIX), t).dtype == FP8_DTYPE
+        ):
+            out[name] = t.to(dtype)
+    return out
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One weight, or a stack of expert weights [E, O, K], block by block as `HFReader` reads it."""
+    if q.dim() == 2:
+        return dequantize_blocks(q, scale).to(dtype)
+    out = torch.empty(q.shape, dtype=dtype)
+    for e in range(q.shape[0]):
+        out[e].copy_(dequantize_blocks(q[e], scale[e]))
+    return out
 
 
 class BucketReceiver:

@@ -1,10 +1,11 @@
 """The trainer's side: send one policy version to every server's channel, in buckets.
 
     sender = BucketSender(bucket_bytes=256 << 20, delta=True)
-    results = sender.send(model, torch.bfloat16, version=3, channels={"server0": ch0, "server1": ch1})
+    fmt = serving_format(model, torch.bfloat16)      # asyncrl.model.serving; block FP8 with fp8=True
+    results = sender.send(model, fmt, version=3, channels={"server0": ch0, "server1": ch1})
     # results["server1"] is a SendStats, or the TransferError that left that server behind
 
-Called on every trainer rank; no collective: each rank sends its own shards (`iter_shards`) to
+Called on every trainer rank; no collective but FP8's scales: each rank sends its own shards (`iter_shards`) to
 each receiving rank of each channel, and a channel that fails is reported, not raised, so the
 others still get the version. With `delta`, the rank keeps the serving values it last sent (its
 shards only) and sends a channel named in `dense` (a server that restarted, or one that missed
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.model import Transformer
+from asyncrl.model.serving import ServingFormat
 from asyncrl.weight_transfer.buckets import Shard, TransferError, pack_buckets
 from asyncrl.weight_transfer.channel import Channel
 from asyncrl.weight_transfer.shards import iter_shards
@@ -46,14 +48,17 @@ class BucketSender:
     def send(
         self,
         model: Transformer,
-        dtype: torch.dtype,
+        fmt: ServingFormat,
         version: int,
         channels: Mapping[str, Channel],
         *,
         dense: Collection[str] = (),
     ) -> dict[str, SendStats | TransferError]:
-        """Send `model`'s weights in `dtype` as `version` on every channel; per channel, what went."""
-        shards = list(iter_shards(model, dtype))
+        """Send `model`'s weights in `fmt` as `version` on every channel; per channel, what went.
+
+        The whole snapshot is taken before the first send: the FP8 scales' all-reduce then never
+        waits on a rank that is blocked sending."""
+        shards = list(iter_shards(model, fmt))
         results: dict[str, SendStats | TransferError] = {}
         for name, channel in channels.items():
             as_delta = self.delta and self._base is not None and name not in dense

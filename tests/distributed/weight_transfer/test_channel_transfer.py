@@ -1,11 +1,11 @@
 """A version sent over an update channel is the version the files hold, bit for bit.
 
-tiny-moe in bf16 serving format, gloo on CPU. The trainer is FSDP2 over 2 ranks (each sends only
-its own shards) or one process; one receiver process assembles what they send. Version 1 goes
+tiny-moe served in bf16, or bf16 with block-FP8 linears, gloo on CPU. The trainer is FSDP2 over 2
+ranks (each sends only its own shards) or one process; one receiver process assembles what they send. Version 1 goes
 dense, version 2 (a small step: most bf16 values unchanged) as a delta and then dense again: each
 must equal `load_state_dict` of the same version published as files by one process, and the delta
 must have carried fewer bytes. A receiver that dies mid-transfer leaves another server's channel
-unaffected (the sender reports that one channel's failure and goes on). About 15 s on 2 busy cores.
+unaffected (the sender reports that one channel's failure and goes on). About 5 s a case on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from asyncrl.config.trainer import PublishConfig
 from asyncrl.distributed import DistInfo, ParallelDims, apply_parallelism, load_full_state_dict
 from asyncrl.model import Transformer, from_pretrained
 from asyncrl.model.hf import load_state_dict
+from asyncrl.model.serving import ServingFormat, serving_format
 from asyncrl.run_dir import weights_dir
 from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.publish import FilesystemWeightPublisher
@@ -50,13 +51,16 @@ def _step(model: Transformer) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 1e-4 * p.abs())
 
 
-def _publish_files(model_dir: Path, run_dir: Path) -> None:
+def _format(model: Transformer, fp8: bool) -> ServingFormat:
+    return serving_format(model, SERVING, fp8=fp8)
+
+
+def _publish_files(model_dir: Path, run_dir: Path, fp8: bool) -> None:
     """Versions 1 and 2 as files, written by one process."""
     model = from_pretrained(model_dir)
     one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    publisher = FilesystemWeightPublisher(
-        run_dir, model_dir, PublishConfig(dtype="bfloat16", overlap=False), one
-    )
+    cfg = PublishConfig(dtype="bfloat16", fp8=fp8, overlap=False)
+    publisher = FilesystemWeightPublisher(run_dir, model_dir, cfg, one)
     for version in (1, 2):
         if version == 2:
             _step(model)
@@ -79,7 +83,7 @@ def _trainer_model(model_dir: Path, num_senders: int) -> Transformer:
     return model
 
 
-def _trainer(rank: int, num_senders: int, ports: dict, model_dir: Path, out: Path) -> None:
+def _trainer(rank: int, num_senders: int, fp8: bool, ports: dict, model_dir: Path, out: Path) -> None:
     if num_senders > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["trainer"]))
         dist.init_process_group("gloo", rank=rank, world_size=num_senders)
@@ -92,15 +96,16 @@ def _trainer(rank: int, num_senders: int, ports: dict, model_dir: Path, out: Pat
             for name, port in ports["servers"].items()
         }
         sender = BucketSender(bucket_bytes=BUCKET_BYTES, delta=True)
-        sent = {"v1": sender.send(model, SERVING, 1, channels)}
+        fmt = _format(model, fp8)
+        sent = {"v1": sender.send(model, fmt, 1, channels)}
         if num_senders > 1:
             step = from_pretrained(model_dir)
             _step(step)
             load_full_state_dict(model, step.state_dict() if rank == 0 else None)
         else:
             _step(model)
-        sent["v2"] = sender.send(model, SERVING, 2, channels)
-        sent["v2_dense"] = sender.send(model, SERVING, 2, channels, dense={"a"})
+        sent["v2"] = sender.send(model, fmt, 2, channels)
+        sent["v2_dense"] = sender.send(model, fmt, 2, channels, dense={"a"})
         report = {
             k: {ch: r.__dict__ if not isinstance(r, TransferError) else str(r) for ch, r in v.items()}
             for k, v in sent.items()
@@ -119,18 +124,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
 
-def _receiver(name: str, num_senders: int, port: int, model_dir: Path, files: Path, die: bool) -> None:
+def _receiver(name: str, num_senders: int, fp8: bool, port: int, model_dir: Path, files: Path) -> None:
     model = from_pretrained(model_dir)
     channel = Channel.join(
         _rdv(port, num_senders), rank=num_senders, device=torch.device("cpu"), timeout_s=TIMEOUT_S
     )
-    if die:
+    if name == "dead":
         channel.recv_bucket(0)  # one bucket of version 1, then gone
         os._exit(0)
-    receiver = BucketReceiver(channel, published_shapes(model))
+    receiver = BucketReceiver(channel, published_shapes(model, _format(model, fp8)))
     for version, label in ((1, "dense"), (2, "delta"), (2, "dense again")):
         got_version, state = receiver.receive()
         assert got_version == version
+        assert fp8 == any(t.dtype == torch.float8_e4m3fn for t in state.values())
         for dtype in (SERVING, torch.float32):
             want = load_state_dict(weights_dir(files, version), model.args, dtype)
             got = as_dtype(state, dtype)
@@ -139,25 +145,29 @@ def _receiver(name: str, num_senders: int, port: int, model_dir: Path, files: Pa
                 assert torch.equal(_bits(got[key]), _bits(want[key])), f"v{version} {label}: {key} ({dtype})"
 
 
-def _run(rank: int, num_senders: int, ports: dict, model_dir: Path, files: Path, out: Path) -> None:
+def _run(
+    rank: int, num_senders: int, fp8: bool, ports: dict, model_dir: Path, files: Path, out: Path
+) -> None:
     torch.set_num_threads(1)
     if rank < num_senders:
-        _trainer(rank, num_senders, ports, model_dir, out)
+        _trainer(rank, num_senders, fp8, ports, model_dir, out)
     else:
         name = sorted(ports["servers"])[rank - num_senders]
-        _receiver(name, num_senders, ports["servers"][name], model_dir, files, die=name == "dead")
+        _receiver(name, num_senders, fp8, ports["servers"][name], model_dir, files)
 
 
-@pytest.mark.parametrize("num_senders", [1, 2], ids=["trainer-1", "fsdp2"])
-def test_a_version_over_the_channel_is_the_version_in_the_files(tmp_path, num_senders):
+@pytest.mark.parametrize(
+    ("num_senders", "fp8"), [(1, False), (2, False), (2, True)], ids=["trainer-1", "fsdp2", "fsdp2-fp8"]
+)
+def test_a_version_over_the_channel_is_the_version_in_the_files(tmp_path, num_senders, fp8):
     model_dir, files, out = tmp_path / "model", tmp_path / "run", tmp_path / "out"
     init_model("tiny-moe", model_dir, seed=0)
-    _publish_files(model_dir, files)
+    _publish_files(model_dir, files, fp8)
     out.mkdir()
     ports = {"trainer": free_port(), "servers": {"a": free_port(), "dead": free_port()}}
     mp.start_processes(
         _run,
-        args=(num_senders, ports, model_dir, files, out),
+        args=(num_senders, fp8, ports, model_dir, files, out),
         nprocs=num_senders + 2,
         join=True,
         start_method="fork",

@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.model import from_pretrained
+from asyncrl.model.serving import serving_format
 from asyncrl.tools.init_model import init_model
 from asyncrl.weight_transfer import (
     BucketReceiver,
@@ -36,20 +37,21 @@ def _bump(model) -> None:
 def _sender(channel: Channel, model_dir: Path) -> None:
     model = from_pretrained(model_dir)
     sender = BucketSender(bucket_bytes=BUCKET_BYTES, delta=True)
-    ch = {"a": channel}
-    assert not isinstance(sender.send(model, torch.bfloat16, 1, ch)["a"], TransferError)
+    ch, fmt = {"a": channel}, serving_format(model, torch.bfloat16)
+    assert not isinstance(sender.send(model, fmt, 1, ch)["a"], TransferError)
     _bump(model)
-    sender.send(model, torch.bfloat16, 2, ch)  # a delta the restarted receiver cannot apply
-    sender.send(model, torch.bfloat16, 2, ch, dense={"a"})
+    sender.send(model, fmt, 2, ch)  # a delta the restarted receiver cannot apply
+    sender.send(model, fmt, 2, ch, dense={"a"})
     _bump(model)
-    buckets = pack_buckets(iter_shards(model, torch.bfloat16), bucket_bytes=BUCKET_BYTES, version=3)
+    buckets = pack_buckets(iter_shards(model, fmt), bucket_bytes=BUCKET_BYTES, version=3)
     for _, (header, payload) in zip(range(5), buckets):  # part of version 3, then the trainer dies
         channel.send_bucket(header, payload, 1)
     os._exit(0)
 
 
 def _receiver(channel: Channel, model_dir: Path) -> None:
-    shapes = published_shapes(from_pretrained(model_dir))
+    model = from_pretrained(model_dir)
+    shapes = published_shapes(model, serving_format(model, torch.bfloat16))
     first = BucketReceiver(channel, shapes)
     assert first.receive()[0] == 1
     restarted = BucketReceiver(channel, shapes)  # a server back from a restart holds no version

@@ -1,12 +1,14 @@
 """Buckets in one process: packing and assembly give back the exact bits, dense or delta, and an
-incomplete or inconsistent transfer is refused."""
+incomplete or inconsistent transfer is refused; FP8 shards quantised apart give the whole weight's blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from asyncrl.model.fp8 import AMAX_FLOOR, FP8_MAX, quantize_weight
 from asyncrl.weight_transfer import Assembly, BucketHeader, Shard, TransferError, pack_buckets
+from asyncrl.weight_transfer.shards import partial_amax, quantize_rows
 
 
 def _shards(name: str, full: torch.Tensor, dim: int, parts: int) -> list[Shard]:
@@ -103,3 +105,26 @@ def test_a_delta_without_a_base_is_refused():
     buckets = pack_buckets(shards, bucket_bytes=1 << 16, version=2, base=base, base_version=1)
     with pytest.raises(TransferError, match="holds no base"):
         _assemble(buckets, {n: tuple(t.shape) for n, t in w.items()})
+
+
+def test_fp8_rows_quantised_apart_are_the_whole_weights_blocks():
+    """Row shards that straddle 128-row blocks (and a stack of experts cut by rows) share their
+    blocks' amax and give quantize_weight's bits and scales."""
+    g = torch.Generator().manual_seed(0)
+    for full, cuts in (
+        (torch.randn(384, 256, generator=g), (100, 150, 134)),
+        (torch.randn(2, 256, 128, generator=g), (70, 186)),
+    ):
+        offsets = [sum(cuts[:i]) for i in range(len(cuts))]
+        locals_ = [full.narrow(-2, o, n) for o, n in zip(offsets, cuts)]
+        where = [((0,) * (full.dim() - 2) + (o, 0), tuple(t.shape)) for o, t in zip(offsets, locals_)]
+        amax = torch.stack(
+            [partial_amax(t, tuple(full.shape), s, o) for t, (o, s) in zip(locals_, where)]
+        ).amax(0)
+        scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+        q = torch.cat([quantize_rows(t, scale, s, o) for t, (o, s) in zip(locals_, where)], dim=-2)
+        for e, (q_e, s_e) in enumerate(zip(q.view(-1, *q.shape[-2:]), scale.view(-1, *scale.shape[-2:]))):
+            want_q, want_scale = quantize_weight(full.view(-1, *full.shape[-2:])[e])
+            assert torch.equal(s_e, want_scale) and torch.equal(
+                q_e.view(torch.uint8), want_q.view(torch.uint8)
+            )
