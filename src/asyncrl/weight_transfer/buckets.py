@@ -222,9 +222,9 @@ class Assembly:
             if base is None:
                 raise TransferError(f"a delta piece of '{piece.name}' arrived but the receiver holds no base")
             n = piece.num_changed
-            values = region.read(_bits(base)).clone()
-            values[data[: 4 * n].view(_POSITION).long()] = data[4 * n :].view(region.full.dtype)
-            region.write(values)
+            region.patch(
+                _bits(base), data[: 4 * n].view(_POSITION).long(), data[4 * n :].view(region.full.dtype)
+            )
         self.filled[piece.name] = self.filled.get(piece.name, 0) + piece.count
 
     def finish(self) -> dict[str, torch.Tensor]:
@@ -258,8 +258,17 @@ class _Region:
         index = tuple(slice(o, o + k) for o, k in zip(p.offset, p.local_shape))
         return grid[index].reshape(-1)[p.start : p.start + p.count]
 
-    def read(self, full: torch.Tensor) -> torch.Tensor:
-        return full.view(-1)[self._flat()]
-
     def write(self, values: torch.Tensor) -> None:
         self.full.view(-1)[self._flat()] = values
+
+    def patch(self, base: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+        """The region as in `base` (a full tensor), but `values` at positions `where` of the region."""
+        flat = self._flat()
+        if isinstance(flat, slice):  # a view: patch in place
+            region = self.full.view(-1)[flat]
+            region.copy_(base.view(-1)[flat])
+            region[where] = values
+        else:
+            region = base.view(-1)[flat]  # advanced indexing: a copy
+            region[where] = values
+            self.write(region)

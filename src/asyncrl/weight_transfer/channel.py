@@ -17,6 +17,7 @@ A bucket travels as three point-to-point messages: the header's length (int64 [1
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -93,14 +94,15 @@ class Channel:
         if payload.numel():
             self._send(payload, dst)
 
-    def recv_bucket(self, src: int) -> tuple[BucketHeader, torch.Tensor]:
-        length = self._recv(torch.empty(1, dtype=torch.int64), src)
-        header = BucketHeader.decode(
-            self._recv(torch.empty(int(length[0]), dtype=torch.uint8), src).numpy().tobytes()
-        )
+    def recv_bucket(self, src: int, deadline: float | None = None) -> tuple[BucketHeader, torch.Tensor]:
+        """The next bucket from `src`; TransferError past the channel's timeout or `deadline`
+        (`time.monotonic()`), whichever comes first."""
+        length = self._recv(torch.empty(1, dtype=torch.int64), src, deadline)
+        data = self._recv(torch.empty(int(length[0]), dtype=torch.uint8), src, deadline)
+        header = BucketHeader.decode(data.numpy().tobytes())
         payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
         if header.payload_bytes:
-            payload = self._recv(payload, src)
+            payload = self._recv(payload, src, deadline)
         return header, payload
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
@@ -109,10 +111,13 @@ class Channel:
         except (RuntimeError, dist.DistError) as e:
             raise TransferError(f"sending to channel rank {dst} failed: {e}") from e
 
-    def _recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+    def _recv(self, t: torch.Tensor, src: int, deadline: float | None) -> torch.Tensor:
         buf = t.to(self.device)
+        timeout = self.timeout
+        if deadline is not None:
+            timeout = min(timeout, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         try:
-            self.group.recv([buf], src, 0).wait(self.timeout)
+            self.group.recv([buf], src, 0).wait(timeout)
         except (RuntimeError, dist.DistError) as e:
             raise TransferError(f"receiving from channel rank {src} failed: {e}") from e
         return buf.cpu()

@@ -8,11 +8,13 @@ Buckets are read from each trainer rank in turn until every rank's stream has en
 into new tensors; delta pieces start from the version the receiver last completed. Only a
 complete version (every published tensor filled exactly, shapes as expected, from a base the
 receiver holds) becomes the held version; anything else raises `TransferError` after the streams
-are drained where they still flow, and leaves the held version as it was.
+are drained where they still flow, and leaves the held version as it was. So does a transfer that
+does not end within `timeout_s` (`[weights] timeout_s`); the channel is then to be rebuilt.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import torch
@@ -61,13 +63,15 @@ class BucketReceiver:
         """The tensors of the held version (serving format), the base of the next delta."""
         return self._held
 
-    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """The next version and its tensors (serving format). The caller must not modify them."""
+    def receive(self, timeout_s: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """The next version and its tensors (serving format), within `timeout_s` for the whole
+        transfer when given. The caller must not modify them."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         assembly = Assembly(expected=self.expected, base=self._held)
         versions, error = set(), None
         for src in self.channel.senders:
             while True:
-                header, payload = self.channel.recv_bucket(src)  # a broken stream raises here
+                header, payload = self.channel.recv_bucket(src, deadline)  # a broken stream raises here
                 versions.add(header.version)
                 if header.last:
                     break
