@@ -12,7 +12,8 @@ other servers' channels never see it. `name` prefixes the store's keys, so a ser
 joins a fresh channel (a new name: its generation) on the same store port.
 
 A bucket travels as three point-to-point messages: the header's length (int64 [1]), the header
-(UTF-8 JSON as uint8), then the payload (uint8 [header.payload_bytes]).
+(UTF-8 JSON as uint8), then the payload (uint8 [header.payload_bytes]). Once a receiver has every
+sender's stream, it answers each sender with an ack (int64 [1]: 1 taken, 0 refused).
 """
 
 from __future__ import annotations
@@ -104,6 +105,14 @@ class Channel:
         if header.payload_bytes:
             payload = self._recv(payload, src, deadline)
         return header, payload
+
+    def send_ack(self, ok: bool, dst: int) -> None:
+        """Tell a sender whether its version was taken (it cannot know otherwise: a send may sit in
+        socket buffers of a receiver that is gone)."""
+        self._send(torch.tensor([int(ok)], dtype=torch.int64), dst)
+
+    def recv_ack(self, src: int) -> bool:
+        return bool(self._recv(torch.empty(1, dtype=torch.int64), src, None)[0])
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
         try:

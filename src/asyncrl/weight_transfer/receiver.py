@@ -8,7 +8,8 @@ Buckets are read from each trainer rank in turn until every rank's stream has en
 into new tensors; delta pieces start from the version the receiver last completed. Only a
 complete version (every published tensor filled exactly, shapes as expected, from a base the
 receiver holds) becomes the held version; anything else raises `TransferError` after the streams
-are drained where they still flow, and leaves the held version as it was. So does a transfer that
+are drained where they still flow, and leaves the held version as it was. Each trainer rank is
+told (an ack) whether the version was taken, so both sides agree on what the server holds. So does a transfer that
 does not end within `timeout_s` (`[weights] timeout_s`); the channel is then to be rebuilt.
 """
 
@@ -77,10 +78,18 @@ class BucketReceiver:
                     break
                 error = error or self._add(assembly, header, payload)
         if len(versions) != 1:
-            raise TransferError(f"the trainer ranks sent different versions: {sorted(versions)}")
+            error = error or TransferError(f"the trainer ranks sent different versions: {sorted(versions)}")
+        try:
+            state = assembly.finish() if error is None else None
+        except TransferError as e:
+            state, error = None, e
+        for (
+            src
+        ) in self.channel.senders:  # a failed ack leaves the trainer and this server both on the old version
+            self.channel.send_ack(error is None, src)
         if error is not None:
             raise error
-        state = assembly.finish()
+        assert state is not None
         self._held, self.version = state, versions.pop()
         return self.version, state
 

@@ -6,8 +6,9 @@
     # results["server1"] is a SendStats, or the TransferError that left that server behind
 
 Called on every trainer rank; no collective but FP8's scales: each rank sends its own shards (`iter_shards`) to
-each receiving rank of each channel, and a channel that fails is reported, not raised, so the
-others still get the version. With `delta`, the rank keeps the serving values it last sent (its
+each receiving rank of each channel and waits for its ack, one channel after the other; a channel
+that fails (broken, timed out, or the version refused) is reported, not raised, so the others
+still get the version. With `delta`, the rank keeps the serving values it last sent (its
 shards only) and sends a channel named in `dense` (a server that restarted, or one that missed
 the last version) the whole version instead.
 """
@@ -81,6 +82,9 @@ class BucketSender:
             num_buckets += not header.last
             num_bytes += header.payload_bytes
             num_changed += sum(p.count if p.num_changed is None else p.num_changed for p in header.pieces)
+        refused = [dst for dst in channel.receivers if not channel.recv_ack(dst)]
+        if refused:
+            raise TransferError(f"channel ranks {refused} refused version {version} (their logs say why)")
         num_elements = sum(s.values.numel() for s in shards)
         return SendStats(
             num_buckets=num_buckets, num_bytes=num_bytes, num_elements=num_elements, num_changed=num_changed

@@ -174,7 +174,7 @@ def test_a_version_over_the_channel_is_the_version_in_the_files(tmp_path, num_se
     )
     for rank in range(num_senders):
         sent = json.loads((out / f"sender{rank}.json").read_text())
-        assert all("sending to channel rank" in sent[v]["dead"] for v in sent)  # that channel only
+        assert all("channel rank" in sent[v]["dead"] for v in sent)  # that channel only
         v1, v2, v2_dense = (sent[v]["a"] for v in ("v1", "v2", "v2_dense"))
         assert v1["num_changed"] == v1["num_elements"] == v2_dense["num_elements"] > 0
         assert 0 < v2["num_changed"] < v2["num_elements"] // 4

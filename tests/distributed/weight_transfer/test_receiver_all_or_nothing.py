@@ -43,12 +43,13 @@ def _sender(channels: list[Channel], model_dir: Path) -> None:
     ch, fmt = {"a": stalls}, serving_format(model, torch.bfloat16)
     assert not isinstance(sender.send(model, fmt, 1, ch)["a"], TransferError)
     _bump(model)
-    sender.send(model, fmt, 2, ch)  # a delta the restarted receiver cannot apply
-    sender.send(model, fmt, 2, ch, dense={"a"})
+    refused = sender.send(model, fmt, 2, ch)["a"]  # a delta the restarted receiver cannot apply
+    assert isinstance(refused, TransferError) and "refused version 2" in str(refused)
+    assert not isinstance(sender.send(model, fmt, 2, ch, dense={"a"})["a"], TransferError)
     _bump(model)
     _send_part(stalls, model, fmt, 3)
     with contextlib.suppress(TransferError):
-        stalls.recv_bucket(1)  # stalled until the receiver gives up (which closes the channel)
+        stalls.recv_ack(1)  # stalled until the receiver gives up (which closes the channel)
     BucketSender(bucket_bytes=BUCKET_BYTES, delta=False).send(model, fmt, 3, {"b": dies})
     _send_part(dies, model, fmt, 4)
     os._exit(0)  # the trainer dies mid-version
