@@ -8,8 +8,8 @@
 The group is built outside torch.distributed's default group, from a `TCPStore` that rank 0 hosts
 (ranks 0..W-1 are the trainer's, in its own order): gloo on CPU, NCCL on CUDA devices, the same
 code. A channel's failure (a member gone, a timeout) is its own; the trainer's collectives and
-other servers' channels never see it. `name` prefixes the store's keys, so a server that restarts
-joins a fresh channel (a new name: its generation) on the same store port.
+other servers' channels never see it. `name` prefixes the store's keys: a server that restarts
+gets a fresh channel under a new name (its generation), so no key of the old one is read.
 
 A bucket travels as three point-to-point messages: the header's length (int64 [1]), the header
 (UTF-8 JSON as uint8), then the payload (uint8 [header.payload_bytes]). Once a receiver has every
