@@ -18,9 +18,10 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.base import BaseConfig
 
-__all__ = ["MIN_BUCKET_BYTES", "WeightsConfig"]
+__all__ = ["MAX_BUCKET_BYTES", "MIN_BUCKET_BYTES", "WeightsConfig"]
 
 MIN_BUCKET_BYTES = 1 << 20  # below this the per-bucket header and round trip dominate
+MAX_BUCKET_BYTES = 1 << 31  # a delta's positions are int32 within a piece
 _DISTRIBUTED_ONLY = ("bucket_bytes", "delta", "timeout_s")
 
 
@@ -35,6 +36,7 @@ class WeightsConfig(BaseConfig):
     bucket_bytes: int = Field(
         256 << 20,
         ge=MIN_BUCKET_BYTES,
+        le=MAX_BUCKET_BYTES,
         description="distributed: payload bytes of one bucket (the staging memory of one send)",
     )
     delta: bool = Field(

@@ -127,8 +127,11 @@ def pack_buckets(
     """Buckets of at most `bucket_bytes` payload (uint8) from `shards`, dense or delta against `base`
     (shard key -> the values of version `base_version` last sent); the stream ends with a `last` header."""
     assert (base is None) == (base_version is None), "a delta base needs its version"
-    if bucket_bytes < 8:
-        raise ValueError(f"bucket_bytes must hold one element of any dtype (>= 8), got {bucket_bytes}")
+    if not 8 <= bucket_bytes <= 1 << 31:
+        raise ValueError(
+            f"bucket_bytes must hold one element of any dtype and keep delta positions in int32 "
+            f"(8 to 2**31), got {bucket_bytes}"
+        )
     pieces: list[Piece] = []
     parts: list[torch.Tensor] = []
     used = 0

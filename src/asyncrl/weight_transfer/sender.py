@@ -5,12 +5,12 @@
     results = sender.send(model, fmt, version=3, channels={"server0": ch0, "server1": ch1})
     # results["server1"] is a SendStats, or the TransferError that left that server behind
 
-Called on every trainer rank; no collective but FP8's scales: each rank sends its own shards (`iter_shards`) to
-each receiving rank of each channel and waits for its ack, one channel after the other; a channel
-that fails (broken, timed out, or the version refused) is reported, not raised, so the others
-still get the version. With `delta`, the rank keeps the serving values it last sent (its
-shards only) and sends a channel named in `dense` (a server that restarted, or one that missed
-the last version) the whole version instead.
+Called on every trainer rank; nothing is collective but FP8's scales. Each rank sends its own
+shards (`iter_shards`) to each receiving rank of each channel and waits for its ack, one channel
+after the other; a channel that fails (broken, timed out, or the version refused) is reported,
+not raised, so the others still get the version. With `delta`, the rank keeps the serving values
+it last sent (its shards only) and sends the whole version instead to a channel whose last send
+failed, or one named in `dense` (a server that restarted on a channel of the same name).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class BucketSender:
         self.bucket_bytes, self.delta = bucket_bytes, delta
         self._base: dict[str, torch.Tensor] | None = None  # shard key -> serving values last sent
         self._base_version: int | None = None
+        self._behind: set[str] = set()  # channels whose last send failed: they get the next one dense
 
     def send(
         self,
@@ -62,11 +63,15 @@ class BucketSender:
         shards = list(iter_shards(model, fmt))
         results: dict[str, SendStats | TransferError] = {}
         for name, channel in channels.items():
-            as_delta = self.delta and self._base is not None and name not in dense
+            as_delta = (
+                self.delta and self._base is not None and name not in dense and name not in self._behind
+            )
             try:
                 results[name] = self._send_to(channel, shards, version, as_delta)
+                self._behind.discard(name)
             except TransferError as e:
                 results[name] = e
+                self._behind.add(name)
         if self.delta:
             self._base, self._base_version = {s.key: s.values for s in shards}, version
         return results

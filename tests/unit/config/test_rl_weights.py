@@ -32,6 +32,7 @@ def test_command_line_chooses_distributed_with_its_bucket_size():
     [
         (["--weights.transport", "nccl"], r"weights.transport"),
         (["--weights.transport", "distributed", "--weights.bucket_bytes", "1000"], r"bucket_bytes"),
+        (["--weights.transport", "distributed", "--weights.bucket_bytes", str(1 << 32)], r"bucket_bytes"),
         (["--weights.transport", "distributed", "--weights.timeout_s", "0"], r"timeout_s"),
         (["--weights.bucket_bytes", str(8 << 20)], r"only the distributed transport reads"),
         (["--weights.delta", "false"], r"set transport = \"distributed\""),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncrl.model.fp8 import AMAX_FLOOR, FP8_MAX, quantize_weight
-from asyncrl.weight_transfer import Assembly, BucketHeader, Shard, TransferError, pack_buckets
+from asyncrl.weight_transfer import Assembly, BucketHeader, Rendezvous, Shard, TransferError, pack_buckets
 from asyncrl.weight_transfer.shards import partial_amax, quantize_rows
 
 
@@ -128,3 +128,8 @@ def test_fp8_rows_quantised_apart_are_the_whole_weights_blocks():
             assert torch.equal(s_e, want_scale) and torch.equal(
                 q_e.view(torch.uint8), want_q.view(torch.uint8)
             )
+
+
+def test_a_channel_needs_senders_and_a_receiver():
+    with pytest.raises(ValueError, match="num_senders=2, world_size=2"):
+        Rendezvous(host="127.0.0.1", port=1, num_senders=2, world_size=2)
