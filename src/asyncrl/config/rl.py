@@ -48,7 +48,7 @@ from asyncrl.config.parallel import ParallelConfig
 from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, SeqLen
 from asyncrl.config.sinks import SinksConfig
 from asyncrl.config.trainer import RLTrainerConfig
-from asyncrl.config.weights import WeightsConfig
+from asyncrl.config.weights import FilesystemWeightsConfig, WeightsConfig
 from asyncrl.run_dir import weights_root
 
 __all__ = [
@@ -152,7 +152,7 @@ class RLConfig(BaseConfig):
     )
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     weights: WeightsConfig = Field(
-        default_factory=WeightsConfig,
+        default_factory=FilesystemWeightsConfig,
         description="how each policy version reaches the servers: files or buckets over process groups",
     )
     sinks: SinksConfig = Field(
