@@ -1,7 +1,8 @@
 """A version sent over an update channel is the version the files hold, bit for bit.
 
 tiny-moe served in bf16, or bf16 with block-FP8 linears, gloo on CPU. The trainer is FSDP2 over 2
-ranks (each sends only its own shards) or one process; one receiver process assembles what they send. Version 1 goes
+ranks (each sends only its own shards), FSDP4 x EP2 (slow), or one process; one receiver process
+assembles what they send. Version 1 goes
 dense, version 2 (a small step: most bf16 values unchanged) as a delta and then dense again: each
 must equal `load_state_dict` of the same version published as files by one process, and the delta
 must have carried fewer bytes. A receiver that dies mid-transfer leaves another server's channel
@@ -68,12 +69,14 @@ def _publish_files(model_dir: Path, run_dir: Path, fp8: bool) -> None:
         publisher.wait()
 
 
-def _trainer_model(model_dir: Path, num_senders: int) -> Transformer:
+def _trainer_model(model_dir: Path, num_senders: int, ep: int) -> Transformer:
     full = from_pretrained(model_dir)
     if num_senders == 1:
         return full
     rank = dist.get_rank()
-    dims = ParallelDims.build(world_size=num_senders, num_experts=full.args.num_experts, dp_shard=num_senders)
+    dims = ParallelDims.build(
+        world_size=num_senders, num_experts=full.args.num_experts, dp_shard=num_senders, ep=ep
+    )
     with torch.device("meta"):
         model = Transformer(full.args)
     apply_parallelism(model, dims, dims.build_meshes("cpu"), device_type="cpu")
@@ -83,12 +86,12 @@ def _trainer_model(model_dir: Path, num_senders: int) -> Transformer:
     return model
 
 
-def _trainer(rank: int, num_senders: int, fp8: bool, ports: dict, model_dir: Path, out: Path) -> None:
+def _trainer(rank: int, num_senders: int, case: dict, ports: dict, model_dir: Path, out: Path) -> None:
     if num_senders > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["trainer"]))
         dist.init_process_group("gloo", rank=rank, world_size=num_senders)
     try:
-        model = _trainer_model(model_dir, num_senders)
+        model = _trainer_model(model_dir, num_senders, case["ep"])
         channels = {
             name: Channel.join(
                 _rdv(port, num_senders), rank=rank, device=torch.device("cpu"), timeout_s=TIMEOUT_S
@@ -96,7 +99,7 @@ def _trainer(rank: int, num_senders: int, fp8: bool, ports: dict, model_dir: Pat
             for name, port in ports["servers"].items()
         }
         sender = BucketSender(bucket_bytes=BUCKET_BYTES, delta=True)
-        fmt = _format(model, fp8)
+        fmt = _format(model, case["fp8"])
         sent = {"v1": sender.send(model, fmt, 1, channels)}
         if num_senders > 1:
             step = from_pretrained(model_dir)
@@ -146,20 +149,27 @@ def _receiver(name: str, num_senders: int, fp8: bool, port: int, model_dir: Path
 
 
 def _run(
-    rank: int, num_senders: int, fp8: bool, ports: dict, model_dir: Path, files: Path, out: Path
+    rank: int, num_senders: int, case: dict, ports: dict, model_dir: Path, files: Path, out: Path
 ) -> None:
     torch.set_num_threads(1)
     if rank < num_senders:
-        _trainer(rank, num_senders, fp8, ports, model_dir, out)
+        _trainer(rank, num_senders, case, ports, model_dir, out)
     else:
         name = sorted(ports["servers"])[rank - num_senders]
-        _receiver(name, num_senders, fp8, ports["servers"][name], model_dir, files)
+        _receiver(name, num_senders, case["fp8"], ports["servers"][name], model_dir, files)
 
 
 @pytest.mark.parametrize(
-    ("num_senders", "fp8"), [(1, False), (2, False), (2, True)], ids=["trainer-1", "fsdp2", "fsdp2-fp8"]
+    ("num_senders", "ep", "fp8"),
+    [
+        (1, 1, False),
+        (2, 1, False),
+        (2, 1, True),
+        pytest.param(4, 2, True, marks=pytest.mark.slow),  # experts cut by expert and by row: ~25 s
+    ],
+    ids=["trainer-1", "fsdp2", "fsdp2-fp8", "fsdp4xep2-fp8"],
 )
-def test_a_version_over_the_channel_is_the_version_in_the_files(tmp_path, num_senders, fp8):
+def test_a_version_over_the_channel_is_the_version_in_the_files(tmp_path, num_senders, ep, fp8):
     model_dir, files, out = tmp_path / "model", tmp_path / "run", tmp_path / "out"
     init_model("tiny-moe", model_dir, seed=0)
     _publish_files(model_dir, files, fp8)
@@ -167,7 +177,7 @@ def test_a_version_over_the_channel_is_the_version_in_the_files(tmp_path, num_se
     ports = {"trainer": free_port(), "servers": {"a": free_port(), "dead": free_port()}}
     mp.start_processes(
         _run,
-        args=(num_senders, fp8, ports, model_dir, files, out),
+        args=(num_senders, {"fp8": fp8, "ep": ep}, ports, model_dir, files, out),
         nprocs=num_senders + 2,
         join=True,
         start_method="fork",
