@@ -147,9 +147,15 @@ def run_case(preset: str, world_size: int, repeats: int, step_rel: float) -> dic
         tok = Path(tmp, "tok")
         tok.mkdir()
         job = {
-            "preset": preset, "run": str(Path(tmp, "run")), "tok": str(tok), "out": tmp, "repeats": repeats,
-            "port": _free_port(), "dist_port": _free_port(), "step_rel": step_rel,
-        }  # fmt: skip
+            "preset": preset,
+            "run": str(Path(tmp, "run")),
+            "tok": str(tok),
+            "out": tmp,
+            "repeats": repeats,
+            "port": _free_port(),
+            "dist_port": _free_port(),
+            "step_rel": step_rel,
+        }
         Path(job["run"]).mkdir()
         mp.start_processes(
             _proc, args=(world_size, job), nprocs=world_size + 1, join=True, start_method="fork"
@@ -193,7 +199,8 @@ def _table(rows: list[dict]) -> str:
     ]
     for r in rows:
         out.append(
-            f"| {r['model']} | {r['world_size']} | {r['files_s']:.2f} | {r['dense_s']:.2f} | {r['delta_s']:.2f} | "
+            f"| {r['model']} | {r['world_size']} | {r['files_s']:.2f} | {r['dense_s']:.2f} | "
+            f"{r['delta_s']:.2f} | "
             f"{r['files_s'] / r['dense_s']:.1f}x | {r['files_mb']:.0f} | {r['dense_mb']:.0f} | "
             f"{r['delta_mb']:.1f} | {r['changed']:.1%} |"
         )
@@ -221,8 +228,8 @@ def main() -> None:
             f"{BUCKET_BYTES >> 20} MiB buckets), dense, and delta after a synthetic step (each weight moved "
             f"by a Gaussian of relative size {a.step_rel:g}). Random weights, FSDP over the trainer's "
             "processes, one thread each. The transport alone: no engine generates, so no pause is measured.\n"
-            f"Machine: {platform.machine()}, {os.cpu_count()} cores, shared (1-min load average {load:.1f} at the "
-            f"end), torch {torch.__version__}.\n"
+            f"Machine: {platform.machine()}, {os.cpu_count()} cores, shared (1-min load average "
+            f"{load:.1f} at the end), torch {torch.__version__}.\n"
             f"Command: `python benchmarks/bench_weights.py --repeats {a.repeats} --world-sizes "
             f"{' '.join(map(str, a.world_sizes))} --write`\n\n" + table + "\n"
         )

@@ -8,9 +8,10 @@ Buckets are read from each trainer rank in turn until every rank's stream has en
 into new tensors; delta pieces start from the version the receiver last completed. Only a
 complete version (every published tensor filled exactly, shapes as expected, from a base the
 receiver holds) becomes the held version; anything else raises `TransferError` after the streams
-are drained where they still flow, and leaves the held version as it was. Each trainer rank is
-told (an ack) whether the version was taken, so both sides agree on what the server holds. So does a transfer that
-does not end within `timeout_s` (`[weights] timeout_s`); the channel is then to be rebuilt.
+are drained where they still flow, and leaves the held version as it was. So does a transfer
+that does not end within `timeout_s` (`[weights] timeout_s`); the channel is then to be rebuilt.
+Each trainer rank is told (an ack) whether the version was taken, so that both sides agree on
+what the server holds.
 """
 
 from __future__ import annotations

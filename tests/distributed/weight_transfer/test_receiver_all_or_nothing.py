@@ -1,7 +1,7 @@
 """A receiver takes whole versions only: a delta on a version it does not hold is refused (and the
-stream drained, so the next transfer, dense since the last one failed, works), and a trainer that dies mid-version, or one whose
-version does not arrive in time, leaves the receiver on its previous version. One trainer process,
-one receiver, tiny-moe, gloo. About 8 s."""
+stream drained, so the next transfer, dense since the last one failed, works), and a trainer that
+dies mid-version, or one whose version does not arrive in time, leaves the receiver on its
+previous version. One trainer process, one receiver, tiny-moe, gloo. About 8 s."""
 
 from __future__ import annotations
 
