@@ -33,15 +33,12 @@ def as_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str,
     """`state` in the engine's dtype, converted as the file reader converts (the same bits): FP8
     weights dequantised with their `_scale_inv` blocks, which are dropped. Tensors already in
     `dtype` are shared, not copied: the engine never writes its weights."""
-    out = {}
-    for name, t in state.items():
-        if t.dtype == FP8_DTYPE:
-            out[name] = _dequantize(t, state[name + SCALE_SUFFIX], dtype)
-        elif not (
-            name.endswith(SCALE_SUFFIX) and state.get(name.removesuffix(SCALE_SUFFIX), t).dtype == FP8_DTYPE
-        ):
-            out[name] = t.to(dtype)
-    return out
+    scales = {name + SCALE_SUFFIX for name, t in state.items() if t.dtype == FP8_DTYPE}
+    return {
+        name: _dequantize(t, state[name + SCALE_SUFFIX], dtype) if t.dtype == FP8_DTYPE else t.to(dtype)
+        for name, t in state.items()
+        if name not in scales
+    }
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,9 +81,8 @@ class BucketReceiver:
             state = assembly.finish() if error is None else None
         except TransferError as e:
             state, error = None, e
-        for (
-            src
-        ) in self.channel.senders:  # a failed ack leaves the trainer and this server both on the old version
+        # an ack that cannot be sent raises here: the trainer and this server both keep the old version
+        for src in self.channel.senders:
             self.channel.send_ack(error is None, src)
         if error is not None:
             raise error
