@@ -1,8 +1,8 @@
 """A version sent over an update channel is the version the files hold, bit for bit.
 
 tiny-moe served in bf16, or bf16 with block-FP8 linears, gloo on CPU. The trainer is FSDP2 over 2
-ranks (each sends only its own shards), FSDP4 x EP2 (slow), or one process; one receiver process
-assembles what they send. Version 1 goes
+ranks (each sends only its own shards), HSDP over 2 replicas, FSDP4 x EP2 with experts cut by
+expert and by row (slow), or one process; one receiver process assembles what they send. Version 1 goes
 dense, version 2 (a small step: most bf16 values unchanged) as a delta and then dense again: each
 must equal `load_state_dict` of the same version published as files by one process, and the delta
 must have carried fewer bytes. A receiver that dies mid-transfer leaves another server's channel
@@ -69,14 +69,12 @@ def _publish_files(model_dir: Path, run_dir: Path, fp8: bool) -> None:
         publisher.wait()
 
 
-def _trainer_model(model_dir: Path, num_senders: int, ep: int) -> Transformer:
+def _trainer_model(model_dir: Path, num_senders: int, layout: dict) -> Transformer:
     full = from_pretrained(model_dir)
     if num_senders == 1:
         return full
     rank = dist.get_rank()
-    dims = ParallelDims.build(
-        world_size=num_senders, num_experts=full.args.num_experts, dp_shard=num_senders, ep=ep
-    )
+    dims = ParallelDims.build(world_size=num_senders, num_experts=full.args.num_experts, **layout)
     with torch.device("meta"):
         model = Transformer(full.args)
     apply_parallelism(model, dims, dims.build_meshes("cpu"), device_type="cpu")
@@ -91,7 +89,7 @@ def _trainer(rank: int, num_senders: int, case: dict, ports: dict, model_dir: Pa
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["trainer"]))
         dist.init_process_group("gloo", rank=rank, world_size=num_senders)
     try:
-        model = _trainer_model(model_dir, num_senders, case["ep"])
+        model = _trainer_model(model_dir, num_senders, case["layout"])
         channels = {
             name: Channel.join(
                 _rdv(port, num_senders), rank=rank, device=torch.device("cpu"), timeout_s=TIMEOUT_S
@@ -160,16 +158,17 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    ("num_senders", "ep", "fp8"),
+    ("num_senders", "layout", "fp8"),
     [
-        (1, 1, False),
-        (2, 1, False),
-        (2, 1, True),
-        pytest.param(4, 2, True, marks=pytest.mark.slow),  # experts cut by expert and by row: ~25 s
+        (1, {}, False),
+        (2, {"dp_shard": 2}, False),
+        (2, {"dp_shard": 2}, True),
+        (2, {"dp_replicate": 2, "dp_shard": 1}, False),  # each element sent once, by replica 0
+        pytest.param(4, {"dp_shard": 4, "ep": 2}, True, marks=pytest.mark.slow),  # ~25 s
     ],
-    ids=["trainer-1", "fsdp2", "fsdp2-fp8", "fsdp4xep2-fp8"],
+    ids=["trainer-1", "fsdp2", "fsdp2-fp8", "hsdp2", "fsdp4xep2-fp8"],
 )
-def test_a_version_over_the_channel_is_the_version_in_the_files(tmp_path, num_senders, ep, fp8):
+def test_a_version_over_the_channel_is_the_version_in_the_files(tmp_path, num_senders, layout, fp8):
     model_dir, files, out = tmp_path / "model", tmp_path / "run", tmp_path / "out"
     init_model("tiny-moe", model_dir, seed=0)
     _publish_files(model_dir, files, fp8)
@@ -177,15 +176,19 @@ def test_a_version_over_the_channel_is_the_version_in_the_files(tmp_path, num_se
     ports = {"trainer": free_port(), "servers": {"a": free_port(), "dead": free_port()}}
     mp.start_processes(
         _run,
-        args=(num_senders, {"fp8": fp8, "ep": ep}, ports, model_dir, files, out),
+        args=(num_senders, {"fp8": fp8, "layout": layout}, ports, model_dir, files, out),
         nprocs=num_senders + 2,
         join=True,
         start_method="fork",
     )
+    sending = num_senders // layout.get("dp_replicate", 1)  # replicas after the first send nothing
     for rank in range(num_senders):
         sent = json.loads((out / f"sender{rank}.json").read_text())
         assert all("channel rank" in sent[v]["dead"] for v in sent)  # that channel only
         v1, v2, v2_dense = (sent[v]["a"] for v in ("v1", "v2", "v2_dense"))
+        if rank >= sending:
+            assert v1["num_elements"] == v2["num_bytes"] == 0
+            continue
         assert v1["num_changed"] == v1["num_elements"] == v2_dense["num_elements"] > 0
         assert 0 < v2["num_changed"] < v2["num_elements"] // 4
         assert v2["num_bytes"] < v2_dense["num_bytes"] // 2 and v2_dense["num_bytes"] >= v1["num_bytes"]
