@@ -23,7 +23,8 @@ visible place; a section that sets a shared key itself is an error (not silently
 Each section is typed (`InferenceSection`, ...: the process's keys less the shared ones), so an
 unknown or mistyped key fails as the file is read; checks across keys run in `resolve()`.
 The trainer publishes weights in the servers' format: `[trainer.publish] dtype`, `fp8` and
-`fp8_ignore` come from `[inference] dtype`, `fp8.enabled` and `fp8.ignore`.
+`fp8_ignore` come from `[inference] dtype`, `fp8.enabled` and `fp8.ignore`. `[weights]` chooses how
+each version reaches the servers (`transport`, asyncrl.config.weights); files are the default.
 It also rejects combinations that the processes would accept one by one and then fail on or train
 badly with: an env's `max_total_tokens` above `seq_len` or above the servers' context limit,
 `max_async_steps` above `max_off_policy_steps` (checked by `OrchestratorConfig`), and
@@ -47,6 +48,7 @@ from asyncrl.config.parallel import ParallelConfig
 from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, SeqLen
 from asyncrl.config.sinks import SinksConfig
 from asyncrl.config.trainer import RLTrainerConfig
+from asyncrl.config.weights import FilesystemWeightsConfig, WeightsConfig
 from asyncrl.run_dir import weights_root
 
 __all__ = [
@@ -149,6 +151,10 @@ class RLConfig(BaseConfig):
         "one per run when a server binds a non-loopback address",
     )
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    weights: WeightsConfig = Field(
+        default_factory=FilesystemWeightsConfig,
+        description="how each policy version reaches the servers: files or buckets over process groups",
+    )
     sinks: SinksConfig = Field(
         default_factory=SinksConfig,
         description="W&B / TensorBoard mirrors of metrics.jsonl (the launcher feeds them)",
@@ -195,6 +201,7 @@ class RLConfig(BaseConfig):
         `trainer_world_size` is the trainer's process count: `deployment.trainer_nproc` unless
         given (`asyncrl slurm` gives its trainer nodes' GPUs).
         """
+        _check_transport(self.weights)
         d = self.deployment
         world_size = d.trainer_nproc if trainer_world_size is None else trainer_world_size
         inference = [
@@ -267,6 +274,16 @@ def _serving_format(inference: InferenceConfig) -> dict[str, Any]:
     """The trainer publishes what the servers serve: their dtype (float32 keeps a float32 run exactly
     on-policy), in FP8 blocks when they run FP8."""
     return {"dtype": inference.dtype, "fp8": inference.fp8.enabled, "fp8_ignore": inference.fp8.ignore}
+
+
+def _check_transport(weights: WeightsConfig) -> None:
+    """The distributed transport's library exists (asyncrl.weight_transfer) but the trainer, the
+    servers and the launcher do not use it yet: refuse it rather than quietly move files."""
+    if weights.transport == "distributed":
+        raise ConfigError(
+            '[weights] transport = "distributed" is not wired into asyncrl rl yet (docs/weights-transfer.md, '
+            '"Status"); use transport = "filesystem"'
+        )
 
 
 def _context_lens(inference: list[InferenceConfig]) -> list[int]:

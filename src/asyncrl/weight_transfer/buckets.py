@@ -1,0 +1,277 @@
+"""The bucket format: a header naming pieces of tensors, and one flat byte payload.
+
+A `Shard` is what one trainer rank holds of one published tensor, already in the serving dtype.
+`pack_buckets` cuts a rank's shards into buckets of at most `bucket_bytes` payload; a shard larger
+than the room left is split across buckets, so a `Piece` is a flat element range of one shard:
+
+    for header, payload in pack_buckets(shards, bucket_bytes=64 << 20, version=3, base=last_sent):
+        ...   # header.pieces[i] says where piece i lies in `payload` (uint8 [header.payload_bytes])
+
+A piece is dense (its values) or, when `base` holds the values last sent and that is smaller, a
+delta: int32 positions (relative to the piece's start) of the elements whose serving bits
+changed, then their new values. `Assembly` puts pieces back into full tensors on the receiving
+side; a delta piece starts from the receiver's previous version of the same elements.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from asyncrl.model.dtypes import DTYPES
+from asyncrl.model.fp8 import FP8_DTYPE
+
+__all__ = ["Assembly", "BucketHeader", "Piece", "Shard", "TransferError", "pack_buckets"]
+
+_POSITION = torch.int32
+_ALIGN = 8
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # element size -> an integer view of its bits
+_WIRE_DTYPES = DTYPES | {"float8_e4m3fn": FP8_DTYPE}  # the serving dtypes, block-FP8 weights included
+
+
+class TransferError(RuntimeError):
+    """A transfer broke or arrived incomplete; the receiver keeps its previous weights."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shard:
+    """One rank's part of one published tensor. Example: rows 2..3 of a [4, 8] weight:
+    Shard(name="model.layers.0.mlp.gate.weight", shape=(4, 8), offset=(2, 0), values=t) with t bf16 [16]."""
+
+    name: str  # our state-dict name (stacked experts)
+    shape: tuple[int, ...]  # the full tensor's
+    offset: tuple[int, ...]  # where the shard starts in the full tensor, per dim
+    local_shape: tuple[int, ...]
+    values: torch.Tensor  # [prod(local_shape)], serving dtype, row-major
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{','.join(map(str, self.offset))}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Piece:
+    """Elements [start, start + count) of one shard, at bytes [at, at + nbytes) of the payload.
+    Example: Piece(name="lm_head.weight", shape=(64, 32), offset=(32, 0), local_shape=(32, 32),
+    dtype="bfloat16", start=0, count=1024, at=0, nbytes=2048, num_changed=None)."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+    start: int
+    count: int
+    at: int
+    nbytes: int
+    num_changed: int | None = None  # a delta piece: this many positions, then as many values
+
+    @classmethod
+    def from_json(cls, d: dict) -> Piece:
+        tuples = {k: tuple(d[k]) for k in ("shape", "offset", "local_shape")}
+        return cls(**(d | tuples))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketHeader:
+    """What one bucket holds. `last` marks the end of a rank's stream (no pieces). Example:
+    BucketHeader(version=3, base_version=2, pieces=(...), payload_bytes=67108864, last=False)."""
+
+    version: int
+    base_version: int | None  # the version delta pieces apply to (None: every piece is dense)
+    pieces: tuple[Piece, ...] = ()
+    payload_bytes: int = 0
+    last: bool = False
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> BucketHeader:
+        d = json.loads(data)
+        return cls(**(d | {"pieces": tuple(Piece.from_json(p) for p in d["pieces"])}))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_BITS[t.element_size()])
+
+
+def _encode(new: torch.Tensor, old: torch.Tensor | None) -> tuple[list[torch.Tensor], int | None]:
+    """The payload parts of one piece: dense [values], or delta [positions, values] when smaller."""
+    if old is None:
+        return [new], None
+    new_bits = _bits(new)
+    where = (new_bits != _bits(old)).nonzero().view(-1)
+    delta_bytes = where.numel() * (4 + new.element_size())
+    if delta_bytes >= new.numel() * new.element_size():
+        return [new], None
+    return [where.to(_POSITION), new_bits[where]], where.numel()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def pack_buckets(
+    shards: Iterable[Shard],
+    *,
+    bucket_bytes: int,
+    version: int,
+    base: Mapping[str, torch.Tensor] | None = None,
+    base_version: int | None = None,
+) -> Iterator[tuple[BucketHeader, torch.Tensor]]:
+    """Buckets of at most `bucket_bytes` payload (uint8) from `shards`, dense or delta against `base`
+    (shard key -> the values of version `base_version` last sent); the stream ends with a `last` header."""
+    assert (base is None) == (base_version is None), "a delta base needs its version"
+    if not 8 <= bucket_bytes <= 1 << 31:
+        raise ValueError(
+            f"bucket_bytes must hold one element of any dtype and keep delta positions in int32 "
+            f"(8 to 2**31), got {bucket_bytes}"
+        )
+    pieces: list[Piece] = []
+    parts: list[torch.Tensor] = []
+    used = 0
+
+    def flush() -> tuple[BucketHeader, torch.Tensor]:
+        nonlocal pieces, parts, used
+        payload = torch.zeros(used, dtype=torch.uint8, device=parts[0].device if parts else "cpu")
+        for piece, blob in zip(pieces, parts):
+            payload[piece.at : piece.at + piece.nbytes] = blob
+        header = BucketHeader(
+            version=version, base_version=base_version, pieces=tuple(pieces), payload_bytes=used
+        )
+        pieces, parts, used = [], [], 0
+        return header, payload
+
+    for shard in shards:
+        itemsize = shard.values.element_size()
+        old = None if base is None else base.get(shard.key)
+        start = 0
+        while start < shard.values.numel():
+            if _align(used) + itemsize > bucket_bytes:
+                yield flush()
+            used = _align(used)
+            count = min(shard.values.numel() - start, (bucket_bytes - used) // itemsize)
+            new = shard.values[start : start + count]
+            encoded, num_changed = _encode(new, None if old is None else old[start : start + count])
+            blob = torch.cat([_as_bytes(t) for t in encoded]) if len(encoded) > 1 else _as_bytes(encoded[0])
+            pieces.append(_piece(shard, start, count, used, blob.numel(), num_changed))
+            parts.append(blob)
+            used += blob.numel()
+            start += count
+    if pieces:
+        yield flush()
+    yield (
+        BucketHeader(version=version, base_version=base_version, last=True),
+        torch.empty(0, dtype=torch.uint8),
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in _WIRE_DTYPES.items() if d == dtype)
+
+
+def _align(nbytes: int) -> int:
+    """Pieces start on 8-byte boundaries, so each views the payload in its own dtype without a copy."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _piece(shard: Shard, start: int, count: int, at: int, nbytes: int, num_changed: int | None) -> Piece:
+    return Piece(
+        name=shard.name,
+        shape=shard.shape,
+        offset=shard.offset,
+        local_shape=shard.local_shape,
+        dtype=_dtype_name(shard.values.dtype),
+        start=start,
+        count=count,
+        at=at,
+        nbytes=nbytes,
+        num_changed=num_changed,
+    )
+
+
+@dataclass(kw_only=True)
+class Assembly:
+    """Full tensors in the serving format, filled piece by piece. `base` is the previous version
+    (name -> full tensor), which delta pieces start from; `filled` counts elements per name."""
+
+    expected: Mapping[str, tuple[int, ...]]  # every tensor the model publishes, with its shape
+    base: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    filled: dict[str, int] = field(default_factory=dict)
+
+    def add(self, piece: Piece, payload: torch.Tensor) -> None:
+        """Write one piece (its bytes are `payload[piece.at : piece.at + piece.nbytes]`)."""
+        if self.expected.get(piece.name) != piece.shape:
+            want = self.expected.get(piece.name)
+            raise TransferError(
+                f"tensor '{piece.name}' arrived with shape {list(piece.shape)}, expected {want}"
+            )
+        dtype = _WIRE_DTYPES[piece.dtype]
+        full = self.tensors.get(piece.name)
+        if full is None:
+            full = self.tensors[piece.name] = torch.empty(piece.shape, dtype=dtype)
+        region = _Region(_bits(full), piece)  # bits: the same for every dtype, FP8 included
+        data = payload[piece.at : piece.at + piece.nbytes]
+        if piece.num_changed is None:
+            region.write(data.view(region.full.dtype))
+        else:
+            base = self.base.get(piece.name)
+            if base is None:
+                raise TransferError(f"a delta piece of '{piece.name}' arrived but the receiver holds no base")
+            n = piece.num_changed
+            region.patch(
+                _bits(base), data[: 4 * n].view(_POSITION).long(), data[4 * n :].view(region.full.dtype)
+            )
+        self.filled[piece.name] = self.filled.get(piece.name, 0) + piece.count
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The complete state (serving format); TransferError naming what is missing otherwise."""
+        short = [n for n, shape in self.expected.items() if self.filled.get(n, 0) != math.prod(shape)]
+        if short:
+            raise TransferError(
+                f"incomplete transfer: {len(short)} tensors not (exactly) filled, e.g. {short[:3]}"
+            )
+        return self.tensors
+
+
+class _Region:
+    """Elements [start, start + count) of a shard inside a full tensor, in the shard's row-major order."""
+
+    def __init__(self, full: torch.Tensor, piece: Piece) -> None:
+        self.full, self.piece = full, piece
+        lead = next((d for d, (n, k) in enumerate(zip(piece.shape, piece.local_shape)) if n != k), 0)
+        # one contiguous range when only one dim is split and every dim before it has size 1
+        # (FSDP's and EP's dim-0 shards); otherwise the shard's elements are strided in the full tensor
+        self.contiguous = (
+            math.prod(piece.shape[:lead]) == 1 and piece.shape[lead + 1 :] == piece.local_shape[lead + 1 :]
+        )
+
+    def _flat(self) -> torch.Tensor | slice:
+        p = self.piece
+        if self.contiguous:
+            first = sum(o * math.prod(p.shape[d + 1 :]) for d, o in enumerate(p.offset))
+            return slice(first + p.start, first + p.start + p.count)
+        grid = torch.arange(math.prod(p.shape)).view(p.shape)
+        index = tuple(slice(o, o + k) for o, k in zip(p.offset, p.local_shape))
+        return grid[index].reshape(-1)[p.start : p.start + p.count]
+
+    def write(self, values: torch.Tensor) -> None:
+        self.full.view(-1)[self._flat()] = values
+
+    def patch(self, base: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+        """The region as in `base` (a full tensor), but `values` at positions `where` of the region."""
+        flat = self._flat()
+        if isinstance(flat, slice):  # a view: patch in place
+            region = self.full.view(-1)[flat]
+            region.copy_(base.view(-1)[flat])
+            region[where] = values
+        else:
+            region = base.view(-1)[flat]  # advanced indexing: a copy
+            region[where] = values
+            self.write(region)

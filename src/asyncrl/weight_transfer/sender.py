@@ -1,0 +1,96 @@
+"""The trainer's side: send one policy version to every server's channel, in buckets.
+
+    sender = BucketSender(bucket_bytes=256 << 20, delta=True)
+    fmt = serving_format(model, torch.bfloat16)      # asyncrl.model.serving; block FP8 with fp8=True
+    results = sender.send(model, fmt, version=3, channels={"server0": ch0, "server1": ch1})
+    # results["server1"] is a SendStats, or the TransferError that left that server behind
+
+Called on every trainer rank; nothing is collective but FP8's scales. Each rank sends its own
+shards (`iter_shards`) to each receiving rank of each channel and waits for its ack, one channel
+after the other; a channel that fails (broken, timed out, or the version refused) is reported,
+not raised, so the others still get the version. With `delta`, the rank keeps the serving values
+it last sent (its shards only) and sends the whole version instead to a channel whose last send
+failed, or one named in `dense` (a server that restarted on a channel of the same name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.model import Transformer
+from asyncrl.model.serving import ServingFormat
+from asyncrl.weight_transfer.buckets import Shard, TransferError, pack_buckets
+from asyncrl.weight_transfer.channel import Channel
+from asyncrl.weight_transfer.shards import iter_shards
+
+__all__ = ["BucketSender", "SendStats"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SendStats:
+    """What this rank sent one channel's receivers (each got the same buckets). Example:
+    SendStats(num_buckets=3, num_bytes=1_500_000, num_elements=2_000_000, num_changed=120_000)."""
+
+    num_buckets: int
+    num_bytes: int  # payload bytes, per receiving rank
+    num_elements: int  # elements of this rank's shards
+    num_changed: int  # elements whose serving value changed since the base (all of them for a dense send)
+
+
+class BucketSender:
+    def __init__(self, *, bucket_bytes: int, delta: bool) -> None:
+        self.bucket_bytes, self.delta = bucket_bytes, delta
+        self._base: dict[str, torch.Tensor] | None = None  # shard key -> serving values last sent
+        self._base_version: int | None = None
+        self._behind: set[str] = set()  # channels whose last send failed: they get the next one dense
+
+    def send(
+        self,
+        model: Transformer,
+        fmt: ServingFormat,
+        version: int,
+        channels: Mapping[str, Channel],
+        *,
+        dense: Collection[str] = (),
+    ) -> dict[str, SendStats | TransferError]:
+        """Send `model`'s weights in `fmt` as `version` on every channel; per channel, what went.
+
+        The whole snapshot is taken before the first send: the FP8 scales' all-reduce then never
+        waits on a rank that is blocked sending."""
+        shards = list(iter_shards(model, fmt))
+        results: dict[str, SendStats | TransferError] = {}
+        for name, channel in channels.items():
+            as_delta = (
+                self.delta and self._base is not None and name not in dense and name not in self._behind
+            )
+            try:
+                results[name] = self._send_to(channel, shards, version, as_delta)
+                self._behind.discard(name)
+            except TransferError as e:
+                results[name] = e
+                self._behind.add(name)
+        if self.delta:
+            self._base, self._base_version = {s.key: s.values for s in shards}, version
+        return results
+
+    def _send_to(self, channel: Channel, shards: list[Shard], version: int, as_delta: bool) -> SendStats:
+        base, base_version = (self._base, self._base_version) if as_delta else (None, None)
+        num_buckets = num_bytes = num_changed = 0
+        for header, payload in pack_buckets(
+            shards, bucket_bytes=self.bucket_bytes, version=version, base=base, base_version=base_version
+        ):
+            for dst in channel.receivers:
+                channel.send_bucket(header, payload, dst)
+            num_buckets += not header.last
+            num_bytes += header.payload_bytes
+            num_changed += sum(p.count if p.num_changed is None else p.num_changed for p in header.pieces)
+        refused = [dst for dst in channel.receivers if not channel.recv_ack(dst)]
+        if refused:
+            raise TransferError(f"channel ranks {refused} refused version {version} (their logs say why)")
+        num_elements = sum(s.values.numel() for s in shards)
+        return SendStats(
+            num_buckets=num_buckets, num_bytes=num_bytes, num_elements=num_elements, num_changed=num_changed
+        )

@@ -1,0 +1,135 @@
+"""Buckets in one process: packing and assembly give back the exact bits, dense or delta, and an
+incomplete or inconsistent transfer is refused; FP8 shards quantised apart give the whole weight's blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.model.fp8 import AMAX_FLOOR, FP8_MAX, quantize_weight
+from asyncrl.weight_transfer import Assembly, BucketHeader, Rendezvous, Shard, TransferError, pack_buckets
+from asyncrl.weight_transfer.shards import partial_amax, quantize_rows
+
+
+def _shards(name: str, full: torch.Tensor, dim: int, parts: int) -> list[Shard]:
+    """`full` cut into `parts` shards along `dim`, as ranks would hold them."""
+    out, start = [], 0
+    for chunk in full.chunk(parts, dim=dim):
+        offset = tuple(start if d == dim else 0 for d in range(full.dim()))
+        out.append(
+            Shard(
+                name=name,
+                shape=tuple(full.shape),
+                offset=offset,
+                local_shape=tuple(chunk.shape),
+                values=chunk.contiguous().view(-1),
+            )
+        )
+        start += chunk.shape[dim]
+    return out
+
+
+def _assemble(buckets, expected, base=None) -> dict[str, torch.Tensor]:
+    assembly = Assembly(expected=expected, base=base or {})
+    for header, payload in buckets:
+        header = BucketHeader.decode(header.encode())  # as it travels
+        for piece in header.pieces:
+            assembly.add(piece, payload)
+    return assembly.finish()
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a": torch.randn(6, 40, generator=g).bfloat16(),  # rows: contiguous shards
+        "b": torch.randn(4, 6, 10, generator=g).bfloat16(),  # cut along dim 1: strided shards
+    }
+
+
+def _all_shards(w: dict[str, torch.Tensor]) -> list[Shard]:
+    return _shards("a", w["a"], 0, 3) + _shards("b", w["b"], 1, 2)
+
+
+def test_small_buckets_split_shards_and_reassemble_the_exact_bits():
+    w = _weights()
+    buckets = list(pack_buckets(_all_shards(w), bucket_bytes=100, version=1))
+    assert buckets[-1][0].last and not buckets[-1][0].pieces
+    assert len(buckets) > 10 and all(h.payload_bytes == p.numel() <= 100 for h, p in buckets)
+    got = _assemble(buckets, {n: tuple(t.shape) for n, t in w.items()})
+    assert all(_bits_equal(got[n], w[n]) for n in w)
+
+
+def test_delta_sends_only_changed_elements_and_gives_the_dense_result():
+    old = _weights()
+    new = {n: t.clone() for n, t in old.items()}
+    new["a"].view(-1)[[3, 100, 101]] += 1.0
+    new["b"][0, 5, 2] = -7.0
+    base = {s.key: s.values for s in _all_shards(old)}
+    shapes = {n: tuple(t.shape) for n, t in new.items()}
+    delta = list(pack_buckets(_all_shards(new), bucket_bytes=1 << 16, version=2, base=base, base_version=1))
+    dense = list(pack_buckets(_all_shards(new), bucket_bytes=1 << 16, version=2))
+    pieces = [p for h, _ in delta for p in h.pieces]
+    assert sum(p.num_changed for p in pieces) == 4
+    assert sum(p.nbytes for p in pieces) == 4 * (4 + 2)  # positions int32 + bf16 values
+    assert sum(p.nbytes for h, _ in dense for p in h.pieces) == 2 * (240 + 240)
+    from_delta = _assemble(delta, shapes, base=old)
+    from_dense = _assemble(dense, shapes)
+    assert all(_bits_equal(from_delta[n], new[n]) and _bits_equal(from_dense[n], new[n]) for n in new)
+
+
+def test_a_mostly_changed_piece_goes_dense():
+    old = _weights()
+    new = {n: t + 1 for n, t in old.items()}
+    base = {s.key: s.values for s in _all_shards(old)}
+    buckets = list(pack_buckets(_all_shards(new), bucket_bytes=1 << 16, version=2, base=base, base_version=1))
+    assert all(p.num_changed is None for h, _ in buckets for p in h.pieces)
+
+
+def test_a_missing_shard_or_a_wrong_shape_is_refused():
+    w = _weights()
+    shapes = {n: tuple(t.shape) for n, t in w.items()}
+    with pytest.raises(TransferError, match="incomplete transfer: 1 tensors"):
+        _assemble(pack_buckets(_all_shards(w)[1:], bucket_bytes=1 << 16, version=1), shapes)
+    with pytest.raises(TransferError, match=r"tensor 'a' arrived with shape \[6, 40\], expected \(6, 41\)"):
+        _assemble(pack_buckets(_all_shards(w), bucket_bytes=1 << 16, version=1), shapes | {"a": (6, 41)})
+
+
+def test_a_delta_without_a_base_is_refused():
+    w = _weights()
+    shards = _all_shards(w)
+    base = {s.key: s.values for s in shards}
+    buckets = pack_buckets(shards, bucket_bytes=1 << 16, version=2, base=base, base_version=1)
+    with pytest.raises(TransferError, match="holds no base"):
+        _assemble(buckets, {n: tuple(t.shape) for n, t in w.items()})
+
+
+def test_fp8_rows_quantised_apart_are_the_whole_weights_blocks():
+    """Row shards that straddle 128-row blocks (and a stack of experts cut by rows) share their
+    blocks' amax and give quantize_weight's bits and scales."""
+    g = torch.Generator().manual_seed(0)
+    for full, cuts in (
+        (torch.randn(384, 256, generator=g), (100, 150, 134)),
+        (torch.randn(2, 256, 128, generator=g), (70, 186)),
+    ):
+        offsets = [sum(cuts[:i]) for i in range(len(cuts))]
+        locals_ = [full.narrow(-2, o, n) for o, n in zip(offsets, cuts)]
+        where = [((0,) * (full.dim() - 2) + (o, 0), tuple(t.shape)) for o, t in zip(offsets, locals_)]
+        amax = torch.stack(
+            [partial_amax(t, tuple(full.shape), s, o) for t, (o, s) in zip(locals_, where)]
+        ).amax(0)
+        scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+        q = torch.cat([quantize_rows(t, scale, s, o) for t, (o, s) in zip(locals_, where)], dim=-2)
+        for e, (q_e, s_e) in enumerate(zip(q.view(-1, *q.shape[-2:]), scale.view(-1, *scale.shape[-2:]))):
+            want_q, want_scale = quantize_weight(full.view(-1, *full.shape[-2:])[e])
+            assert torch.equal(s_e, want_scale) and torch.equal(
+                q_e.view(torch.uint8), want_q.view(torch.uint8)
+            )
+
+
+def test_a_channel_needs_senders_and_a_receiver():
+    with pytest.raises(ValueError, match="num_senders=2, world_size=2"):
+        Rendezvous(host="127.0.0.1", port=1, num_senders=2, world_size=2)
