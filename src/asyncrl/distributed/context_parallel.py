@@ -19,8 +19,14 @@ Rows whose length is not a multiple of cp are padded at the end (`pad_for_cp`); 
 have no loss and, being later in causal order, never affect real tokens.
 
 MLA layers (`attend_latent`) all-gather the per-token latent state (kv_lora_rank + rope dims)
-instead of per-head K/V and expand it locally; DSA layers also gather the indexer keys, so the
-indexer ranks every key of the row (the selection for shared layers is kept per layer).
+instead of per-head K/V and expand it locally. DSA layers also gather the indexer keys (no
+gradient), so each local query ranks every key of the row that it may see, and then attend over
+the gathered latent in the latent space, each query over its selected rows only
+(`asyncrl.model.latent_attention.attend_selected`): a rank holds per layer the whole row's latent
+and index keys ([T, R + r] and [T, d], as the GQA path holds K/V), its queries' selections
+(int32 [Tc, index_topk], kept for the step only where a "shared" layer reuses them) and one
+chunk of gathered rows; nothing of size [Tc, T]. The backward of the latent's all-gather sums
+the gradients that every rank's selected rows sent to each key.
 
 Logprobs (and any per-token output) are gathered back with `gather_from_cp`.
 
@@ -30,14 +36,13 @@ G kv heads, Dh head dim.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
 from asyncrl.model.compute import sdpa
+from asyncrl.model.latent_attention import LatentProjections, attend_masked, attend_selected
 from asyncrl.model.layers import segment_ids_from_positions
-from asyncrl.model.sparse_index import IndexQuery, select_topk
+from asyncrl.model.sparse_index import IndexQuery, causal_key_ranges, select_topk
 
 __all__ = ["ContextParallelAttention", "gather_from_cp", "pad_for_cp", "split_for_cp"]
 
@@ -95,46 +100,65 @@ class _GatherSeq(torch.autograd.Function):
 class ContextParallelAttention:
     """`AttentionBackend` for a CP chunk: local queries over all-gathered keys and values.
 
-    position_ids_BT is the FULL row's position ids (before splitting); the module computes the
-    mask rows of this rank's chunk once and reuses them in every layer.
+    position_ids_BT is the FULL row's position ids (before splitting). The dense mask rows of this
+    rank's chunk ([B, 1, Tc, T], for GQA and dense MLA layers) are built on first use and reused
+    by every layer; DSA layers never build them. sparse=False runs DSA as the dense masked
+    reference (`attend_masked`).
     """
 
-    def __init__(self, position_ids_BT: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, position_ids_BT: torch.Tensor, group: dist.ProcessGroup, *, sparse: bool = True
+    ) -> None:
         cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         T = position_ids_BT.shape[1]
         if T % cp:
             raise ValueError(f"context parallel: row length {T} is not a multiple of cp ({cp})")
-        self.group = group
+        self.group, self.sparse = group, sparse
+        self.position_ids_BT = position_ids_BT
         Tc = T // cp
-        segments_BT = segment_ids_from_positions(position_ids_BT)
-        rows = torch.arange(cp_rank * Tc, (cp_rank + 1) * Tc, device=position_ids_BT.device)
-        cols = torch.arange(T, device=position_ids_BT.device)
-        causal_tT = cols[None, :] <= rows[:, None]
-        same_BtT = segments_BT[:, rows, None] == segments_BT[:, None, :]
-        self.mask_B1tT = (same_BtT & causal_tT).unsqueeze(1)
-        self.dsa_selection: dict[int, torch.Tensor] = {}
+        self.rows = slice(cp_rank * Tc, (cp_rank + 1) * Tc)
+        self._mask_B1tT: torch.Tensor | None = None
+        self.dsa_selection: dict[int, torch.Tensor] = {}  # layer -> idx [B, Tc, K] into the row
+
+    @property
+    def mask_B1tT(self) -> torch.Tensor:
+        """Bool [B, 1, Tc, T]: causal in global token order, within each packed sequence."""
+        if self._mask_B1tT is None:
+            pos = self.position_ids_BT
+            segments_BT = segment_ids_from_positions(pos)
+            rows = torch.arange(pos.shape[1], device=pos.device)[self.rows]
+            cols = torch.arange(pos.shape[1], device=pos.device)
+            causal_tT = cols[None, :] <= rows[:, None]
+            same_BtT = segments_BT[:, rows, None] == segments_BT[:, None, :]
+            self._mask_B1tT = (same_BtT & causal_tT).unsqueeze(1)
+        return self._mask_B1tT
 
     def attend_latent(
         self,
         q_BHtd: torch.Tensor,
         state_Btc: torch.Tensor,
-        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        mla: LatentProjections,
         layer_idx: int,
         *,
         index: IndexQuery | None = None,
     ) -> torch.Tensor:
-        """MLA: gather the latent state of the whole row, expand it to K/V here."""
-        k_BHTd, v_BHTv = expand(_GatherSeq.apply(state_Btc.unsqueeze(1), self.group).squeeze(1))
-        mask_BtT = self.mask_B1tT.squeeze(1)
-        if index is not None:
-            if index.q_BHTd is None:
-                mask_BtT = self.dsa_selection[index.source_layer]
-            else:
-                keys_BTd = gather_from_cp(index.k_BTd, self.group, dim=1)  # the indexer has no gradient
-                mask_BtT = select_topk(index.q_BHTd, index.w_BTH, keys_BTd, mask_BtT, index.topk)
-                if index.reused:
-                    self.dsa_selection[layer_idx] = mask_BtT
-        return sdpa(q_BHtd, k_BHTd, v_BHTv, attn_mask=mask_BtT.unsqueeze(1))
+        """MLA: gather the latent state of the whole row; expand it here, or (DSA) attend over the
+        selected rows of it in the latent space."""
+        state_BTc = _GatherSeq.apply(state_Btc.unsqueeze(1), self.group).squeeze(1)
+        if index is None:
+            k_BHTd, v_BHTv = mla.expand(state_BTc)
+            return sdpa(q_BHtd, k_BHTd, v_BHTv, attn_mask=self.mask_B1tT)
+        if index.q_BHTd is None:
+            idx_BtK = self.dsa_selection[index.source_layer]
+        else:
+            keys_BTd = gather_from_cp(index.k_BTd, self.group, dim=1)  # the indexer has no gradient
+            first_BT, last_BT = causal_key_ranges(self.position_ids_BT)
+            first_Bt, last_Bt = first_BT[:, self.rows], last_BT[:, self.rows]
+            idx_BtK = select_topk(index.q_BHTd, index.w_BTH, keys_BTd, first_Bt, last_Bt, index.topk)
+            if index.reused:
+                self.dsa_selection[layer_idx] = idx_BtK
+        attend = attend_selected if self.sparse else attend_masked
+        return attend(q_BHtd, state_BTc, mla, idx_BtK)
 
     def __call__(
         self, q_BHtd: torch.Tensor, k_BGtd: torch.Tensor, v_BGtd: torch.Tensor, layer_idx: int

@@ -33,7 +33,7 @@ from asyncrl.config.sampling import (
     MIN_TEMPERATURE,
 )
 from asyncrl.inference.block_pool import BlockPool
-from asyncrl.inference.kv_cache import KVCache, PagedAttention, SeqSlice
+from asyncrl.inference.kv_cache import AttentionPaths, KVCache, PagedAttention, SeqSlice
 from asyncrl.inference.request import (
     FinishReason,
     InvalidRequestError,
@@ -62,8 +62,10 @@ class Engine:
         *,
         detokenize: Callable[[list[int]], str] | None = None,
         version: int = 0,
+        attention_paths: AttentionPaths | None = None,
     ) -> None:
         self.model, self.config, self.detokenize, self.version = model.eval(), config, detokenize, version
+        self.attention_paths = attention_paths or AttentionPaths()
         args = model.args
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -85,6 +87,7 @@ class Engine:
             latent_dim=args.kv_lora_rank + args.qk_rope_head_dim if args.uses_mla else 0,
             index_dim=args.index_head_dim if args.uses_dsa else 0,
         )  # fmt: skip
+        self._log_kv_memory()
         self.scheduler = Scheduler(
             self.pool, block_size=bs, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -97,6 +100,15 @@ class Engine:
         self.num_prompt_tokens = 0
         self.num_steps = 0
         self.num_failed_requests = 0
+
+    def _log_kv_memory(self) -> None:
+        per_token = self.cache.bytes_per_token()
+        parts = ", ".join(f"{name} {n}" for name, n in per_token.items())
+        log.info(
+            "KV cache: %d bytes per token (%s) x %d tokens (%d blocks of %d) = %.1f MiB",
+            sum(per_token.values()), parts, self.cache.num_tokens, self.pool.num_blocks,
+            self.cache.block_size, self.cache.nbytes() / 2**20,
+        )  # fmt: skip
 
     @classmethod
     def from_config(cls, config: InferenceConfig, **kwargs) -> Engine:
@@ -242,7 +254,7 @@ class Engine:
             q_start = len(ids_N) - s.num_new_tokens
             seqs.append(SeqSlice(q_start=q_start, q_len=s.num_new_tokens, num_ctx=end, block_ids=block_ids))
             slots.append(self._new_slots(req, start, end))
-        backend = PagedAttention(self.cache, seqs, _as_slot_tensor(slots, self.device))
+        backend = PagedAttention(self.cache, seqs, _as_slot_tensor(slots, self.device), self.attention_paths)
         out = self.model(
             torch.tensor([ids_N], device=self.device),
             torch.tensor([pos_N], device=self.device),
@@ -343,6 +355,8 @@ class Engine:
             "steps": self.num_steps,
             "failed_requests": self.num_failed_requests,
             "weight_version": self.version,
+            "kv_cache_tokens": self.cache.num_tokens,
+            "kv_bytes_per_token": sum(self.cache.bytes_per_token().values()),
         }
 
 

@@ -7,21 +7,26 @@ sequences (one new token) are batched into one padded SDPA call; prefill chunks 
 
 MLA models (DeepSeek-V3, Kimi-K2, GLM-5) cache each token's latent state instead of per-head K/V:
 the normed compressed KV plus the shared rotary key (kv_lora_rank + qk_rope_head_dim values per
-token and layer), and for GLM-5 the lightning indexer's key next to it. Attention gathers a
-sequence's cached latents and expands them to K/V with the layer's own projection
-(`attend_latent`), one sequence at a time; the weight-absorbed decode kernel is not done here.
+token and layer), and for GLM-5 the lightning indexer's key next to it. Decode attends over the
+cached latent rows directly, with the layer's key and value up-projections absorbed into the
+query and the output (asyncrl.model.latent_attention): one shared head of width R + r, as MQA,
+so no per-head K/V is built for the context. Prefill expands a sequence's context to per-head K/V
+and runs causal SDPA. DSA layers rank the context's cached index keys and attend over each
+query's selected rows only, in decode and prefill alike. `AttentionPaths` switches to the
+expanded decode and the dense masked DSA attention (the oracles of the tests, the baselines of
+benchmarks/bench_long_context.py).
 
 The routing pool sits next to the KV pool, slot for slot, so a cached block keeps the expert
 ids its tokens were routed to, and a prefix-cache hit still returns routing.
 
-Shape legend: N scheduled tokens, S sequences, C context (keys) per sequence, H query heads,
-G kv heads, Dh head dim, L layers, K top_k, P = num_blocks * block_size slots, c latent width,
-d indexer key width.
+Shape legend: N scheduled tokens, S sequences, C context (keys) per sequence, J keys a decode
+query attends over (C, or K selected), H query heads, G kv heads, Dh head dim, L layers, K top_k
+(routing) or selected keys (DSA), P = num_blocks * block_size slots, c latent width, d indexer
+key width, v value head dim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +34,10 @@ from torch.nn.utils.rnn import pad_sequence
 
 from asyncrl.inference.request import Request
 from asyncrl.model.compute import sdpa
-from asyncrl.model.sparse_index import IndexQuery, select_topk
+from asyncrl.model.latent_attention import LatentProjections, attend_masked, attend_selected, latent_attention
+from asyncrl.model.sparse_index import IndexQuery, select_topk, selection_mask
 
-__all__ = ["KVCache", "PagedAttention", "SeqSlice"]
+__all__ = ["AttentionPaths", "KVCache", "PagedAttention", "SeqSlice"]
 
 
 class KVCache:
@@ -81,6 +87,22 @@ class KVCache:
             req.block_table = torch.tensor(req.block_ids, dtype=torch.long, device=self.k_LPGd.device)
         return req.block_table
 
+    @property
+    def num_tokens(self) -> int:
+        """Token slots in the pool (num_blocks * block_size)."""
+        return self.routing_PLK.shape[0]
+
+    def bytes_per_token(self) -> dict[str, int]:
+        """Bytes one cached token takes over all layers, by buffer: {"kv" (per-head K and V) or
+        "latent" (MLA), "index_keys" (DSA), "routing"}; only the buffers this model has."""
+        held = {"kv": (self.k_LPGd, self.v_LPGd), "latent": (self.latent_LPc,),
+                "index_keys": (self.index_k_LPd,), "routing": (self.routing_PLK,)}  # fmt: skip
+        per_token = {
+            name: sum(t.numel() * t.element_size() for t in ts) // self.num_tokens
+            for name, ts in held.items()
+        }
+        return {name: n for name, n in per_token.items() if n}
+
     def nbytes(self) -> int:
         held = (self.k_LPGd, self.v_LPGd, self.latent_LPc, self.index_k_LPd, self.routing_PLK)
         return sum(t.numel() * t.element_size() for t in held)
@@ -97,14 +119,27 @@ class SeqSlice:
     block_ids: torch.Tensor  # long [>= ceil(num_ctx / block_size)]
 
 
+@dataclass(frozen=True, kw_only=True)
+class AttentionPaths:
+    """How the engine runs MLA and DSA attention. The defaults are the fast paths; the others
+    compute the same attention the way it was first written, as oracles and baselines."""
+
+    latent_decode: bool = True  # decode in the latent space (absorbed); False: expand the keys to K/V
+    sparse: bool = True  # DSA over each query's selected keys only; False: all keys, a [T, C] mask
+
+
 class PagedAttention:
     """`AttentionBackend` over a KVCache for one engine step (built once per step, used by every layer)."""
 
-    def __init__(self, cache: KVCache, seqs: list[SeqSlice], slots_N: torch.Tensor) -> None:
+    def __init__(
+        self, cache: KVCache, seqs: list[SeqSlice], slots_N: torch.Tensor, paths: AttentionPaths | None = None
+    ) -> None:
         self.cache, self.slots_N = cache, slots_N
+        self.paths = paths or AttentionPaths()
         self.seqs = seqs
-        self.dsa_selection: dict[tuple[int, int], torch.Tensor] = {}  # (layer, seq) -> keep [1, T, C]
-        self.prefills = [s for s in seqs if s.q_len > 1]
+        # (layer, seq index or "decode") -> idx [1, T, K] / [S, 1, K], kept for "shared" layers
+        self.dsa_selection: dict[tuple[int, int | str], torch.Tensor] = {}
+        self.prefills = [(i, s) for i, s in enumerate(seqs) if s.q_len > 1]
         decodes = [s for s in seqs if s.q_len == 1]
         self.decode_rows_S: torch.Tensor | None = None
         if decodes:
@@ -116,8 +151,8 @@ class PagedAttention:
             self.decode_blocks_SB = pad_sequence(
                 [s.block_ids[:num_blocks] for s in decodes], batch_first=True
             )
-            lengths_S = torch.tensor(lengths, device=device)
-            mask_SC = torch.arange(num_blocks * bs, device=device)[None, :] < lengths_S[:, None]
+            self.decode_last_S1 = torch.tensor(lengths, device=device)[:, None] - 1
+            mask_SC = torch.arange(num_blocks * bs, device=device)[None, :] <= self.decode_last_S1
             self.decode_mask_S11C = None if bool(mask_SC.all()) else mask_SC[:, None, None, :]
 
     def __call__(
@@ -144,7 +179,7 @@ class PagedAttention:
             v_SGCd = v_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
             o_SGrd = sdpa(q_SGrd, k_SGCd, v_SGCd, attn_mask=self.decode_mask_S11C)
             o_BHTd[0][:, self.decode_rows_S] = o_SGrd.reshape(S, H, Dh).transpose(0, 1)
-        for s in self.prefills:
+        for _, s in self.prefills:
             C = s.num_ctx
             blocks = s.block_ids[: -(-C // self.cache.block_size)]
             q_1HTd = q_BHTd[:, :, s.q_start : s.q_start + s.q_len]
@@ -157,36 +192,109 @@ class PagedAttention:
         self,
         q_BHTd: torch.Tensor,
         state_BTc: torch.Tensor,
-        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        mla: LatentProjections,
         layer_idx: int,
         *,
         index: IndexQuery | None = None,
     ) -> torch.Tensor:
-        """MLA over cached latents: write the new tokens' state (and indexer keys), then per
-        sequence gather its context's latents, expand them to K/V and attend (sparsely for DSA)."""
+        """MLA over cached latents: write the new tokens' state (and indexer keys), then attend the
+        decode rows together and each prefill chunk alone (sparsely for DSA)."""
         latent_Pc = self.cache.latent_LPc[layer_idx]
         latent_Pc.index_copy_(0, self.slots_N, state_BTc[0])
-        index_k_Pd = self.cache.index_k_LPd[layer_idx]
         if index is not None and index.k_BTd is not None:
-            index_k_Pd.index_copy_(0, self.slots_N, index.k_BTd[0])
-        out = []
-        for i, s in enumerate(self.seqs):
-            ctx_C = self._context_slots(s)
-            k_1HCd, v_1HCv = expand(latent_Pc[ctx_C].unsqueeze(0))
+            self.cache.index_k_LPd[layer_idx].index_copy_(0, self.slots_N, index.k_BTd[0])
+        o_1HNv = q_BHTd.new_empty(*q_BHTd.shape[:3], mla.v_dim)
+        if self.decode_rows_S is not None:
+            o_SHv = self._decode_latent(
+                q_BHTd[0][:, self.decode_rows_S].transpose(0, 1), mla, layer_idx, index
+            )
+            o_1HNv[0][:, self.decode_rows_S] = o_SHv.transpose(0, 1)
+        for i, s in self.prefills:
             rows = slice(s.q_start, s.q_start + s.q_len)
-            T, C = s.q_len, s.num_ctx
-            mask_1TC = torch.ones(1, T, C, dtype=torch.bool, device=q_BHTd.device).tril(diagonal=C - T)
-            if index is not None:
-                if index.q_BHTd is None:
-                    mask_1TC = self.dsa_selection[(index.source_layer, i)]
-                else:
-                    q, w = index.q_BHTd[:, :, rows], index.w_BTH[:, rows]
-                    mask_1TC = select_topk(q, w, index_k_Pd[ctx_C].unsqueeze(0), mask_1TC, index.topk)
-                    if index.reused:
-                        self.dsa_selection[(layer_idx, i)] = mask_1TC
-            q_1HTd = q_BHTd[:, :, rows]
-            out.append(sdpa(q_1HTd, k_1HCd, v_1HCv, attn_mask=mask_1TC.unsqueeze(1)))
-        return torch.cat(out, dim=2)
+            o_1HNv[:, :, rows] = self._prefill_latent(q_BHTd[:, :, rows], i, s, mla, layer_idx, index)
+        return o_1HNv
+
+    def _decode_latent(
+        self, q_SHd: torch.Tensor, mla: LatentProjections, layer_idx: int, index: IndexQuery | None
+    ) -> torch.Tensor:
+        """[S, H, v]: each decode query over its whole context (MLA) or its selected keys (DSA)."""
+        latent_Pc = self.cache.latent_LPc[layer_idx]
+        if index is None:
+            keep_SC = None if self.decode_mask_S11C is None else self.decode_mask_S11C[:, 0, 0]
+            return self._attend_rows(q_SHd, self._decode_context(latent_Pc), keep_SC, mla)
+        idx_S1K = self._decode_selection(layer_idx, index)
+        if self.paths.sparse:
+            bs = self.cache.block_size
+            pos_SK = idx_S1K[:, 0].long().clamp(min=0)
+            slots_SK = self.decode_blocks_SB.gather(1, pos_SK // bs) * bs + pos_SK % bs
+            rows_SKc = latent_Pc.index_select(0, slots_SK.flatten()).view(*slots_SK.shape, -1)
+            return self._attend_rows(q_SHd, rows_SKc, idx_S1K[:, 0] >= 0, mla)
+        rows_SCc = self._decode_context(latent_Pc)
+        return self._attend_rows(q_SHd, rows_SCc, selection_mask(idx_S1K, rows_SCc.shape[1])[:, 0], mla)
+
+    def _decode_context(self, buf_PX: torch.Tensor) -> torch.Tensor:
+        """[S, C, X]: the decode sequences' whole blocks of a per-slot buffer (padding past each
+        context's end)."""
+        bs, S = self.cache.block_size, len(self.decode_rows_S)
+        blocks_NbF = buf_PX.view(-1, bs * buf_PX.shape[-1])
+        return blocks_NbF.index_select(0, self.decode_blocks_SB.flatten()).view(S, -1, buf_PX.shape[-1])
+
+    def _decode_selection(self, layer_idx: int, index: IndexQuery) -> torch.Tensor:
+        """idx [S, 1, K]: each decode query's top-k positions among its cached index keys."""
+        if index.q_BHTd is None:
+            return self.dsa_selection[(index.source_layer, "decode")]
+        rows = self.decode_rows_S
+        q_SH1d = index.q_BHTd[0][:, rows].transpose(0, 1).unsqueeze(2)
+        keys_SCd = self._decode_context(self.cache.index_k_LPd[layer_idx])
+        first_S1 = torch.zeros_like(self.decode_last_S1)
+        idx_S1K = select_topk(q_SH1d, index.w_BTH[0][rows].unsqueeze(1), keys_SCd, first_S1,
+                              self.decode_last_S1, index.topk)  # fmt: skip
+        if index.reused:
+            self.dsa_selection[(layer_idx, "decode")] = idx_S1K
+        return idx_S1K
+
+    def _attend_rows(
+        self,
+        q_SHd: torch.Tensor,
+        rows_SJc: torch.Tensor,
+        keep_SJ: torch.Tensor | None,
+        mla: LatentProjections,
+    ) -> torch.Tensor:
+        """[S, H, v]: one query per sequence over J latent rows (`keep_SJ` masks some): in the
+        latent space with the projections absorbed (MQA: the H heads are H queries of one shared
+        key/value head), or expanded to per-head K/V."""
+        if not self.paths.latent_decode:
+            k_SHJd, v_SHJv = mla.expand(rows_SJc)
+            keep = None if keep_SJ is None else keep_SJ[:, None, None, :]
+            return sdpa(q_SHd.unsqueeze(2), k_SHJd, v_SHJv, attn_mask=keep).squeeze(2)
+        q_SHc = mla.absorb(q_SHd.unsqueeze(2)).squeeze(2)
+        o_SHR = latent_attention(q_SHc, mla.latent(rows_SJc), keep_SJ, value_dim=mla.kv_lora_rank,
+                                 scale=mla.softmax_scale)  # fmt: skip
+        return mla.project_out(o_SHR.unsqueeze(2)).squeeze(2)
+
+    def _prefill_latent(
+        self, q_1HTd: torch.Tensor, i: int, s: SeqSlice, mla: LatentProjections, layer_idx: int,
+        index: IndexQuery | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """[1, H, T, v]: one prefill chunk over its context: expanded causal (MLA), or each query
+        over its selected keys (DSA)."""
+        ctx_C = self._context_slots(s)
+        state_1Cc = self.cache.latent_LPc[layer_idx][ctx_C].unsqueeze(0)
+        if index is None:
+            k_1HCd, v_1HCv = mla.expand(state_1Cc)
+            return _causal_sdpa(q_1HTd, k_1HCd, v_1HCv, gqa=False)
+        if index.q_BHTd is None:
+            idx_1TK = self.dsa_selection[(index.source_layer, i)]
+        else:
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            keys_1Cd = self.cache.index_k_LPd[layer_idx][ctx_C].unsqueeze(0)
+            last_1T = torch.arange(s.num_ctx - s.q_len, s.num_ctx, device=q_1HTd.device).unsqueeze(0)
+            idx_1TK = select_topk(index.q_BHTd[:, :, rows], index.w_BTH[:, rows], keys_1Cd,
+                                  torch.zeros_like(last_1T), last_1T, index.topk)  # fmt: skip
+            if index.reused:
+                self.dsa_selection[(layer_idx, i)] = idx_1TK
+        attend = attend_selected if self.paths.sparse else attend_masked
+        return attend(q_1HTd, state_1Cc, mla, idx_1TK)
 
     def _context_slots(self, s: SeqSlice) -> torch.Tensor:
         bs = self.cache.block_size

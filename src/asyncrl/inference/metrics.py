@@ -18,6 +18,12 @@ _METRICS = {
     "preemptions": ("asyncrl_preemptions_total", "counter", "Sequences preempted for recompute"),
     "steps": ("asyncrl_engine_steps_total", "counter", "Engine forward steps"),
     "weight_version": ("asyncrl_weight_version", "gauge", "Policy version of the loaded weights"),
+    "kv_cache_tokens": ("asyncrl_kv_cache_tokens", "gauge", "Tokens the KV cache holds when full"),
+    "kv_bytes_per_token": (
+        "asyncrl_kv_bytes_per_token",
+        "gauge",
+        "KV-cache bytes per token over all layers (K/V or MLA latent, DSA index keys, routing)",
+    ),
     "failed_requests": (
         "asyncrl_request_errors_total",
         "counter",

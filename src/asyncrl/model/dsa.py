@@ -5,14 +5,17 @@ Indexer, per query t and visible key s: score(t, s) = sum_h w_h(x_t) * relu(q_h(
 with index_n_heads query heads from the MLA query latent (wq_b), one shared key per token
 (LayerNorm(wk x)), interleaved RoPE on the first qk_rope_head_dim dims of both, and per-head
 weights w = weights_proj(x) / sqrt(index_n_heads). Each query keeps its top `index_topk` visible
-keys (`asyncrl.model.sparse_index.select_topk`); attention is the MLA attention restricted to those
-(all of them while a context is shorter than index_topk). "shared" layers reuse the selection of
+keys (`asyncrl.model.sparse_index.select_topk`, indices, not a mask); attention is the MLA
+attention over those keys only, in the latent space (`asyncrl.model.latent_attention`), with
+all of them while a context is shorter than index_topk. "shared" layers reuse the selection of
 the nearest "full" layer below, as transformers does.
 
-The indexer runs without gradient, as in transformers (training it needs its own distillation
-loss, which is not implemented). The attention backend does the selection because only it knows
-each query's context: the whole row while training, the cached prefix plus new tokens in the
-engine, which caches each token's index key next to its MLA latent.
+The indexer runs without gradient and is frozen (requires_grad False, so no optimizer holds
+it): the selection is discrete, so the policy loss gives it no gradient, and training it needs its
+own loss (a KL to the main attention's distribution, as DeepSeek-V3.2 and GLM-5 do in
+pre-training), not implemented; docs/trainer.md says why RL leaves it as the checkpoint has it. The attention backend does the
+selection because only it knows each query's context: the whole row while training, the cached
+prefix plus new tokens in the engine, which caches each token's index key next to its MLA latent.
 
 Shape legend: B batch, T tokens, D model dim, H index heads, d index head dim.
 """
@@ -47,6 +50,9 @@ class Indexer(nn.Module):
         self.wk = Linear(args.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = Linear(args.hidden_size, self.num_heads, bias=False)
+        # Frozen here, where every world size builds it: the optimizer then holds no state for it,
+        # so a checkpoint has none to miss on resume (docs/trainer.md says why RL keeps it frozen).
+        self.requires_grad_(False)
 
     def _rope(self, x_BHTd: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x_rot, x_pass = x_BHTd.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
@@ -86,5 +92,5 @@ class DSAttention(MLAttention):
             q_BHTd=q, w_BTH=w, k_BTd=k, topk=self.index_topk, source_layer=self.source_layer,
             reused=self.selection_reused,
         )  # fmt: skip
-        o_BHTv = backend.attend_latent(p.q_BHTd, p.state_BTc, self.expand, self.layer_idx, index=index)
+        o_BHTv = backend.attend_latent(p.q_BHTd, p.state_BTc, self, self.layer_idx, index=index)
         return self.o_proj(o_BHTv.transpose(1, 2).reshape(B, T, -1))

@@ -226,6 +226,19 @@ class FP8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.bias, self.backend)
 
+    def rounded_weight(self) -> torch.Tensor:
+        """fp32 [O, K]: the weight as `forward` multiplies by it (e4m3 blocks, dequantized), with
+        the straight-through gradient of `forward`; for code that reuses the weight in another form
+        (MLA's absorbed attention)."""
+        w = self.weight
+        return w.float() + (dequantize_weight(*quantize_weight(w)) - w.float()).detach()
+
+    def rounded_input(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 x as `forward` reads it (1x128 groups per row, dequantized), straight-through."""
+        x_NK = x.reshape(-1, x.shape[-1]).float()
+        rounded = dequantize_activation(*quantize_activation(x_NK))
+        return (x_NK + (rounded - x_NK).detach()).view(x.shape)
+
 
 @dataclass(frozen=True, kw_only=True)
 class FP8Report:

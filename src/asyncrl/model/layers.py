@@ -8,7 +8,6 @@ Shape legend: B batch, T tokens, D model dim, H query heads, G kv heads, Dh head
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -17,8 +16,9 @@ from torch import nn
 
 from asyncrl.model.args import ModelArgs, YarnScaling
 from asyncrl.model.compute import Linear, sdpa
+from asyncrl.model.latent_attention import LatentProjections, attend_masked, attend_selected
 from asyncrl.model.rope import cos_sin_factor, inverse_frequencies
-from asyncrl.model.sparse_index import IndexQuery, select_topk
+from asyncrl.model.sparse_index import IndexQuery, causal_key_ranges, select_topk
 
 __all__ = [
     "MLP",
@@ -105,8 +105,10 @@ class AttentionBackend(Protocol):
     """Computes softmax attention for one layer. q is [B, H, T, Dh]; k, v are [B, G, T, Dh] (new tokens).
 
     MLA layers (asyncrl.model.mla) call `attend_latent` instead: they hand over each new token's
-    latent state [B, T, c] and an `expand(state_BSc) -> (k_BHSd, v_BHSv)` function, so that a KV
-    cache can keep the latent; `index` (an IndexQuery) makes it DeepSeek sparse attention.
+    latent state [B, T, c] and themselves as `LatentProjections` (expand the state to per-head K/V,
+    or absorb the up-projections into query and output), so that a KV cache can keep the latent;
+    `index` (an IndexQuery) makes it DeepSeek sparse attention. It returns per-head outputs
+    [B, H, T, v].
     """
 
     def __call__(
@@ -117,7 +119,7 @@ class AttentionBackend(Protocol):
         self,
         q_BHTd: torch.Tensor,
         state_BTc: torch.Tensor,
-        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        mla: LatentProjections,
         layer_idx: int,
         *,
         index: IndexQuery | None = None,
@@ -138,12 +140,16 @@ class PackedCausalAttention:
     A row holding one sequence takes one causal SDPA call. A packed row runs one causal call per
     sequence, so the cost is the sum of each sequence's length squared rather than the row's (a
     dense [T, T] block-diagonal mask made SFT on many short sequences 16-20x slower on CPU).
+
+    DSA layers attend each query over its selected keys only (`attend_selected`), the indexer
+    ranking the keys of the query's own sequence up to itself; sparse=False runs the dense masked
+    reference instead (`attend_masked`: the tests' oracle and the benchmarks' baseline).
     """
 
-    def __init__(self, position_ids_BT: torch.Tensor) -> None:
+    def __init__(self, position_ids_BT: torch.Tensor, *, sparse: bool = True) -> None:
         segments_BT = segment_ids_from_positions(position_ids_BT)
-        self.segments_BT = segments_BT
-        self.dsa_selection: dict[int, torch.Tensor] = {}
+        self.position_ids_BT, self.sparse = position_ids_BT, sparse
+        self.dsa_selection: dict[int, torch.Tensor] = {}  # layer -> idx [B, T, K], kept for "shared" layers
         self.bounds: list[list[tuple[int, int]]] | None = None
         if bool((segments_BT[:, -1] > 1).any()):
             T = position_ids_BT.shape[1]
@@ -152,33 +158,27 @@ class PackedCausalAttention:
             ]
             self.bounds = [list(zip(st, [*st[1:], T], strict=True)) for st in starts]
 
-    def visible_mask(self) -> torch.Tensor:
-        """Bool [B, T, T]: causal within each packed sequence."""
-        T = self.segments_BT.shape[1]
-        causal_TT = torch.ones(T, T, dtype=torch.bool, device=self.segments_BT.device).tril()
-        same_BTT = self.segments_BT.unsqueeze(2) == self.segments_BT.unsqueeze(1)
-        return causal_TT & same_BTT
-
     def attend_latent(
         self,
         q_BHTd: torch.Tensor,
         state_BTc: torch.Tensor,
-        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        mla: LatentProjections,
         layer_idx: int,
         *,
         index: IndexQuery | None = None,
     ) -> torch.Tensor:
-        k_BHTd, v_BHTd = expand(state_BTc)
         if index is None:
+            k_BHTd, v_BHTd = mla.expand(state_BTc)
             return self(q_BHTd, k_BHTd, v_BHTd, layer_idx)
         if index.q_BHTd is None:
-            keep_BTT = self.dsa_selection[index.source_layer]
+            idx_BTK = self.dsa_selection[index.source_layer]
         else:
-            keep_BTT = select_topk(index.q_BHTd, index.w_BTH, index.k_BTd, self.visible_mask(), index.topk)
+            first_BT, last_BT = causal_key_ranges(self.position_ids_BT)
+            idx_BTK = select_topk(index.q_BHTd, index.w_BTH, index.k_BTd, first_BT, last_BT, index.topk)
             if index.reused:
-                self.dsa_selection[layer_idx] = keep_BTT
-        # one masked call: the selection is already causal and within each packed sequence
-        return sdpa(q_BHTd, k_BHTd, v_BHTd, attn_mask=keep_BTT.unsqueeze(1))
+                self.dsa_selection[layer_idx] = idx_BTK
+        attend = attend_selected if self.sparse else attend_masked
+        return attend(q_BHTd, state_BTc, mla, idx_BTK)
 
     def __call__(
         self, q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor, layer_idx: int

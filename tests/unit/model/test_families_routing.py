@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncrl.model import ModelArgs, Transformer
-from asyncrl.model.sparse_index import select_topk
+from asyncrl.model.sparse_index import causal_key_ranges, select_topk
 
 _COMMON = dict(
     vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -132,11 +132,14 @@ def test_indexer_ties_take_the_earliest_keys_whatever_the_context_length():
     keys = torch.tensor(
         [[[-1.0, 0.0], [2.0, 0.0], [-1.0, 0.0], [-3.0, 0.0], [-1.0, 0.0]]]
     )  # scores 0,2,0,0,0
-    for S in (4, 5):
-        keep = select_topk(q, w, keys[:, :S], torch.ones(1, 1, S, dtype=torch.bool), topk=3)
-        assert keep[0, 0].nonzero().flatten().tolist() == [0, 1, 2]
-    hidden = torch.tensor([[[True, True, False, True, True]]])  # invisible keys are never kept
-    assert select_topk(q, w, keys, hidden, topk=3)[0, 0].nonzero().flatten().tolist() == [0, 1, 3]
+
+    def keys_seen(first: int, last: int, S: int = 5) -> list[int]:
+        idx = select_topk(q, w, keys[:, :S], torch.tensor([[first]]), torch.tensor([[last]]), topk=3)
+        return idx[0, 0].tolist()
+
+    assert keys_seen(0, 3, S=4) == keys_seen(0, 3) == [0, 1, 2]
+    assert keys_seen(1, 4) == [1, 2, 3]  # keys before `first` are never kept
+    assert keys_seen(0, 1) == [0, 1, -1]  # fewer visible keys than topk: -1 fills
 
 
 def test_indexer_selection_does_not_depend_on_the_query_chunk():
@@ -147,9 +150,9 @@ def test_indexer_selection_does_not_depend_on_the_query_chunk():
     keys = torch.randn(B, T, d, generator=gen)
     keys[:, ::5] = 0.0  # every fifth key scores exactly 0 for every query: ties
     w = torch.randn(B, T, H, generator=gen)
-    visible = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T).clone()
-    visible[1, :, :3] = False  # a different visibility per row
-    whole = select_topk(q, w, keys, visible, topk)
-    for budget in (1, 7 * B * H * T):  # one query per chunk; uneven chunks of 7
-        assert torch.equal(select_topk(q, w, keys, visible, topk, max_score_elements=budget), whole)
-    assert torch.equal(whole.sum(-1), visible.sum(-1).clamp(max=topk))
+    positions = torch.stack([torch.arange(T), torch.cat([torch.arange(13), torch.arange(T - 13)])])
+    first, last = causal_key_ranges(positions)  # row 1 packs two sequences: another visibility
+    whole = select_topk(q, w, keys, first, last, topk)
+    for budget in (1, 7 * H * T, 3 * T * H * T):  # one query per chunk; uneven chunks of 7; rows together
+        assert torch.equal(select_topk(q, w, keys, first, last, topk, max_score_elements=budget), whole)
+    assert torch.equal((whole >= 0).sum(-1), (last - first + 1).clamp(max=topk))
