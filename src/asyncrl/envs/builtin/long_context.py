@@ -117,9 +117,9 @@ class LongContextEnv(Environment):
         }
         question = (
             f"A ledger of {self.num_pages} pages holds lines `key = value`. Read it with the read_page "
-            "tool (pages 1 to {n}); a turn without a tool call shows you the next unread page. Once you "
-            "know it, reply `ANSWER: <value>` with the value of the key `{key}`."
-        ).format(n=self.num_pages, key=key)
+            f"tool (pages 1 to {self.num_pages}); a turn without a tool call shows you the next unread "
+            f"page. Once you know it, reply `ANSWER: <value>` with the value of the key `{key}`."
+        )
         return Task(
             id=f"{self.name}/{split}/{index}",
             prompt=[{"role": "user", "content": question}],
