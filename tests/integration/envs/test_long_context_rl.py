@@ -5,7 +5,8 @@ the embedded engine, the orchestrator and a 2-rank trainer with context parallel
 Episodes of the `long-context` env grow a page per turn; the random model never calls the tool nor
 answers, so each episode is shown every page and ends after its last (reward 0). The example's own
 file is the config, with the lengths scaled down, so the test keeps it runnable. The 32k run is the
-example's documented command, not a test. Marked slow: about 3 min on 2 shared cores.
+example's documented command, not a test. Marked slow: about 1 min on a quiet 2-core machine,
+several when other jobs share it.
 """
 
 from __future__ import annotations
