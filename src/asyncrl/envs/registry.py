@@ -29,6 +29,7 @@ _BUILTINS: dict[str, str] = {
     "reverse-text": "asyncrl.envs.builtin.reverse_text:ReverseTextEnv",
     "sort-words": "asyncrl.envs.builtin.sort_words:SortWordsEnv",
     "calculator": "asyncrl.envs.builtin.calculator:CalculatorEnv",
+    "long-context": "asyncrl.envs.builtin.long_context:LongContextEnv",
     "swe-lite": "asyncrl.envs.builtin.swe_lite:SweLiteEnv",
     "swe": "asyncrl.envs.builtin.swe:SweEnv",
     "dataset": "asyncrl.envs.builtin.dataset:DatasetEnv",

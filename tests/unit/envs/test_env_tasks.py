@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.envs import EpisodeState, available_envs, build_env, iter_reference_examples
 
-BUILTINS = ["calculator", "reverse-text", "sort-words", "swe-lite"]
+BUILTINS = ["calculator", "long-context", "reverse-text", "sort-words", "swe-lite"]
 
 
 def _key(task):
@@ -41,7 +41,7 @@ def test_reference_examples(name):
     assert len(examples) == 3 and examples[0].task_id == f"{name}/train/0"
     for ex in examples:
         assert ex.completion[-1]["role"] == "assistant" and ex.prompt[-1]["role"] == "user"
-        assert bool(ex.tools) == (name in ("calculator", "swe-lite"))
+        assert bool(ex.tools) == (name in ("calculator", "long-context", "swe-lite"))
         if name != "swe-lite":  # swe-lite's reference is replayed in tests/integration/envs
             state = EpisodeState(
                 task=env.task("train", int(ex.task_id.rsplit("/", 1)[1])), messages=ex.prompt + ex.completion
