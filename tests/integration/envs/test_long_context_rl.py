@@ -48,8 +48,13 @@ def test_long_context_loop_grows_episodes_over_turns_and_trains_with_context_par
     assert config["deployment"]["trainer_nproc"] == 2 and config["trainer"]["parallel"]["cp"] == 2
     path = tmp_path / "rl.toml"
     path.write_text(tomli_w.dumps(config))
-    proc = subprocess.run([sys.executable, "-m", "asyncrl", "rl", "@", str(path)],
-                          capture_output=True, text=True, env=child_env(), timeout=580)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "rl", "@", str(path)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=580,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--nproc-per-node=2" in proc.stdout
 
