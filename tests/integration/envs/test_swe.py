@@ -157,7 +157,11 @@ def test_shell_and_editor_tools_in_the_sandbox(tasks_file, tmp_path, tokenizer):
     out = [m["content"] for m in ep.messages if m["role"] == "tool"]
     assert out[0].startswith("exit code 0\ny\ny\n") and "characters cut ...]" in out[0] and len(out[0]) < 520
     assert out[1].startswith("killed: the command ran past its time limit")
-    assert out[2] == "exit code 3\n/repo\ncalclib\ntests\nsandbox\n"  # no host files, empty /tmp
+    listing, _, tmp = out[2].partition("sandbox\n")
+    assert listing == "exit code 3\n/repo\ncalclib\ntests\n"
+    # No host files: /tmp is empty but for an interpreter that lives there (a venv under /tmp),
+    # which the sandbox binds for its python shim.
+    assert set(tmp.split()) <= _tmp_roots(sys.prefix, sys.base_prefix), tmp
     assert out[3] == (
         '     6\tdef clamp(x, lo, hi):\n     7\t    """x limited to the interval [lo, hi]."""\n'
         "     8\t    return max(lo, min(x, hi - 1))\n"
@@ -275,3 +279,8 @@ def test_python_is_on_path_even_where_the_interpreters_bin_has_only_python3(
         == f"exit code 0\n/opt/asyncrl/bin/python\n{sys.executable}\n"
     )
     assert ep.reward == 1.0 and ep.rewards["grading_error"] == 0.0
+
+
+def _tmp_roots(*paths: str) -> set[str]:
+    """The entries of /tmp that hold any of `paths`."""
+    return {Path(p).relative_to("/tmp").parts[0] for p in paths if Path(p).is_relative_to("/tmp")}
