@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from asyncrl.model.args import ModelArgs
 from asyncrl.model.tokenizer import SPECIAL_TOKENS
 
@@ -126,41 +128,6 @@ PRESETS: dict[str, ModelArgs] = {
         **_IDS,
         extra={"num_nextn_predict_layers": 1},
     ),
-    # tiny-glm5 for the 32k-token loop (examples/long_context/): the same layers, a 32k context, and
-    # top-512 keys: the share of the context (1.6%) that GLM-5's top-2048 is of its 131k.
-    "tiny-glm5-32k": ModelArgs(
-        model_type="glm_moe_dsa",
-        vocab_size=_VOCAB,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=16,
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        rope_interleave=True,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        norm_topk_prob=True,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        first_k_dense_replace=1,
-        index_topk=512,
-        index_n_heads=8,
-        index_head_dim=32,
-        indexer_types=("full",) * 4,
-        max_position_embeddings=32768,
-        rope_theta=10000.0,
-        **_IDS,
-        extra={"num_nextn_predict_layers": 1},
-    ),
     # GLM-5-shaped, ~0.33B parameters (~0.12B active) plus a ~29M MTP layer, for scale-out
     # benchmarks on CPU: MLA, DSA indexer, 16 experts top-4 with the grouped sigmoid router, one
     # shared expert, the first layer dense.
@@ -224,6 +191,10 @@ PRESETS: dict[str, ModelArgs] = {
         **_IDS,
     ),
 }
+
+# tiny-glm5 for the 32k-token loop (examples/long_context/): the same layers, a 32k context, and
+# top-512 keys: the share of the context (1.6%) that GLM-5's top-2048 is of its 131k.
+PRESETS["tiny-glm5-32k"] = replace(PRESETS["tiny-glm5"], index_topk=512, max_position_embeddings=32768)
 
 
 def preset_args(name: str) -> ModelArgs:
