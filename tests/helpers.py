@@ -1,4 +1,4 @@
-"""Helpers shared by test files: free local ports and the environment of child processes.
+"""Helpers shared by test files: free local ports, the environment of child processes, torchrun.
 
 Importable from any test as `from helpers import ...` (pytest's `pythonpath` puts tests/ on the
 path, see pyproject.toml). No test uses a fixed port: two runs on one machine must not collide.
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
-__all__ = ["SRC", "child_env", "free_port", "free_port_run"]
+__all__ = ["SRC", "child_env", "free_port", "free_port_run", "torchrun_trainer"]
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -44,3 +46,24 @@ def child_env(**extra: str) -> dict[str, str]:
     """os.environ for a child process that imports this checkout's asyncrl, one OpenMP thread, unbuffered."""
     path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
     return os.environ | {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | extra
+
+
+def torchrun_trainer(cfg: Path, nproc: int, *extra: str, timeout: float = 300) -> None:
+    """`asyncrl.trainer.main @ cfg` under torchrun with `nproc` local ranks; fails the test on a
+    non-zero exit, with the end of stderr."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "asyncrl.trainer.main",
+        "@",
+        str(cfg),
+        *extra,
+    ]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]

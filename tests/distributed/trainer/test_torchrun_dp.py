@@ -19,7 +19,7 @@ from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
 from asyncrl.transport import write_batch
-from helpers import child_env, free_port
+from helpers import child_env, torchrun_trainer
 
 
 def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int) -> Path:
@@ -32,25 +32,11 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int) -> Path:
 
 
 def _run(cfg: Path, nproc: int, extra: tuple[str, ...] = ()) -> None:
-    env = child_env()
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "asyncrl.trainer.main",
-            "@",
-            str(cfg),
-            *extra,
-        ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    if nproc > 1:
+        torchrun_trainer(cfg, nproc, *extra, timeout=240)
+        return
+    cmd = [sys.executable, "-m", "asyncrl.trainer.main", "@", str(cfg), *extra]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

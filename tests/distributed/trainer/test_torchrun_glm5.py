@@ -11,8 +11,6 @@ model's. Before the indexer was frozen, the resume failed on optimizer state the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
 from asyncrl.transport import write_batch
-from helpers import child_env, free_port
+from helpers import torchrun_trainer
 
 
 def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int, parallel: str = "") -> Path:
@@ -36,25 +34,6 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int, parallel: 
         f'[publish]\ndtype = "float32"\n[parallel]\n{parallel}'
     )
     return path
-
-
-def _torchrun(cfg: Path, nproc: int, *extra: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "asyncrl.trainer.main",
-        "@",
-        str(cfg),
-        *extra,
-    ]
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
@@ -75,8 +54,8 @@ def test_glm5_checkpoint_at_two_ranks_resumes_with_the_indexer_frozen(tmp_path):
         write_batch(ref, batch)
         write_batch(run, batch, num_parts=2)  # a part per data rank of the FSDP 2 step
     run_rl(load_config(RLTrainerConfig, ["@", str(_toml(tmp_path / "ref.toml", model_dir, ref, 2))]))
-    _torchrun(_toml(tmp_path / "cp.toml", model_dir, run, 1, "cp = 2\n"), 2)
-    _torchrun(_toml(tmp_path / "fsdp.toml", model_dir, run, 2, "dp_shard = 2\n"), 2, "--resume")
+    torchrun_trainer(_toml(tmp_path / "cp.toml", model_dir, run, 1, "cp = 2\n"), 2)
+    torchrun_trainer(_toml(tmp_path / "fsdp.toml", model_dir, run, 2, "dp_shard = 2\n"), 2, "--resume")
 
     want, got = _records(ref), _records(run)
     assert sorted(got) == [1, 2]

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,7 @@ from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
 from asyncrl.transport import write_batch
-from helpers import child_env, free_port
+from helpers import torchrun_trainer
 
 LAYOUTS = {  # name: (nproc, [trainer.parallel] lines)
     "fsdp2_ep2": (2, "ep = 2\n"),
@@ -47,26 +45,6 @@ def _toml(path: Path, model_dir: Path, run_dir: Path, max_steps: int, parallel: 
         f"[parallel]\n{parallel}"
     )
     return path
-
-
-def _torchrun(cfg: Path, nproc: int, *extra: str) -> None:
-    env = child_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "asyncrl.trainer.main",
-        "@",
-        str(cfg),
-        *extra,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
@@ -101,14 +79,14 @@ def test_parallel_layouts_match_one_process_and_checkpoints_reshard(tmp_path):
             write_batch(run_dir, b, num_parts=2)
     run_rl(load_config(RLTrainerConfig, ["@", str(_toml(tmp_path / "ref.toml", model_dir, runs["ref"], 3))]))
     for name, (nproc, parallel) in LAYOUTS.items():
-        _torchrun(_toml(tmp_path / f"{name}.toml", model_dir, runs[name], 2, parallel), nproc)
+        torchrun_trainer(_toml(tmp_path / f"{name}.toml", model_dir, runs[name], 2, parallel), nproc)
         _assert_same_run(runs["ref"], runs[name], (1, 2), name)
     # The EP run's step-2 checkpoint (sharded over 2 ranks) resumes for step 3 at world size 4
     # with dp_shard 2 x cp 2 x ep 2 (model and Adam state reshard), and in one process.
     combined = tmp_path / "combined"
     shutil.copytree(runs["fsdp2_ep2"], combined, ignore=shutil.ignore_patterns("metrics.jsonl", "weights"))
     nproc, parallel = COMBINED
-    _torchrun(_toml(tmp_path / "combined.toml", model_dir, combined, 3, parallel), nproc, "--resume")
+    torchrun_trainer(_toml(tmp_path / "combined.toml", model_dir, combined, 3, parallel), nproc, "--resume")
     _assert_same_run(runs["ref"], combined, (3,), "fsdp2 x cp2 x ep2, resumed at world size 4")
     resumed = _toml(tmp_path / "resume.toml", model_dir, runs["fsdp2_ep2"], 3)
     run_rl(load_config(RLTrainerConfig, ["@", str(resumed), "--resume"]))
