@@ -14,13 +14,15 @@ Example (inside an `asyncrl rl` config)::
     enable_expert_parallel = false
     quantization = "fp8"                       # optional
     kv_transfer_config = { kv_connector = "NixlConnector", kv_role = "kv_both" }   # optional
-    kv_offloading_size_gb = 64                 # optional: vLLM's native CPU offload of the KV cache
     extra_args = ["--enforce-eager"]
 
 Every key here has one vLLM flag (`asyncrl.launcher.vllm.FLAG_MAP`, the table in
-docs/inference.md); unknown keys are errors. `extra_args` is passed through verbatim, for flags
-asyncrl has no key for. vLLM runs from its own interpreter (`python`), never from asyncrl's
-environment: `bash scripts/setup-vllm.sh` creates it.
+docs/inference.md), but the multi-node keys (`data_parallel_size_local`, `data_parallel_rpc_port`),
+which the Slurm job renders per node; unknown keys are errors. `extra_args` is passed through
+verbatim, for flags asyncrl has no key for. `kv_offloading_size_gb` is vLLM's own CPU offload of
+the KV cache, which takes the place of a `kv_transfer_config` connector (so not with one). vLLM
+runs from its own interpreter (`python`), never from asyncrl's environment: `bash
+scripts/setup-vllm.sh` creates it.
 
 A data-parallel group of `data_parallel_size` engines is one server: `data_parallel_size_local` of
 them per node, each on tensor_parallel_size x pipeline_parallel_size GPUs. Under `asyncrl rl
@@ -120,6 +122,14 @@ class VLLMConfig(BaseConfig):
             raise ValueError(
                 f"data_parallel_size_local ({local}) must divide data_parallel_size "
                 f"({self.data_parallel_size}): every node of a group runs the same number of engines"
+            )
+        if self.kv_offloading_size_gb is not None and self.kv_transfer_config:
+            # vLLM 0.32 turns --kv-offloading-size into its own connector, in place of the given one
+            raise ValueError(
+                "kv_offloading_size_gb replaces kv_transfer_config's connector in vLLM: offload through the "
+                "connector instead, e.g. a MultiConnector of your connector and { kv_connector = "
+                '"OffloadingConnector", kv_role = "kv_both", kv_connector_extra_config = { cpu_bytes_to_use '
+                "= BYTES } }"
             )
         return self
 

@@ -50,6 +50,10 @@ def test_each_role_runs_its_own_vllm_keys():
             {"vllm": {"data_parallel_size": 6, "data_parallel_size_local": 4}},
             "must divide data_parallel_size (6)",
         ),
+        (
+            {"vllm": {"kv_transfer_config": KV, "kv_offloading_size_gb": 8}},
+            "kv_offloading_size_gb replaces kv_transfer_config's connector in vLLM",
+        ),
     ],
 )
 def test_deployment_mistakes_are_errors_that_name_the_key(keys, message):

@@ -3,9 +3,13 @@ slices, ports and ranks (asyncrl.launcher.slurm_inference), and the lines the jo
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import pytest
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.launcher import rl
 from asyncrl.launcher.slurm import SlurmRLConfig, render_sbatch
 from asyncrl.launcher.slurm_inference import check_one_machine, plan_inference
 
@@ -158,3 +162,27 @@ def test_asyncrl_rl_on_one_machine_refuses_what_only_a_job_lays_out():
         with pytest.raises(ConfigError, match="asyncrl rl --slurm"):
             check_one_machine(_cfg(inference).resolve().inference[0])
     check_one_machine(_cfg({"vllm": {"data_parallel_size": 2}}).resolve().inference[0])
+
+
+DEPLOY = Path(__file__).resolve().parents[3] / "docs" / "configs" / "glm5-deploy.toml"
+
+
+def test_the_reference_deployment_renders_pairs_of_groups_over_two_nodes_each(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert rl.main(["@", str(DEPLOY), "--slurm", "--dry-run"]) == 0
+    run = tmp_path / "outputs" / "glm5-deploy"
+    script = (run / "slurm.sbatch").read_text()
+    launches = [line.split()[1:4] for line in script.splitlines() if line.startswith("launch ")]
+    logs = [Path(log.strip('"')).name for _, _, log in launches]
+    assert [(node, gpus) for node, gpus, _ in launches] == [(str(n), "0:8") for n in range(8)]
+    assert logs == [
+        f"{name}{rank}.log"
+        for name in ("prefill-0", "prefill-1", "decode-0", "decode-1")
+        for rank in ("", "-rank8")
+    ]
+    assert script.count("--headless --data-parallel-start-rank 8") == 4
+    assert script.count("--data-parallel-size 16 --enable-expert-parallel") == 8
+    assert script.count('"kv_connector":"MultiConnector"') == 4  # the decode groups offload too
+    orchestrator = tomllib.loads((run / "configs" / "orchestrator.toml").read_text())
+    assert orchestrator["return_routed_experts"] is False and orchestrator["inference_backend"] == "vllm"
+    assert "--prefill-servers" in script
