@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -41,6 +41,7 @@ from asyncrl.wire import (
     UpdateWeightsResponse,
     WeightsInfo,
 )
+from asyncrl.wire.binary import GENERATE_MEDIA_TYPE, encode_generate
 from asyncrl.wire.http import FieldValueError
 from asyncrl.wire.vllm import VLLMGenerateRequest, to_vllm_answer
 
@@ -236,9 +237,13 @@ def _add_core_routes(app: FastAPI) -> None:
             context_version=result.context_version,
         )
 
-    @app.post("/v1/generate")
-    async def generate(body: GenerateRequest, http: Request) -> GenerateResponse:
-        return await run(body, http, "prompt_token_ids")
+    @app.post("/v1/generate", response_model=GenerateResponse)
+    async def generate(body: GenerateRequest, http: Request) -> GenerateResponse | Response:
+        """JSON, or the binary body (routing as raw bytes) for a client whose `Accept` names it."""
+        response = await run(body, http, "prompt_token_ids")
+        if GENERATE_MEDIA_TYPE in http.headers.get("accept", ""):
+            return Response(encode_generate(response), media_type=GENERATE_MEDIA_TYPE)
+        return response
 
     @app.post("/inference/v1/generate")
     async def generate_vllm_shape(body: VLLMGenerateRequest, http: Request) -> dict[str, Any]:
