@@ -62,9 +62,13 @@ def episode(server):
 
         sampling = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
         policy = TokenPolicy(
-            RequestClient(send), _Ids(), sampling, config=EnvConfig(name="calculator"), cache_salt="r3"
+            RequestClient(send),
+            _Ids(),
+            sampling,
+            config=EnvConfig(name="calculator"),
+            cache_salt="r3",
+            return_routed_experts=True,
         )
-        policy.return_routed_experts = True
         messages = []
         for env_ids in ENV_TOKENS:
             messages.append({"ids": env_ids})
