@@ -36,7 +36,6 @@ from asyncrl.wire import (
     PauseRequest,
     PauseResponse,
     ResumeResponse,
-    RoutedExperts,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
     WeightsInfo,
@@ -222,20 +221,7 @@ def _add_core_routes(app: FastAPI) -> None:
             # The engine names the field "prompt"; these endpoints name it as their body does.
             field = prompt_field if e.field == "prompt" else e.field
             raise InvalidRequestError(field, e.message, e.status) from None
-        routed = None
-        if result.routed_experts is not None:
-            start = min(body.routed_experts_start, len(body.prompt_token_ids))
-            routed = RoutedExperts.from_array(result.routed_experts, start=start)
-        return GenerateResponse(
-            token_ids=result.token_ids,
-            logprobs=result.logprobs,
-            policy_versions=result.versions,
-            finish_reason=result.finish_reason,
-            num_cached_tokens=result.num_cached_tokens,
-            prompt_token_ids=body.prompt_token_ids,
-            routed_experts=routed,
-            context_version=result.context_version,
-        )
+        return result.to_response(body)
 
     @app.post("/v1/generate", response_model=GenerateResponse)
     async def generate(body: GenerateRequest, http: Request) -> GenerateResponse | Response:

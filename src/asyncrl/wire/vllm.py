@@ -175,7 +175,6 @@ def from_vllm_generate(
         policy_versions=_versions(choice.get("weight_versions"), len(token_ids), fallback_version),
         finish_reason=finish,
         num_cached_tokens=int(cached),
-        prompt_token_ids=request.prompt_token_ids,
         routed_experts=_routed(choice, request, len(token_ids)),
     )
 

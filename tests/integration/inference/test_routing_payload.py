@@ -96,7 +96,8 @@ def test_per_turn_routing_deltas_assemble_into_the_whole_context_routing(episode
     requests, responses, sample, whole = episode
     held = 0
     for request, response in zip(requests, responses):
-        # each turn asks only for what it adds, and gets exactly that
+        # each turn asks only for what it adds, and gets exactly that; the prompt does not come back
+        assert response.prompt_token_ids is None
         assert request.routed_experts_start == held and response.routed_experts.start == held
         held = len(request.prompt_token_ids) + len(response.token_ids)
         assert response.routed_experts.shape[0] == held - request.routed_experts_start

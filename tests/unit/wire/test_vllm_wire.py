@@ -73,7 +73,7 @@ def test_weight_version_spans_become_exact_per_token_versions():
     assert out.policy_versions == [0, 0, 7, 7, 7]
     assert out.logprobs == [-0.5, -1.5, -2.5, -3.5, -4.5]
     assert out.finish_reason == "length" and out.num_cached_tokens == 2
-    assert out.prompt_token_ids == [1, 2, 3] and out.routed_experts is None
+    assert out.prompt_token_ids is None and out.routed_experts is None  # the client holds the prompt
 
 
 def test_missing_spans_use_the_fallback_version_or_fail():
@@ -175,7 +175,6 @@ def test_embedded_answer_in_vllm_shape_round_trips():
         policy_versions=[3, 3, 4],
         finish_reason="stop",
         num_cached_tokens=2,
-        prompt_token_ids=[1, 2, 3, 4],
         routed_experts=routed,
     )
     payload = to_vllm_answer(ours, req, "r-9")
