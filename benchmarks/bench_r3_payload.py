@@ -62,22 +62,37 @@ def _vllm_answer(request_body: dict, full: np.ndarray, completion: list[int]) ->
     return json.dumps({"choices": [choice], "usage": {"prompt_tokens": num_prompt}}).encode()
 
 
+def _server_answer(request, completion: list[int], routing: np.ndarray):
+    """The embedded server's `/v1/generate` answer, as the code under test builds it."""
+    from asyncrl.wire import GenerateResponse, RoutedExperts
+
+    try:
+        from asyncrl.inference.serving import Collected
+    except ImportError:
+        Collected = None
+    fields = {"token_ids": completion, "logprobs": [-1.0] * len(completion), "finish_reason": "length"}
+    if Collected is not None and hasattr(Collected, "to_response"):
+        done = Collected(**fields, versions=[0] * len(completion), routed_experts=routing, context_version=0)
+        return done.to_response(request)
+    start = min(request.routed_experts_start, len(request.prompt_token_ids))
+    return GenerateResponse(  # the answer before `to_response`: it repeated the prompt's ids
+        **fields,
+        policy_versions=[0] * len(completion),
+        prompt_token_ids=request.prompt_token_ids,
+        routed_experts=RoutedExperts.from_array(routing, start=start),
+        context_version=0,
+    )
+
+
 def _codec(path: str, full: np.ndarray):
     """(encode(request, completion) -> body, parse(body, request) -> GenerateResponse) of one path."""
-    from asyncrl.wire import GenerateResponse, RoutedExperts
+    from asyncrl.wire import GenerateResponse
     from asyncrl.wire.vllm import from_vllm_generate, to_vllm_generate
 
     def ours(request, completion):
-        end = len(request.prompt_token_ids) + len(completion)  # the embedded engine routes the last token
         start = min(request.routed_experts_start, len(request.prompt_token_ids))
-        return GenerateResponse(
-            token_ids=completion,
-            logprobs=[-1.0] * len(completion),
-            policy_versions=[0] * len(completion),
-            finish_reason="length",
-            routed_experts=RoutedExperts.from_array(full[start:end], start=start),
-            context_version=0,
-        )
+        end = len(request.prompt_token_ids) + len(completion)  # the embedded engine routes the last token
+        return _server_answer(request, completion, full[start:end])
 
     if path == "vLLM":
         return (
@@ -88,8 +103,9 @@ def _codec(path: str, full: np.ndarray):
         from asyncrl.wire.binary import decode_generate, encode_generate
 
         return lambda req, c: encode_generate(ours(req, c)), lambda body, req: decode_generate(body)
-    return lambda req, c: ours(req, c).model_dump_json().encode(), lambda body, req: (
-        GenerateResponse.model_validate_json(body)
+    return (
+        lambda req, c: ours(req, c).model_dump_json().encode(),
+        lambda body, req: GenerateResponse.model_validate_json(body),
     )
 
 
@@ -114,17 +130,17 @@ def _episode(path: str, full: np.ndarray, turns: int, completion: int) -> dict:
             routed_experts_start=traj.routing_start,
         )
         sampled = stream[len(prompt) : len(prompt) + completion]
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         body = encode(request, sampled)
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         traj.add_completion(parse(body, request), temperature=1.0)
-        t2 = time.perf_counter()
+        t2 = time.thread_time()
         out["bytes"].append(len(body))
         out["encode_s"].append(t1 - t0)
         out["decode_s"].append(t2 - t1)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     (sample,) = traj.build(reward=1.0, env="bench", episode_id="e", metrics={})
-    out["build_s"] = time.perf_counter() - t0
+    out["build_s"] = time.thread_time() - t0
     n = len(sample.token_ids)  # vLLM never routes the last token: the trajectory repeats the row before
     last = full[n - 2] if sample.metrics.get("routing_filled_tokens") else full[n - 1]
     assert sample.routed_experts[:-1].tobytes() == full[: n - 1].tobytes(), f"{path}: routing not exact"
@@ -132,9 +148,9 @@ def _episode(path: str, full: np.ndarray, turns: int, completion: int) -> dict:
     with tempfile.TemporaryDirectory() as run:
         step_dir = write_batch(run, RolloutBatch(step=0, samples=[sample]))
         out["batch_bytes"] = sum(f.stat().st_size for f in step_dir.iterdir())
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         (back,) = read_batch(run, 0, timeout_s=5).samples
-        out["read_s"] = time.perf_counter() - t0
+        out["read_s"] = time.thread_time() - t0
     out["routing_bytes"] = int(back.routed_experts.nbytes)
     out["routing_dtype"] = str(back.routed_experts.dtype)
     return out
@@ -149,39 +165,57 @@ def _paths() -> list[str]:
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
-    """Every path x shape x context in this interpreter; per-turn figures are medians over repeats."""
+    """One episode per path x shape x context, in this interpreter."""
     rows = []
     for shape in args.shapes:
         layers, top_k, experts = SHAPES[shape]
         for context in args.contexts:
             full = np.random.default_rng(0).integers(0, experts, (context, layers, top_k)).astype(np.uint8)
             for path in _paths():
-                runs = [_episode(path, full, args.turns, args.completion) for _ in range(args.repeats)]
-                med = {
-                    key: [statistics.median(r[key][t] for r in runs) for t in range(args.turns)]
-                    for key in ("bytes", "encode_s", "decode_s")
-                }
-                med |= {k: statistics.median(r[k] for r in runs) for k in ("build_s", "read_s")}
-                rows.append(
-                    {"shape": shape, "context": context, "path": path}
-                    | med
-                    | {k: runs[0][k] for k in ("batch_bytes", "routing_bytes", "routing_dtype")}
-                )
+                run = _episode(path, full, args.turns, args.completion)
+                rows.append({"shape": shape, "context": context, "path": path} | run)
     return rows
 
 
-def _baseline(args: argparse.Namespace) -> list[dict]:
+def _child(src: str, args: argparse.Namespace) -> list[dict]:
+    """`measure` on the code in `src`, in a fresh interpreter."""
     cmd = [sys.executable, __file__, "--child", *_forwarded(args)]
-    env = os.environ | {"PYTHONPATH": str(Path(args.baseline_src).resolve())}
+    env = os.environ | {"PYTHONPATH": str(Path(src).resolve())}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _medians(runs: list[list[dict]]) -> list[dict]:
+    """Per row, the median over runs of each per-turn figure and of the episode's figures."""
+    out = []
+    for rows in zip(*runs):
+        med = dict(rows[0])
+        for key in ("bytes", "encode_s", "decode_s"):
+            med[key] = [statistics.median(r[key][t] for r in rows) for t in range(len(rows[0][key]))]
+        med |= {k: statistics.median(r[k] for r in rows) for k in ("build_s", "read_s")}
+        out.append(med)
+    return out
 
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
     return [
         "--contexts", *map(str, args.contexts), "--shapes", *args.shapes, "--turns", str(args.turns),
-        "--completion", str(args.completion), "--repeats", str(args.repeats),
+        "--completion", str(args.completion),
     ]  # fmt: skip
+
+
+def machine() -> str:
+    """CPU model, cores and the flags the numbers depend on."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = dict(ln.split(":", 1) for ln in info.splitlines() if ":" in ln)
+    name = fields.get("model name\t", "").strip() or "unknown CPU"
+    flags = set(fields.get("flags\t\t", "").split())
+    has = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    lacks = [f for f in ("avx512_bf16", "amx_bf16") if f not in flags]
+    return (
+        f"{name}, {os.cpu_count()} CPUs (shared with other jobs); flags {' '.join(has) or 'none listed'}"
+        + (f", no {' / '.join(lacks)}" if lacks else "")
+    )
 
 
 def _mb(n: float) -> str:
@@ -191,8 +225,8 @@ def _mb(n: float) -> str:
 def table(before: list[dict], after: list[dict]) -> str:
     """One row per path and run: the last turn (context = the whole length) and the whole episode."""
     lines = [
-        "| model | context | path | code | last turn: MB on the wire | last turn: decode ms | "
-        "last turn: server encode ms | episode: MB | episode: decode ms (+ build) | batch on disk MB "
+        "| model | context | path | code | last turn: MB on the wire | last turn: decode CPU ms | "
+        "last turn: server encode CPU ms | episode: MB | episode: decode CPU ms (+ build) | batch on disk MB "
         "(routing, dtype) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -216,12 +250,13 @@ def ratios(before: list[dict], after: list[dict]) -> str:
         b = old.get((r["shape"], r["context"], base_path))
         if b is None or (r["path"] == "embedded, JSON" and "embedded, binary" in {x["path"] for x in after}):
             continue
+        turn_bytes, turn_cpu = b["bytes"][-1] / r["bytes"][-1], b["decode_s"][-1] / r["decode_s"][-1]
+        ep_bytes = sum(b["bytes"]) / sum(r["bytes"])
+        ep_cpu = (sum(b["decode_s"]) + b["build_s"]) / (sum(r["decode_s"]) + r["build_s"])
         out.append(
             f"- {r['shape']}, {r['context']} tokens, {base_path} before -> {r['path']} after: last turn "
-            f"{b['bytes'][-1] / r['bytes'][-1]:.1f}x fewer bytes, {b['decode_s'][-1] / r['decode_s'][-1]:.1f}x "
-            f"less decode time; episode {sum(b['bytes']) / sum(r['bytes']):.1f}x fewer bytes, "
-            f"{(sum(b['decode_s']) + b['build_s']) / (sum(r['decode_s']) + r['build_s']):.1f}x less decode "
-            "time (with the sample's build)"
+            f"{turn_bytes:.1f}x fewer bytes, {turn_cpu:.1f}x less decode CPU; episode {ep_bytes:.1f}x "
+            f"fewer bytes, {ep_cpu:.1f}x less decode CPU (with the sample's build)"
         )
     return "\n".join(out)
 
@@ -253,6 +288,7 @@ def main() -> None:
     p.add_argument("--completion", type=int, default=256, help="sampled tokens per turn")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--baseline-src", help="the src of the code before the change: the 'before' rows")
+    p.add_argument("--baseline-label", default="the code before", help="what --baseline-src is (printed)")
     p.add_argument("--write", action="store_true", help="replace the section in BENCHMARKS.md")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -260,14 +296,32 @@ def main() -> None:
         print(json.dumps(measure(args)))
         return
     t0 = time.time()
-    before = _baseline(args) if args.baseline_src else []
-    after = measure(args)
+    before_runs, after_runs = [], []
+    for _ in range(args.repeats):  # before and after alternate, so both see the same machine load
+        if args.baseline_src:
+            before_runs.append(_child(args.baseline_src, args))
+        after_runs.append(_child(str(Path(__file__).resolve().parents[1] / "src"), args))
+    before = _medians(before_runs) if before_runs else []
+    after = _medians(after_runs)
+    load = os.getloadavg()[0]
+    header = (
+        f"One run ({args.repeats} alternating repeats, medians). Command: `PYTHONPATH=src python "
+        "benchmarks/bench_r3_payload.py --baseline-src <src before> --write`; before: "
+        f"{args.baseline_label}. Machine: {machine()}; "
+        f"1-minute load average {load:.1f} at the end. Times are CPU time of the one thread that "
+        "decodes (the orchestrator's process), from the body's bytes to the rows placed in the "
+        f"trajectory; an episode is {args.turns} turns of {args.completion} sampled tokens each. The "
+        "vLLM rows are answers the script builds in vLLM 0.32's format (an `.npy` in base64 from "
+        "`routed_experts_prompt_start`), not a live vLLM: its CPU build cannot return routing. Ids are "
+        "random; the batch stores them uint8 before and after (it already did)."
+    )
     body = "\n\n".join(
         [
+            header,
             table(before, after),
             ratios(before, after),
             glm5_extrapolation(args.turns),
-            f"({time.time() - t0:.0f} s)",
+            f"Took {time.time() - t0:.0f} s.",
         ]
     )
     print(body)
