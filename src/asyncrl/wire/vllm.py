@@ -120,17 +120,17 @@ def _routed(choice: dict, request: GenerateRequest, num_tokens: int) -> RoutedEx
     if arr.ndim != 3:
         raise VLLMProtocolError(f"routed_experts must be [tokens, layers, top_k], got shape {arr.shape}")
     asked = min(request.routed_experts_start, len(request.prompt_token_ids))
-    sent_from = choice.get("routed_experts_start")
-    if sent_from is None:
+    if choice.get("routed_experts_start") is not None:
+        sent_from = int(choice["routed_experts_start"])
+    else:
         sent_from = len(request.prompt_token_ids) + num_tokens - 1 - arr.shape[0]
         if sent_from not in (0, asked):
             raise VLLMProtocolError(
                 f"{arr.shape[0]} routed_experts rows for {len(request.prompt_token_ids)} prompt and "
                 f"{num_tokens} completion tokens from start {asked}"
             )
-    return RoutedExperts.from_array(
-        _expert_ids(arr[max(asked, int(sent_from)) - int(sent_from) :]), start=max(asked, int(sent_from))
-    )
+    start = max(asked, sent_from)
+    return RoutedExperts.from_array(_expert_ids(arr[start - sent_from :]), start=start)
 
 
 def _expert_ids(arr: np.ndarray) -> np.ndarray:
