@@ -79,7 +79,7 @@ def test_the_demo_runs_with_the_distributed_transport_through_a_server_restart(t
         victim = _pid_of(f"inference @ {run_dir}/configs/inference-1.toml")
         assert victim is not None
         subprocess.run(["kill", "-9", str(victim)], check=True)
-        out, err = proc.communicate(timeout=400)
+        _, err = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
