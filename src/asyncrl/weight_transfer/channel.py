@@ -18,6 +18,7 @@ sender's stream, it answers each sender with an ack (int64 [1]: 1 taken, 0 refus
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -106,7 +107,11 @@ class Channel:
         """Drop the group, so that a peer blocked on this channel fails now instead of at its timeout:
         destroying a gloo group closes its connections (its `abort` and `shutdown` leave a peer's send
         waiting). The channel is unusable afterwards."""
-        self.group = None
+        group, self.group = self.group, None
+        if group is not None and self.device.type == "cuda":
+            # an NCCL communicator with work in flight must be aborted before it is destroyed
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                group.abort()
 
     def send_bucket(self, header: BucketHeader, payload: torch.Tensor, dst: int) -> None:
         data = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
