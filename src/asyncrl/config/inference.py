@@ -27,6 +27,7 @@ from asyncrl.config.base import BaseConfig
 from asyncrl.config.fp8 import FP8Config
 from asyncrl.config.shared import Device
 from asyncrl.config.vllm import VLLMConfig
+from asyncrl.config.weights import FilesystemWeightsConfig, WeightsConfig
 
 __all__ = ["Deployment", "InferenceConfig", "Role", "is_loopback"]
 
@@ -94,6 +95,14 @@ class InferenceConfig(BaseConfig):
     prefill: VLLMConfig | None = Field(
         None, description="disaggregated only: the prefill servers' vLLM keys; default: [inference.vllm]"
     )
+    weights: WeightsConfig = Field(
+        default_factory=FilesystemWeightsConfig,
+        description="how new weights arrive: files named by /update_weights, or (distributed) versions "
+        "received from the trainer through `endpoint`, staged while serving",
+    )
+    weights_server: str = Field(
+        "server0", description="this server's name on the weights endpoint (one per server of a run)"
+    )
 
     @model_validator(mode="after")
     def _check_exposure(self) -> InferenceConfig:
@@ -144,6 +153,19 @@ class InferenceConfig(BaseConfig):
         if role != "prefill" or self.prefill is None:
             return self
         return self.model_copy(update={"vllm": self.prefill})
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> InferenceConfig:
+        if self.weights.transport == "distributed" and self.weights.endpoint is None:
+            raise ValueError(
+                "weights.transport = 'distributed' needs weights.endpoint (host:port of the trainer's "
+                "weights store; `asyncrl rl` sets it)"
+            )
+        if not self.weights_server or "/" in self.weights_server:
+            raise ValueError(
+                f"weights_server must be a non-empty name without '/', got {self.weights_server!r}"
+            )
+        return self
 
     def context_len(self) -> int | None:
         """The server's context limit: `max_model_len`, else the model's `max_position_embeddings`

@@ -13,6 +13,11 @@ holds inference_nodes + trainer_nodes nodes; Slurm's node list is split in that 
   servers' URLs (and their prefill servers' under `deployment = "disaggregated"`), which are known
   only once Slurm has picked the hosts.
 
+With `[weights] transport = "distributed"` (one trainer node), trainer rank 0 hosts the weights
+store on the trainer node at slurm.rdzv_port + 1 (unless `[weights] endpoint` names another
+address): the configs hold the job's variable for that node, and the trainer and every server get
+the address on their command line.
+
 The job runs in the directory it was rendered from (`#SBATCH --chdir`), so every path of the
 configs means on the nodes what it means here; it needs them on a filesystem shared by every node
 at the same path and `gpus_per_node` GPUs per node, and checks both on every node before it starts
@@ -65,8 +70,28 @@ class SlurmRLConfig(RLConfig):
 
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
+    def with_job_weights_endpoint(self) -> SlurmRLConfig:
+        """With `[weights] transport = "distributed"` and no endpoint: trainer rank 0's node (known to
+        the job only, so the configs hold the job's variable for it) at slurm.rdzv_port + 1."""
+        return self.with_weights_endpoint(WEIGHTS_HOST, self.slurm.rdzv_port + 1)
+
+
+# The job's variable for trainer rank 0's node, where the weights store listens. The configs hold it
+# as text; the job passes the address, expanded, to the trainer and each server (`_weights_flag`).
+WEIGHTS_HOST = "${TRAINER_MASTER}"
+
+
+def _weights_flag(cfg: SlurmRLConfig) -> str:
+    """` --weights.endpoint "HOST:PORT"` for the job's command lines when the run sends weights over
+    process groups (the shell expands the host there), else nothing."""
+    w = cfg.weights
+    if w.transport != "distributed" or w.endpoint is None:
+        return ""
+    return f' --weights.endpoint "{w.endpoint}"'
+
 
 def _plan(cfg: SlurmRLConfig) -> list[ServerStep]:
+    _check_weights(cfg)
     return plan_inference(
         cfg.slurm,
         cfg.resolve().inference[0],
@@ -74,6 +99,16 @@ def _plan(cfg: SlurmRLConfig) -> list[ServerStep]:
         base_port=cfg.deployment.base_port,
         seed=cfg.seed,
     )
+
+
+def _check_weights(cfg: SlurmRLConfig) -> None:
+    if cfg.weights.transport == "distributed" and cfg.slurm.trainer_nodes > 1:
+        raise ConfigError(
+            f'[weights] transport = "distributed" with slurm.trainer_nodes = {cfg.slurm.trainer_nodes} is '
+            "not supported yet: trainer rank 0, which hosts the weights store, lands on a node that "
+            "torchrun's rendezvous picks when the job runs; use one trainer node, or "
+            'transport = "filesystem"'
+        )
 
 
 def _header(s: SlurmConfig, run_dir: Path, workdir: Path) -> list[str]:
@@ -128,7 +163,14 @@ def _vllm_paths(cfg: SlurmRLConfig) -> list[str]:
 
 def _inference(cfg: SlurmRLConfig, run_dir: Path) -> list[str]:
     inference = cfg.resolve().inference[0]
-    return inference_lines(_plan(cfg), inference, slurm=cfg.slurm, run_dir=run_dir, api_key=bool(cfg.api_key))
+    return inference_lines(
+        _plan(cfg),
+        inference,
+        slurm=cfg.slurm,
+        run_dir=run_dir,
+        api_key=bool(cfg.api_key),
+        embedded_flags=_weights_flag(cfg),
+    )
 
 
 def _job_start(cfg: SlurmRLConfig, run_dir: Path, *, resume: bool) -> list[str]:
@@ -171,7 +213,7 @@ def render_sbatch(
         f"--nproc-per-node={s.gpus_per_node} "
         f'--rdzv-backend=c10d --rdzv-endpoint="${{TRAINER_MASTER}}:{s.rdzv_port}" '
         '--rdzv-id="$SLURM_JOB_ID" \\',
-        f'  -m asyncrl trainer @ "{config_file(run_dir, "trainer")}" &',
+        f'  -m asyncrl trainer @ "{config_file(run_dir, "trainer")}"{_weights_flag(cfg)} &',
         "TRAINER_PID=$!",
         "",
         "# orchestrator (CPU only): told the servers' URLs now that the hosts are known",
@@ -298,7 +340,7 @@ def main(argv: list[str]) -> int:
         if flags.job_start:
             return job_start(argv, resume=flags.resume)
         # Servers listen on 0.0.0.0 on cluster nodes: they always get a per-run API key.
-        cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=True)
+        cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=True).with_job_weights_endpoint()
         script = render_sbatch(cfg, Path(cfg.run_dir), resume=flags.resume)
         resolved = _resolve(cfg, flags.model_config)
         if flags.resume:

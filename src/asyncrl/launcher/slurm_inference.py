@@ -219,10 +219,17 @@ def _url(step: ServerStep) -> str:
 
 
 def inference_lines(
-    steps: list[ServerStep], resolved: InferenceConfig, *, slurm: SlurmConfig, run_dir: Path, api_key: bool
+    steps: list[ServerStep],
+    resolved: InferenceConfig,
+    *,
+    slurm: SlurmConfig,
+    run_dir: Path,
+    api_key: bool,
+    embedded_flags: str = "",
 ) -> list[str]:
     """The job's lines that start every step of `steps` in the background (their PIDs in PIDS) and
-    collect the servers' URLs: SERVERS (serving or decode) and PREFILL_SERVERS, in server order."""
+    collect the servers' URLs: SERVERS (serving or decode) and PREFILL_SERVERS, in server order.
+    `embedded_flags` end each embedded server's command line (the weights endpoint)."""
     lines = ["", "# inference servers: one step per node of each, on its slice of the node's GPUs"]
     lines += [*_BIND_GPUS, *_launch(slurm.gpus_per_node), "SERVERS=()", "PREFILL_SERVERS=()", "PIDS=()"]
     if resolved.backend == "vllm" and api_key:
@@ -237,6 +244,7 @@ def inference_lines(
         else:
             config = config_file(run_dir, f"inference-{step.server}")
             command = f'{slurm.python} -m asyncrl inference @ "{config}" --host 0.0.0.0 --port {step.port}'
+            command += embedded_flags
         slice_ = f"{step.gpu_first}:{step.gpu_count}"
         lines.append(f'launch {step.node} {slice_} "{log_file(run_dir, step.name)}" {command}')
     return lines

@@ -18,6 +18,7 @@ sender's stream, it answers each sender with an ack (int64 [1]: 1 taken, 0 refus
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,7 +63,8 @@ class Channel:
         device: torch.device,
         timeout_s: float,
     ) -> None:
-        self.rdv, self.group, self.rank, self.device = rdv, group, rank, device
+        self.rdv, self.rank, self.device = rdv, rank, device
+        self.group: dist.ProcessGroup | None = group
         self.timeout = timedelta(seconds=timeout_s)
         self._store = store  # the group reads the store after construction; it must outlive the group
 
@@ -75,11 +77,24 @@ class Channel:
         return range(self.rdv.num_senders, self.rdv.world_size)
 
     @classmethod
-    def join(cls, rdv: Rendezvous, *, rank: int, device: torch.device, timeout_s: float) -> Channel:
-        """Join (rank 0: host) the channel; returns once every member has joined or raises TransferError."""
+    def join(
+        cls,
+        rdv: Rendezvous,
+        *,
+        rank: int,
+        device: torch.device,
+        timeout_s: float,
+        store: dist.Store | None = None,
+    ) -> Channel:
+        """Join the channel; returns once every member has joined or raises TransferError. Its keys
+        live under `rdv.name` in `store` (the run's control store) when given; otherwise rank 0
+        hosts a store of its own at `rdv.host:rdv.port`."""
         timeout = timedelta(seconds=timeout_s)
         try:
-            store = dist.TCPStore(rdv.host, rdv.port, rdv.world_size, is_master=rank == 0, timeout=timeout)
+            if store is None:
+                store = dist.TCPStore(
+                    rdv.host, rdv.port, rdv.world_size, is_master=rank == 0, timeout=timeout
+                )
             store = dist.PrefixStore(rdv.name, store)
             group = _backend(store, rank, rdv.world_size, device, timeout)
         except (RuntimeError, dist.DistError) as e:
@@ -87,6 +102,16 @@ class Channel:
                 f"joining the weight channel '{rdv.name}' at {rdv.host}:{rdv.port} failed: {e}"
             ) from e
         return cls(rdv, group, store, rank=rank, device=device, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        """Drop the group, so that a peer blocked on this channel fails now instead of at its timeout:
+        destroying a gloo group closes its connections (its `abort` and `shutdown` leave a peer's send
+        waiting). The channel is unusable afterwards."""
+        group, self.group = self.group, None
+        if group is not None and self.device.type == "cuda":
+            # an NCCL communicator with work in flight must be aborted before it is destroyed
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                group.abort()
 
     def send_bucket(self, header: BucketHeader, payload: torch.Tensor, dst: int) -> None:
         data = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
@@ -114,9 +139,15 @@ class Channel:
     def recv_ack(self, src: int) -> bool:
         return bool(self._recv(torch.empty(1, dtype=torch.int64), src, None)[0])
 
+    def _group(self) -> dist.ProcessGroup:
+        if self.group is None:
+            raise TransferError(f"the weight channel '{self.rdv.name}' was closed")
+        return self.group
+
     def _send(self, t: torch.Tensor, dst: int) -> None:
+        group = self._group()
         try:
-            self.group.send([t.to(self.device)], dst, 0).wait(self.timeout)
+            group.send([t.to(self.device)], dst, 0).wait(self.timeout)
         except (RuntimeError, dist.DistError) as e:
             raise TransferError(f"sending to channel rank {dst} failed: {e}") from e
 
@@ -125,8 +156,9 @@ class Channel:
         timeout = self.timeout
         if deadline is not None:
             timeout = min(timeout, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        group = self._group()
         try:
-            self.group.recv([buf], src, 0).wait(timeout)
+            group.recv([buf], src, 0).wait(timeout)
         except (RuntimeError, dist.DistError) as e:
             raise TransferError(f"receiving from channel rank {src} failed: {e}") from e
         return buf.cpu()

@@ -54,7 +54,11 @@ def test_admin_calls_send_and_parse_the_wire_models():
     assert ok is True
     assert seen[:3] == [
         ("POST", "/pause", {"mode": "abort"}),
-        ("POST", "/update_weights", {"path": "/w/step_7", "version": 7, "mode": "keep"}),
+        (
+            "POST",
+            "/update_weights",
+            {"path": "/w/step_7", "version": 7, "mode": "keep", "transport": "filesystem"},
+        ),
         ("POST", "/resume", {}),
     ]
 
