@@ -179,7 +179,9 @@ def test_distributed_weights_get_the_trainer_nodes_address_when_the_job_runs(tmp
     run = tmp_path / "run"
     script = (run / "slurm.sbatch").read_text()
     flag = '--weights.endpoint "${TRAINER_MASTER}:29501"'
-    assert f'--port "$port" {flag} &' in script and f'trainer.toml" {flag} &' in script
+    servers = [line for line in script.splitlines() if " -m asyncrl inference @ " in line]
+    assert len(servers) == 4 and all(line.endswith(f" {flag}") for line in servers)
+    assert f'trainer.toml" {flag} &' in script
     configs = {
         n: tomllib.loads((run / "configs" / f"{n}.toml").read_text()) for n in ("trainer", "inference-3")
     }
