@@ -136,7 +136,8 @@ class Router:
         server with more than `max_extra_requests` requests above the least loaded one's, or a KV
         usage more than `max_extra_kv` above the lowest; the least loaded server always stays. Of
         those left it takes the one holding the most leading blocks of the prompt, then the sticky
-        one, then the one with the fewest requests, then the lowest KV usage.
+        one, then the one with the fewest requests, then the lowest KV usage, then the one holding
+        the fewest blocks (so distinct prefixes spread over idle servers).
         """
         assert healthy, "choose() needs a healthy server"
         if self.mode != "cache_aware":
@@ -154,7 +155,8 @@ class Router:
             and s.kv_usage <= least_kv + self.max_extra_kv
         ]
         return max(
-            eligible, key=lambda s: (s.prefix.match(hashes), s is sticky, -s.num_requests, -s.kv_usage)
+            eligible,
+            key=lambda s: (s.prefix.match(hashes), s is sticky, -s.num_requests, -s.kv_usage, -len(s.prefix)),
         )
 
     def hashes(self, request: GenerateRequest) -> list[bytes]:
