@@ -31,13 +31,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from asyncrl.client import InferenceBackend, InferenceError, RequestClient, ServerUnavailable
 from asyncrl.orchestrator.concurrency import AdaptiveCap, InFlightGate
 from asyncrl.orchestrator.load import parse_metrics
 from asyncrl.orchestrator.routing import Router, Server
-from asyncrl.wire import GenerateRequest, GenerateResponse
+from asyncrl.wire import GenerateRequest, GenerateResponse, UpdateWeightsResponse
 
 if TYPE_CHECKING:
     from asyncrl.config.orchestrator import OrchestratorConfig
@@ -51,6 +51,14 @@ log = logging.getLogger(__name__)
 
 class NoHealthyServer(ServerUnavailable):
     """Every server is out of rotation."""
+
+
+@runtime_checkable
+class FollowsWeightLoads(Protocol):
+    """A gateway whose requests must hear of weight loads it did not drive (`VLLMBackend`: its salt
+    epoch and context floor move with the loads, which it otherwise drives itself)."""
+
+    def weights_loaded_behind(self, version: int) -> None: ...
 
 
 @dataclass
@@ -232,6 +240,9 @@ class ServerPool:
                 return e
 
         results = await asyncio.gather(*(one(s) for s in servers))
+        loaded = [r.version for r in results if isinstance(r, UpdateWeightsResponse)]
+        if loaded and isinstance(self.gateway, FollowsWeightLoads):
+            self.gateway.weights_loaded_behind(min(loaded))
         return {s.url: r for s, r in zip(servers, results, strict=True)}
 
     async def health_loop(

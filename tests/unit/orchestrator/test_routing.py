@@ -4,7 +4,11 @@ modes, and an external router by URL. In-process backends with a prefix cache st
 from __future__ import annotations
 
 import asyncio
+import json
 
+import httpx
+
+from asyncrl.client import VLLMBackend
 from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.orchestrator.load import ServerLoad
 from asyncrl.orchestrator.pool import ServerPool
@@ -261,3 +265,36 @@ def test_a_router_url_gets_every_generation_request_and_the_servers_every_admin_
     assert len(router.prompts) == 3 and router.admin == []
     assert all(s.prompts == [] and s.admin == ["update:1", "weights"] for s in servers)
     assert pool.stats.take()["inference/requests"] == 3
+
+
+def test_a_vllm_router_url_moves_its_salt_epoch_and_context_floor_with_the_servers_updates():
+    sent: list[dict] = []
+
+    def vllm_router(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append(body)
+        n = body["sampling_params"]["max_tokens"]
+        choice = {
+            "index": 0,
+            "finish_reason": "length",
+            "token_ids": list(range(n)),
+            "logprobs": {"content": [{"token_id": i, "logprob": -1.0} for i in range(n)]},
+            "weight_versions": [{"version": "2", "start": 0, "end": n}],
+        }
+        return httpx.Response(200, json={"choices": [choice]})
+
+    gateway = VLLMBackend("http://router/", transport=httpx.MockTransport(vllm_router))
+    servers = [CachingBackend("http://a:1"), CachingBackend("http://b:1")]
+    pool = ServerPool(servers, gateway=gateway)
+
+    async def go():
+        before = await _ask(pool, "s", [1, 2], salt="1")
+        await pool.call_all(lambda b: b.update_weights(UpdateWeightsRequest(path="/w", version=2)))
+        after = await _ask(pool, "s", [1, 2], salt="2")
+        return before, after
+
+    before, after = asyncio.run(go())
+    assert before.context_version == 0 and after.context_version == 2  # the floor follows the load
+    salt_before, salt_after = sent[0]["cache_salt"], sent[1]["cache_salt"]
+    assert salt_before.startswith("1|") and salt_after.startswith("2|")
+    assert salt_before.split("|")[1].split(".")[1] == "0" and salt_after.split("|")[1].split(".")[1] == "1"
