@@ -102,8 +102,8 @@ class OrchestratorConfig(BaseConfig):
         0.25,
         ge=0.0,
         le=1.0,
-        description="cache_aware: a server whose KV usage (a fraction) exceeds the lowest one's plus this "
-        "is not chosen for its cached prefix",
+        description="cache_aware: a server whose KV usage (a fraction) exceeds the least loaded one's plus "
+        "this is not chosen for its cached prefix",
     )
     metrics_poll_s: float = Field(
         1.0, gt=0.0, description="how often to read each server's /metrics (load, KV usage, block size)"

@@ -132,9 +132,9 @@ class Router:
         `sticky` is its session's server (None: a new session, or one whose server failed).
 
         least_loaded and random keep a session on its server and place a new one on the server with
-        the fewest of this pool's requests in flight, or a random one. cache_aware first drops every
-        server with more than `max_extra_requests` requests above the least loaded one's, or a KV
-        usage more than `max_extra_kv` above the lowest; the least loaded server always stays. Of
+        the fewest of this pool's requests in flight, or a random one. cache_aware first finds the
+        least loaded server (fewest requests, then lowest KV usage) and drops every server with more
+        than `max_extra_requests` requests or a KV usage more than `max_extra_kv` above its. Of
         those left it takes the one holding the most leading blocks of the prompt, then the sticky
         one, then the one with the fewest requests, then the lowest KV usage, then the one holding
         the fewest blocks (so distinct prefixes spread over idle servers).
@@ -146,13 +146,12 @@ class Router:
             if self.mode == "random":
                 return self._rng.choice(healthy)
             return min(healthy, key=lambda s: s.in_flight)
-        least_requests = min(s.num_requests for s in healthy)
-        least_kv = min(s.kv_usage for s in healthy)
+        least = min(healthy, key=lambda s: (s.num_requests, s.kv_usage))
         eligible = [
             s
             for s in healthy
-            if s.num_requests <= least_requests + self.max_extra_requests
-            and s.kv_usage <= least_kv + self.max_extra_kv
+            if s.num_requests <= least.num_requests + self.max_extra_requests
+            and s.kv_usage <= least.kv_usage + self.max_extra_kv
         ]
         return max(
             eligible,

@@ -202,6 +202,19 @@ def test_the_imbalance_bound_overrides_affinity_by_requests_and_by_kv():
     assert _second_request_goes_to(kv_usage=(0.4, 0.1)) == "mem://1"  # 0.4 > 0.1 + 0.25
 
 
+def test_the_bound_is_measured_from_one_least_loaded_server():
+    # the fewest requests on one server, the lowest KV usage on another: the first is the least
+    # loaded, the second too busy (requests) and the third too full (KV) next to it
+    pool, _ = _pool(3, max_extra_requests=2, max_extra_kv=0.25)
+    for server, (requests, usage) in zip(pool.servers, [(0, 0.5), (3, 0.0), (1, 0.9)], strict=True):
+        server.in_flight, server.load, server.in_flight_at_poll = (
+            requests,
+            ServerLoad(kv_usage=usage),
+            requests,
+        )
+    assert pool.router.choose(pool.servers, pool.servers[2], []) is pool.servers[0]
+
+
 def test_reported_queues_count_as_load_until_the_next_poll():
     pool, backends = _pool(2, max_extra_requests=1)
     backends[0].metrics_text = embedded_metrics(running=5)
