@@ -2,13 +2,16 @@
 
     python benchmarks/bench_routing.py [--servers 4] [--groups 48] [--write]
 
-Starts `--servers` embedded servers (tiny-moe, float32, one thread each, a small KV pool so that
-prefixes compete for it) and drives them through the orchestrator's `ServerPool` with each routing
-mode in turn. The workload is agentic: every task opens with one of `--system-prompts` shared
-system prompts, then its own user message; `--group-size` episodes of a task start together (a
-GRPO group), and each runs `--turns` turns, every turn adding the reply and a tool output to the
-prompt. `--concurrency` groups are in flight at once. Each mode salts its requests with its own
-name, so no mode is served blocks another computed, and runs on the same servers in turn.
+Starts `--servers` embedded servers (tiny-moe, float32, one thread each) and drives them through
+the orchestrator's `ServerPool` with each routing mode in turn. The workload is agentic: every
+task opens with one of `--system-prompts` shared system prompts, then a long prompt of its own (a
+task statement, files); `--group-size` episodes of a task start within `--start-jitter-s` of each
+other (a GRPO group whose sandboxes come up), and each runs `--turns` turns, every turn adding the
+reply and a tool output (after `--tool-latency-s`, while its KV sits unreferenced) to the prompt.
+`--concurrency` groups are in flight at once, and a server's KV pool holds about three episodes:
+the KV is under pressure, as it is with long agentic contexts on real servers. Each mode salts its
+requests with its own name, so no mode is served blocks another computed, and all modes run on the
+same servers in turn.
 
 Reports per mode: the prefix-cache hit rate the orchestrator sees (cached prompt tokens over prompt
 tokens, from the responses), the servers' own block hit rate (deltas of their
@@ -37,6 +40,7 @@ from pathlib import Path
 import httpx
 
 from asyncrl.client import build_backends
+from asyncrl.config.orchestrator import OrchestratorConfig
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.routing import Router
 from asyncrl.tools.init_model import init_model
@@ -139,7 +143,10 @@ async def _block_counters(urls: list[str]) -> tuple[float, float]:
 
 
 async def run_mode(mode: str, urls: list[str], work: Workload, args: argparse.Namespace) -> dict[str, float]:
-    pool = ServerPool(build_backends(urls, timeout_s=1800), router=Router(mode, seed=args.seed))
+    router = Router(
+        mode, max_extra_requests=args.max_extra_requests, max_extra_kv=args.max_extra_kv, seed=args.seed
+    )
+    pool = ServerPool(build_backends(urls, timeout_s=1800), router=router)
     await pool.poll_loads()
     poller = asyncio.create_task(pool.load_loop(1.0))
     gate = asyncio.Semaphore(args.concurrency)
@@ -220,17 +227,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=int, default=4)
     p.add_argument("--groups", type=int, default=48, help="tasks; each a group of --group-size episodes")
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=8, help="groups in flight")
-    p.add_argument("--system-prompts", type=int, default=12)
+    p.add_argument("--concurrency", type=int, default=4, help="groups in flight")
+    p.add_argument("--system-prompts", type=int, default=8)
     p.add_argument("--system-tokens", type=int, default=256)
-    p.add_argument("--user-tokens", type=int, default=32)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--user-tokens", type=int, default=1024, help="the task's own prompt after the system one")
+    p.add_argument("--turns", type=int, default=3)
     p.add_argument("--reply-tokens", type=int, default=16)
-    p.add_argument("--tool-tokens", type=int, default=32)
+    p.add_argument("--tool-tokens", type=int, default=64)
     p.add_argument("--start-jitter-s", type=float, default=0.5, help="episode starts: uniform in [0, this]")
-    p.add_argument("--tool-latency-s", type=float, default=0.05, help="per turn, between reply and next turn")
+    p.add_argument("--tool-latency-s", type=float, default=0.5, help="per turn, between reply and next turn")
     p.add_argument("--kv-cache-tokens", type=int, default=4096, help="per server")
     p.add_argument("--seed", type=int, default=0)
+    defaults = OrchestratorConfig.model_fields
+    p.add_argument("--max-extra-requests", type=int, default=defaults["routing_max_extra_requests"].default)
+    p.add_argument("--max-extra-kv", type=float, default=defaults["routing_max_extra_kv"].default)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     return p

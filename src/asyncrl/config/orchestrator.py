@@ -99,7 +99,7 @@ class OrchestratorConfig(BaseConfig):
         "chosen for its cached prefix",
     )
     routing_max_extra_kv: float = Field(
-        0.25,
+        0.5,
         ge=0.0,
         le=1.0,
         description="cache_aware: a server whose KV usage (a fraction) exceeds the least loaded one's plus "

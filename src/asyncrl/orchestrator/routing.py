@@ -10,7 +10,7 @@ an LRU map no larger than the server's KV pool. Among the servers that are not o
 to its session's server, then to the least loaded. The map is approximate: a server may have
 evicted a block the router still lists, which costs a recomputation, never a wrong answer.
 
-    router = Router("cache_aware", max_extra_requests=8, max_extra_kv=0.25)
+    router = Router("cache_aware", max_extra_requests=8, max_extra_kv=0.5)
     hashes = router.hashes(request)
     server = router.choose(pool.healthy_servers, None, hashes)
     router.sent(server, hashes); ...; router.answered(server, request, response, hashes)
@@ -117,7 +117,7 @@ class Router:
         mode: str = "cache_aware",
         *,
         max_extra_requests: int = 8,
-        max_extra_kv: float = 0.25,
+        max_extra_kv: float = 0.5,
         seed: int = 0,
     ) -> None:
         if mode not in ("cache_aware", "least_loaded", "random"):
