@@ -16,8 +16,9 @@ same servers in turn.
 Reports per mode: the prefix-cache hit rate the orchestrator sees (cached prompt tokens over prompt
 tokens, from the responses), the servers' own block hit rate (deltas of their
 `asyncrl_prefix_cache_{hits,queries}_total`), the prompt tokens prefilled (not served from the
-cache), and throughput (generated tokens and turns per second of wall time). `--write` replaces
-the section "## Routing: cache-aware vs least-loaded vs random" of BENCHMARKS.md.
+cache), and throughput: generated tokens per second of wall time, and the servers' CPU time per
+turn (what the prefill saved costs, less sensitive to other jobs on a shared machine). The modes
+run `--repeats` rounds, interleaved; the table gives medians. `--write` replaces the section "## Routing: cache-aware vs least-loaded vs random" of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,8 +62,8 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(model: Path, n: int, args: argparse.Namespace, logs: Path) -> Iterator[list[str]]:
-    """`n` embedded servers over `model`, one OpenMP thread each; yields their URLs once healthy."""
+def serve(model: Path, n: int, args: argparse.Namespace, logs: Path) -> Iterator[tuple[list[str], list[int]]]:
+    """`n` embedded servers over `model`, one OpenMP thread each; yields their URLs and pids once healthy."""
     env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     procs, urls = [], []
     try:
@@ -88,7 +90,7 @@ def serve(model: Path, n: int, args: argparse.Namespace, logs: Path) -> Iterator
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"server {url} not healthy after 300 s; logs in {logs}")
                 time.sleep(0.5)
-        yield urls
+        yield urls, [proc.pid for proc in procs]
     finally:
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -99,6 +101,15 @@ def serve(model: Path, n: int, args: argparse.Namespace, logs: Path) -> Iterator
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes, all their threads (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (after the name: state, ppid, ...)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -114,11 +125,11 @@ class Workload:
         rng = random.Random(f"task-{task}")
         return [*self.system_prompts[task % len(self.system_prompts)], *_tokens(rng, self.args.user_tokens)]
 
-    async def episode(self, pool: ServerPool, mode: str, task: int, member: int) -> tuple[int, int]:
-        """One episode of `--turns` turns; returns (generated tokens, turns)."""
-        session = pool.session(f"{mode}/{task}/{member}", cache_salt=lambda: mode)
+    async def episode(self, pool: ServerPool, run: str, task: int, member: int) -> tuple[int, int]:
+        """One episode of `--turns` turns, salted with `run`; returns (generated tokens, turns)."""
+        session = pool.session(f"{run}/{task}/{member}", cache_salt=lambda: run)
         prompt = self.task_prompt(task)
-        rng = random.Random(f"{mode}-{task}-{member}")
+        rng = random.Random(f"{run}-{task}-{member}")
         sampling = SamplingParams(temperature=1.0, max_tokens=self.args.reply_tokens, ignore_eos=True)
         generated = 0
         await asyncio.sleep(rng.uniform(0, self.args.start_jitter_s))  # its sandbox starts
@@ -127,7 +138,7 @@ class Workload:
             generated += len(out.token_ids)
             await asyncio.sleep(self.args.tool_latency_s)  # the tool runs; the KV sits unreferenced
             prompt = [*prompt, *out.token_ids, *_tokens(rng, self.args.tool_tokens)]
-        pool.end_session(f"{mode}/{task}/{member}")
+        pool.end_session(f"{run}/{task}/{member}")
         return generated, self.args.turns
 
 
@@ -142,7 +153,11 @@ async def _block_counters(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-async def run_mode(mode: str, urls: list[str], work: Workload, args: argparse.Namespace) -> dict[str, float]:
+async def run_mode(
+    mode: str, run: str, servers: tuple[list[str], list[int]], work: Workload, args: argparse.Namespace
+) -> dict[str, float]:
+    """One pass of the workload routed by `mode`, its requests salted with `run`."""
+    urls, pids = servers
     router = Router(
         mode, max_extra_requests=args.max_extra_requests, max_extra_kv=args.max_extra_kv, seed=args.seed
     )
@@ -153,16 +168,16 @@ async def run_mode(mode: str, urls: list[str], work: Workload, args: argparse.Na
 
     async def group(task: int) -> list[tuple[int, int]]:
         async with gate:
-            return await asyncio.gather(*(work.episode(pool, mode, task, m) for m in range(args.group_size)))
+            return await asyncio.gather(*(work.episode(pool, run, task, m) for m in range(args.group_size)))
 
     hits0, queries0 = await _block_counters(urls)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds(pids)
     try:
         done = await asyncio.gather(*(group(t) for t in range(args.groups)))
     finally:
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds(pids) - cpu0
     hits1, queries1 = await _block_counters(urls)
     stats = pool.stats
     generated = sum(g for grp in done for g, _ in grp)
@@ -176,6 +191,7 @@ async def run_mode(mode: str, urls: list[str], work: Workload, args: argparse.Na
         "tok_s": generated / wall,
         "turns_s": turns / wall,
         "wall_s": wall,
+        "cpu_ms_per_turn": 1000 * cpu / turns,
     }
 
 
@@ -206,18 +222,20 @@ def format_table(results: dict[str, dict[str, float]], args: argparse.Namespace)
         f"a {args.user_tokens}-token user message per task, {args.turns} turns of {args.reply_tokens} "
         f"sampled + {args.tool_tokens} tool tokens ({args.tool_latency_s} s per tool call, episodes "
         f"starting within {args.start_jitter_s} s of their group). "
-        f"Machine: {machine_line()}; one run per mode, in the "
-        "order of the table, on a machine shared with other jobs (throughput is noisy, compare ratios).",
+        f"Machine: {machine_line()}; medians of {args.repeats} "
+        "rounds of all modes, interleaved, on a machine shared with other jobs (wall-time throughput is "
+        "noisy; the servers' CPU time per turn much less so).",
         "",
         "| routing | hit rate (responses) | x least_loaded | block hit rate (servers) | prompt tokens "
-        "| prefilled | gen tok/s | turns/s | x least_loaded tok/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| prefilled | gen tok/s | x least_loaded | server CPU ms/turn | x least_loaded |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in results.items():
         lines.append(
             f"| {mode} | {r['hit_rate']:.3f} | {r['hit_rate'] / max(base['hit_rate'], 1e-9):.2f} "
             f"| {r['block_hit_rate']:.3f} | {r['prompt_tokens']:.0f} | {r['prefilled']:.0f} "
-            f"| {r['tok_s']:.1f} | {r['turns_s']:.2f} | {r['tok_s'] / base['tok_s']:.2f} |"
+            f"| {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f} | {r['cpu_ms_per_turn']:.1f} "
+            f"| {r['cpu_ms_per_turn'] / base['cpu_ms_per_turn']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -242,6 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-extra-requests", type=int, default=defaults["routing_max_extra_requests"].default)
     p.add_argument("--max-extra-kv", type=float, default=defaults["routing_max_extra_kv"].default)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--repeats", type=int, default=2, help="rounds of all modes; the table gives medians")
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     return p
 
@@ -253,11 +272,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         init_model("tiny-moe", root / "model", seed=0)
-        with serve(root / "model", args.servers, args, root) as urls:
-            results = {}
-            for mode in args.modes.split(","):
-                results[mode] = asyncio.run(run_mode(mode, urls, work, args))
-                print(mode, {k: round(v, 3) for k, v in results[mode].items()}, flush=True)
+        modes = args.modes.split(",")
+        runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+        with serve(root / "model", args.servers, args, root) as servers:
+            for repeat in range(args.repeats):  # modes interleaved, so that a busy spell hits them alike
+                for mode in modes:
+                    runs[mode].append(asyncio.run(run_mode(mode, f"{mode}/{repeat}", servers, work, args)))
+                    print(mode, repeat, {k: round(v, 3) for k, v in runs[mode][-1].items()}, flush=True)
+    results = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
     table = format_table(results, args)
     print(table)
     if args.write:
