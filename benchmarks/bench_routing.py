@@ -18,7 +18,8 @@ tokens, from the responses), the servers' own block hit rate (deltas of their
 `asyncrl_prefix_cache_{hits,queries}_total`), the prompt tokens prefilled (not served from the
 cache), and throughput: generated tokens per second of wall time, and the servers' CPU time per
 turn (what the prefill saved costs, less sensitive to other jobs on a shared machine). The modes
-run `--repeats` rounds, interleaved; the table gives medians. `--write` replaces the section "## Routing: cache-aware vs least-loaded vs random" of BENCHMARKS.md.
+run `--repeats` rounds, interleaved; the table gives medians. `--write` replaces the section
+"## Routing: cache-aware vs least-loaded vs random" of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -209,22 +210,25 @@ def machine_line() -> str:
     return f"{model}, {os.cpu_count()} cores, {isa}, {amx}"
 
 
-def format_table(results: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
+def format_table(results: dict[str, dict[str, float]], args: argparse.Namespace, run: str) -> str:
+    """The BENCHMARKS.md section; `run` says how long the run took and how loaded the machine was."""
     base = results["least_loaded"]
     lines = [
         SECTION,
         "",
-        f"`python benchmarks/bench_routing.py {' '.join(sys.argv[1:])}`: {args.servers} embedded servers "
+        f"`{' '.join(['PYTHONPATH=src python benchmarks/bench_routing.py', *sys.argv[1:]])}`: {args.servers} embedded servers "
         f"(tiny-moe, float32, one thread and {args.kv_cache_tokens} KV tokens each), driven through the "
         f"orchestrator's `ServerPool`. {args.groups} groups of {args.group_size} episodes, "
         f"{args.concurrency} groups in flight; {args.system_prompts} shared system prompts of "
         f"{args.system_tokens} tokens, "
-        f"a {args.user_tokens}-token user message per task, {args.turns} turns of {args.reply_tokens} "
+        f"a {args.user_tokens}-token prompt of each task's own, {args.turns} turns of {args.reply_tokens} "
         f"sampled + {args.tool_tokens} tool tokens ({args.tool_latency_s} s per tool call, episodes "
         f"starting within {args.start_jitter_s} s of their group). "
         f"Machine: {machine_line()}; medians of {args.repeats} "
         "rounds of all modes, interleaved, on a machine shared with other jobs (wall-time throughput is "
-        "noisy; the servers' CPU time per turn much less so).",
+        f"noisy; the servers' CPU time per turn much less so). {run}. Run in a working tree of this "
+        "repository, not a fresh clone. Goal: cache_aware at least 1.5x the hit rate of least_loaded, "
+        "throughput not lower.",
         "",
         "| routing | hit rate (responses) | x least_loaded | block hit rate (servers) | prompt tokens "
         "| prefilled | gen tok/s | x least_loaded | server CPU ms/turn | x least_loaded |",
@@ -269,6 +273,7 @@ def main() -> None:
     args = _parser().parse_args()
     rng = random.Random(args.seed)
     work = Workload([_tokens(rng, args.system_tokens) for _ in range(args.system_prompts)], args)
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         init_model("tiny-moe", root / "model", seed=0)
@@ -280,7 +285,11 @@ def main() -> None:
                     runs[mode].append(asyncio.run(run_mode(mode, f"{mode}/{repeat}", servers, work, args)))
                     print(mode, repeat, {k: round(v, 3) for k, v in runs[mode][-1].items()}, flush=True)
     results = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
-    table = format_table(results, args)
+    run = (
+        f"{time.monotonic() - t0:.0f} s in all; 1-minute load average (this run and other jobs) "
+        f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    )
+    table = format_table(results, args, run)
     print(table)
     if args.write:
         write_section(SECTION, table)

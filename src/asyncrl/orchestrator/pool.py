@@ -128,7 +128,8 @@ class ServerPool:
     def session(
         self, session_id: str, *, cache_salt: Callable[[], str] | None = None, count: bool = True
     ) -> RequestClient:
-        """The `InferenceClient` of one episode: all its turns go to one server.
+        """The `InferenceClient` of one episode: its turns stay on its server unless the router
+        finds that server overloaded or another holding more of the prompt (see `Router.choose`).
 
         `cache_salt`, when given, is called as each request is sent and its answer becomes the
         request's salt (the dispatcher's: the policy version the servers hold at that moment).
