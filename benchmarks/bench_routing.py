@@ -216,7 +216,8 @@ def format_table(results: dict[str, dict[str, float]], args: argparse.Namespace,
     lines = [
         SECTION,
         "",
-        f"`{' '.join(['PYTHONPATH=src python benchmarks/bench_routing.py', *sys.argv[1:]])}`: {args.servers} embedded servers "
+        f"`{' '.join(['PYTHONPATH=src python benchmarks/bench_routing.py', *sys.argv[1:]])}`: "
+        f"{args.servers} embedded servers "
         f"(tiny-moe, float32, one thread and {args.kv_cache_tokens} KV tokens each), driven through the "
         f"orchestrator's `ServerPool`. {args.groups} groups of {args.group_size} episodes, "
         f"{args.concurrency} groups in flight; {args.system_prompts} shared system prompts of "
