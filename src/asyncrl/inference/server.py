@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,11 +36,11 @@ from asyncrl.wire import (
     PauseRequest,
     PauseResponse,
     ResumeResponse,
-    RoutedExperts,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
     WeightsInfo,
 )
+from asyncrl.wire.binary import GENERATE_MEDIA_TYPE, encode_generate
 from asyncrl.wire.http import FieldValueError
 from asyncrl.wire.vllm import VLLMGenerateRequest, to_vllm_answer
 
@@ -221,24 +221,15 @@ def _add_core_routes(app: FastAPI) -> None:
             # The engine names the field "prompt"; these endpoints name it as their body does.
             field = prompt_field if e.field == "prompt" else e.field
             raise InvalidRequestError(field, e.message, e.status) from None
-        routed = None
-        if result.routed_experts is not None:
-            start = min(body.routed_experts_start, len(body.prompt_token_ids))
-            routed = RoutedExperts.from_array(result.routed_experts, start=start)
-        return GenerateResponse(
-            token_ids=result.token_ids,
-            logprobs=result.logprobs,
-            policy_versions=result.versions,
-            finish_reason=result.finish_reason,
-            num_cached_tokens=result.num_cached_tokens,
-            prompt_token_ids=body.prompt_token_ids,
-            routed_experts=routed,
-            context_version=result.context_version,
-        )
+        return result.to_response(body)
 
-    @app.post("/v1/generate")
-    async def generate(body: GenerateRequest, http: Request) -> GenerateResponse:
-        return await run(body, http, "prompt_token_ids")
+    @app.post("/v1/generate", response_model=GenerateResponse)
+    async def generate(body: GenerateRequest, http: Request) -> GenerateResponse | Response:
+        """JSON, or the binary body (routing as raw bytes) for a client whose `Accept` names it."""
+        response = await run(body, http, "prompt_token_ids")
+        if GENERATE_MEDIA_TYPE in http.headers.get("accept", ""):
+            return Response(encode_generate(response), media_type=GENERATE_MEDIA_TYPE)
+        return response
 
     @app.post("/inference/v1/generate")
     async def generate_vllm_shape(body: VLLMGenerateRequest, http: Request) -> dict[str, Any]:
@@ -248,7 +239,26 @@ def _add_core_routes(app: FastAPI) -> None:
         except ValidationError as e:  # GenerateRequest's own bounds (seed range, valid Unicode, ...)
             err = e.errors()[0]
             raise InvalidRequestError(".".join(str(p) for p in err["loc"]) or "body", err["msg"]) from None
-        return to_vllm_answer(await run(request, http, "token_ids"), request, body.request_id or "")
+        answer = await run(request, http, "token_ids")
+        handoff = _kv_handoff(body.kv_transfer_params, body.request_id or "")
+        return to_vllm_answer(answer, request, body.request_id or "", kv_transfer_params=handoff)
+
+
+def _kv_handoff(params: dict[str, Any] | None, request_id: str) -> dict[str, Any] | None:
+    """A prefill/decode pair's parameters, answered as a server without a KV connector can: a prefill
+    hop (`do_remote_decode`) gets parameters that name no blocks, and the decode hop that brings them
+    computes the whole prompt itself, so the pair's answer is what one server would give."""
+    if not params or not params.get("do_remote_decode"):
+        return None
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "asyncrl-embedded",
+        "remote_request_id": request_id,
+        "remote_block_ids": [],
+        "remote_host": None,
+        "remote_port": None,
+    }
 
 
 def _add_admin_routes(app: FastAPI) -> None:

@@ -245,8 +245,8 @@ def test_slurm_renders_vllm_servers(model_dir, tmp_path):
     script = render_sbatch(cfg, tmp_path)
     server = next(x for x in script.splitlines() if "vllm.entrypoints.openai.api_server" in x)
     assert " .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server" in server
-    assert server.strip().startswith('bash -c "$BIND_GPUS" bind-gpus env ')
-    assert '--host 0.0.0.0 --port "$port"' in server and '--seed "$((0 + i))"' in server
+    assert server.startswith("launch 0 0:8 ") and " env " in server  # node 0, its 8 GPUs
+    assert "--host 0.0.0.0 --port 8000" in server and "--seed 0" in server
     assert "--data-parallel-size 8 --enable-expert-parallel" in server
     assert "VLLM_SERVER_DEV_MODE=1" in script and "export VLLM_API_KEY=" in script
     assert f"PYTHONPATH={WORKER_EXTENSION_DIR}" in script and WORKER_EXTENSION_CLS in server
