@@ -245,6 +245,12 @@ class OrchestratorConfig(BaseConfig):
                 "they land in, and the batch cut drops them; raise max_off_policy_steps to at least "
                 "max_async_steps, or lower max_async_steps"
             )
+        if self.prefill_servers and self.router_url is not None:
+            raise ValueError(
+                f"routing = {self.routing!r} sends every generation request to that router, which would skip "
+                "the prefill/decode hand-over of prefill_servers (done by the orchestrator's client); use a "
+                "routing mode (cache_aware, least_loaded, random) with prefill_servers, or leave them out"
+            )
         if self.prefill_servers and len(self.prefill_servers) != len(self.servers):
             raise ValueError(
                 f"prefill_servers lists {len(self.prefill_servers)} servers, servers {len(self.servers)}: "

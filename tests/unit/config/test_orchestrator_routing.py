@@ -24,6 +24,15 @@ def test_an_unknown_routing_names_the_choices(bad):
         OrchestratorConfig(model="m", routing=bad)
 
 
+def test_a_router_url_cannot_skip_the_prefill_decode_hand_over():
+    with pytest.raises(ValidationError, match="skip the prefill/decode hand-over"):
+        OrchestratorConfig(
+            model="m", servers=["http://d:1"], prefill_servers=["http://p:1"], routing="http://router:9"
+        )
+    pairs = OrchestratorConfig(model="m", servers=["http://d:1"], prefill_servers=["http://p:1"])
+    assert pairs.routing == "cache_aware"
+
+
 def test_concurrency_bounds_are_checked():
     with pytest.raises(
         ConfigError, match=r"min_requests \(64\) is larger than concurrency.max_requests \(8\)"
