@@ -84,6 +84,13 @@ class VLLMBackend(HttpBackend):
         """The weights epoch that requests sent now are salted with (see the module docstring)."""
         return f"{self._instance}.{self._epoch}"
 
+    def weights_loaded_behind(self, version: int) -> None:
+        """The servers behind this URL (an external router's) have loaded `version`, paused and
+        resumed by their own backends: requests sent from now on start a new epoch, with `version`
+        as their context floor. Requests sent earlier keep their epoch and their older floor."""
+        self._epoch += 1
+        self._version = version
+
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
         path = "/inference/v1/generate"
         salt = self.epoch_key if request.cache_salt is None else f"{request.cache_salt}|{self.epoch_key}"

@@ -19,6 +19,10 @@ Example (TOML)::
 
     [eval]                               # held-out evals while training (asyncrl.config.evaluation)
     interval = 10
+
+    routing = "cache_aware"              # or "least_loaded", "random", or an external router's URL
+    [concurrency]                        # requests in flight follow the servers' free KV
+    adaptive = true
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from asyncrl.config.evaluation import EvalConfig
 from asyncrl.config.sampling import SamplingParams
 from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, SeqLen
 
-__all__ = ["AdvantageConfig", "OrchestratorConfig"]
+__all__ = ["ROUTING_MODES", "AdvantageConfig", "ConcurrencyConfig", "OrchestratorConfig"]
+
+ROUTING_MODES = ("cache_aware", "least_loaded", "random")
 
 
 class AdvantageConfig(BaseConfig):
@@ -42,6 +48,30 @@ class AdvantageConfig(BaseConfig):
     normalize_std: bool = Field(False, description="divide by the group's reward std (GRPO) as well")
     std_eps: float = Field(1e-6, gt=0.0, description="added to the std before dividing")
     filter_zero_advantage: bool = Field(True, description="drop groups whose rewards are all equal")
+
+
+class ConcurrencyConfig(BaseConfig):
+    """How many requests the orchestrator keeps in flight on its servers (docs/orchestrator.md)."""
+
+    adaptive: bool = Field(
+        True,
+        description="cap the requests in flight by the servers' free KV (polled from their /metrics), "
+        "between min_requests and max_requests; false: no cap beyond the groups in flight",
+    )
+    min_requests: int = Field(4, ge=1, description="the adaptive cap never goes below this")
+    max_requests: int = Field(512, ge=1, description="the adaptive cap never goes above this (its start)")
+    target_kv_usage: float = Field(
+        0.9, gt=0.0, le=1.0, description="the KV usage (fraction of blocks held by requests) the cap aims at"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ConcurrencyConfig:
+        if self.min_requests > self.max_requests:
+            raise ValueError(
+                f"concurrency.min_requests ({self.min_requests}) is larger than concurrency.max_requests "
+                f"({self.max_requests}); lower the first or raise the second"
+            )
+        return self
 
 
 class OrchestratorConfig(BaseConfig):
@@ -66,6 +96,29 @@ class OrchestratorConfig(BaseConfig):
         "sent them (docs/weights-transfer.md)",
     )
     api_key: str | None = Field(None, description="sent as `Authorization: Bearer KEY` to the servers")
+    routing: str = Field(
+        "cache_aware",
+        description="where each request goes: 'cache_aware' (the server holding its prefix, within the "
+        "imbalance bound), 'least_loaded', 'random', or the URL of an external router that gets every "
+        "generation request (admin calls still go to each server)",
+    )
+    routing_max_extra_requests: int = Field(
+        8,
+        ge=0,
+        description="cache_aware: a server with more requests than the least loaded one plus this is not "
+        "chosen for its cached prefix",
+    )
+    routing_max_extra_kv: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="cache_aware: a server whose KV usage (a fraction) exceeds the least loaded one's plus "
+        "this is not chosen for its cached prefix",
+    )
+    metrics_poll_s: float = Field(
+        1.0, gt=0.0, description="how often to read each server's /metrics (load, KV usage, block size)"
+    )
+    concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
     envs: EnvsConfig = Field(default_factory=EnvsConfig, description="the environment mixture")
     sampling: SamplingParams = Field(
         default_factory=lambda: SamplingParams(max_tokens=64), description="sampling of every rollout request"
@@ -131,6 +184,24 @@ class OrchestratorConfig(BaseConfig):
         "with an error naming why they were dropped; default 50 x (batch_size / group_size)",
     )
 
+    @field_validator("routing")
+    @classmethod
+    def _check_routing(cls, routing: str) -> str:
+        if routing in ROUTING_MODES:
+            return routing
+        if routing.startswith(("http://", "https://")) and len(routing.split("://", 1)[1].strip("/")) > 0:
+            return routing.rstrip("/")
+        raise ValueError(
+            f"routing = {routing!r} is neither a routing mode nor a router URL: use one of "
+            f"{', '.join(map(repr, ROUTING_MODES))}, or the http(s):// URL of an external router "
+            "(vllm-router, llm-d) that takes every generation request"
+        )
+
+    @property
+    def router_url(self) -> str | None:
+        """The external router's URL when `routing` names one, else None."""
+        return None if self.routing in ROUTING_MODES else self.routing
+
     @field_validator("sampling")
     @classmethod
     def _check_sampling(cls, sampling: SamplingParams) -> SamplingParams:
@@ -178,6 +249,12 @@ class OrchestratorConfig(BaseConfig):
                 f"({self.max_off_policy_steps}): groups dispatched that far ahead are too old for the batch "
                 "they land in, and the batch cut drops them; raise max_off_policy_steps to at least "
                 "max_async_steps, or lower max_async_steps"
+            )
+        if self.prefill_servers and self.router_url is not None:
+            raise ValueError(
+                f"routing = {self.routing!r} sends every generation request to that router, which would skip "
+                "the prefill/decode hand-over of prefill_servers (done by the orchestrator's client); use a "
+                "routing mode (cache_aware, least_loaded, random) with prefill_servers, or leave them out"
             )
         if self.prefill_servers and len(self.prefill_servers) != len(self.servers):
             raise ValueError(

@@ -43,10 +43,15 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
         timeout_s=cfg.request_timeout_s,
         prefill_urls=cfg.prefill_servers,
     )
-    pool = ServerPool(backends)
+    gateway = None
+    if cfg.router_url is not None:
+        kw = {"kind": cfg.inference_backend, "api_key": cfg.api_key, "timeout_s": cfg.request_timeout_s}
+        (gateway,) = build_backends([cfg.router_url], **kw)
+    pool = ServerPool.from_config(cfg, backends, gateway)
     evaluator: Evaluator | None = None
     try:
         await pool.wait_ready(cfg.server_ready_timeout_s)
+        await pool.poll_loads()  # the servers' block size before the first request is hashed
         mixture = EnvMixture.from_config(cfg.envs)
         tokenizer = ChatTokenizer.from_pretrained(cfg.model)
         dispatcher = Dispatcher(cfg, pool, mixture, tokenizer)
@@ -73,6 +78,7 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
         background = [
             asyncio.create_task(updater.run()),
             asyncio.create_task(pool.health_loop(cfg.health_poll_s, updater.sync_server)),
+            asyncio.create_task(pool.load_loop(cfg.metrics_poll_s)),
         ]
 
         def on_batch(step: int, metrics: dict) -> None:

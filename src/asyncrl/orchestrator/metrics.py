@@ -141,6 +141,6 @@ def format_line(m: dict) -> str:
     return (
         f"[orchestrator] step {m['step']:>4} | reward {_fmt(m.get('reward/mean'))} | v{m['policy_version']} "
         f"| stale {m['staleness/mean']:.2f}/{m['staleness/max']} | drop q{m['dropped/groups_stale_queue']} "
-        f"f{m['dropped/groups_stale_in_flight']} | cache {m['inference/prefix_cache_hit_rate']:.2f} "
+        f"f{m['dropped/groups_stale_in_flight']} | cache {m['inference/prefix_hit_rate']:.2f} "
         f"| {m['inference/tokens_per_s']:.0f} tok/s | idle {m['inference/idle_s']:.1f}s"
     )

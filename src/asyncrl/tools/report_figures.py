@@ -236,7 +236,7 @@ FIGURES: tuple[FigureSpec, ...] = (
                 title="prefix-cache hit rate",
                 ylabel="hit rate",
                 ylim=(0.0, 1.05),
-                lines=(Line(role=_ORCH, key="inference/prefix_cache_hit_rate", label="hit rate"),),
+                lines=(Line(role=_ORCH, key="inference/prefix_hit_rate", label="hit rate"),),
             ),
         ),
     ),

@@ -65,7 +65,7 @@ def test_synchronous_mode_trains_only_on_policy_tokens(tmp_path, tokenizer_dir, 
     # Synchronous: no update lands while requests run, so every salt names the weights that ran it,
     # and siblings (same prompt, same salt) hit the fake's prefix cache.
     assert all(seen.cache_salt == str(seen.version) for seen in server.seen)
-    assert all(r["inference/prefix_cache_hit_rate"] > 0 for r in records)
+    assert all(r["inference/prefix_hit_rate"] > 0 for r in records)
     assert server.version == 3  # v4 is published after the last batch; nobody needs it
     for b in batches:  # one advantage per episode; whole groups, so they sum to zero per batch
         per_sample = [np.unique(s.advantages[s.loss_mask]) for s in b.samples]

@@ -30,7 +30,7 @@ def test_step_metrics_leave_out_episode_means_when_no_episode_finished():
     assert "reward/mean" not in empty and "episode/tokens" not in empty
     assert empty["reward/batch_mean"] == 0.75
     assert "| reward   -   | v2" in format_line(
-        {**empty, "step": 3, "inference/prefix_cache_hit_rate": 0.0, "inference/tokens_per_s": 0.0}
+        {**empty, "step": 3, "inference/prefix_hit_rate": 0.0, "inference/tokens_per_s": 0.0}
     )
     since = StepMetrics()
     since.rewards["e"].extend([1.0, 0.0])

@@ -79,7 +79,7 @@ def orchestrator_record(step: int) -> dict:
         "episodes/retried_total": 1,
         "inference/idle_s": 0.5,
         "orchestrator/step_s": 2.0,
-        "inference/prefix_cache_hit_rate": 0.4,
+        "inference/prefix_hit_rate": 0.4,
         "inference/tokens_per_s": 20.0,
         "inference/requests": 28.0,
         "inference/pause_s": 0.05,
@@ -192,7 +192,7 @@ def test_figures_of_absent_metrics_are_named_not_drawn(tmp_path):
     assert drawn == {"mismatch", "trainer"}
     assert sorted(p.stem for p in (run / "report").glob("*.png")) == ["mismatch", "trainer"]
     assert "reward: not logged (orchestrator:reward/mean, orchestrator:reward/batch_mean)" in page
-    assert "prefix-cache hit rate: not logged (orchestrator:inference/prefix_cache_hit_rate)" in page
+    assert "prefix-cache hit rate: not logged (orchestrator:inference/prefix_hit_rate)" in page
     assert "no eval file (pass --eval FILE" in page
     assert "no batches under rollouts/ and no orchestrator &#x27;staleness/max&#x27;" in page
 
