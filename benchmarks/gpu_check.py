@@ -15,6 +15,9 @@ installed. Sections (each with a time budget, each failure recorded without stop
   fp8          block-scale FP8 vs fp32 (emulated), the scaled_mm kernel vs the emulation, and
                fp8_linear vs bf16 F.linear speed (skipped with the reason where the kernel can't run)
   exact        fp32 engine vs the trainer's fp32 recomputation on the device: mismatch KL ~ 0
+  weights      one policy version (moe-50m in bf16) over an update channel between two processes:
+               NCCL, one GPU each (skipped on a node with one GPU), gloo on the CPU; bit-identical
+               to the sender's serving tensors, seconds and MB/s
   decode       the in-process inference engine at concurrency 64 and 256: steady-state decode tok/s
 
 It writes DIR/gpu_check.json and DIR/gpu_check.md (the table) and exits 1 if any check failed or
@@ -51,6 +54,7 @@ from gpu_check_sections import (
     matmul_peak_section,
     trainer_section,
 )
+from gpu_check_weights import weights_section
 from report import BENCHMARKS, write_section
 
 TITLE = "## GPU check"
@@ -96,6 +100,8 @@ FULL = Sizes(
     decode_new_tokens=128,
     exact_prompts=16,
     exact_new_tokens=32,
+    weights_model_name="moe-50m",
+    weights_model=preset_args("moe-50m"),
 )
 TINY = Sizes(
     model_name="tiny-moe",
@@ -115,10 +121,12 @@ TINY = Sizes(
     decode_new_tokens=4,
     exact_prompts=4,
     exact_new_tokens=8,
+    weights_model_name="tiny-moe",
+    weights_model=preset_args("tiny-moe"),
 )
 
 # Seconds per section; no section starts past --time-limit, and each ends by the earlier of the two.
-BUDGETS_S = {"env": 5, "matmul_peak": 15, "trainer": 70, "fp8": 40, "exact": 40, "decode": 100}
+BUDGETS_S = {"env": 5, "matmul_peak": 15, "trainer": 70, "fp8": 40, "exact": 40, "weights": 40, "decode": 100}
 GRACE_S = 30  # past its budget a section is interrupted (a loop that ignores its deadline, a hang)
 
 
@@ -128,6 +136,7 @@ SECTIONS: dict[str, Callable[[Ctx], Section]] = {
     "trainer": trainer_section,
     "fp8": fp8_section,
     "exact": exact_section,
+    "weights": weights_section,
     "decode": decode_section,  # last: the longest, and its time budget cuts it short cleanly
 }
 

@@ -79,6 +79,8 @@ class Sizes:
     decode_new_tokens: int
     exact_prompts: int
     exact_new_tokens: int
+    weights_model_name: str  # the model the weights section sends over an update channel
+    weights_model: ModelArgs
 
 
 @dataclass

@@ -23,7 +23,7 @@ from asyncrl.model.compute import cpu_upcast
 from asyncrl.trainer.metrics import flops_per_token
 
 ROOT = Path(__file__).resolve().parents[3]
-SECTIONS = ["env", "matmul_peak", "trainer", "fp8", "exact", "decode"]
+SECTIONS = ["env", "matmul_peak", "trainer", "fp8", "exact", "weights", "decode"]
 
 # Runs the script with pydantic unimportable (a meta-path finder that refuses it), like the GPU image.
 WITHOUT_PYDANTIC = """
