@@ -354,8 +354,8 @@ def format_step(step: StepPlan, layout: Layout, inputs: RLInputs) -> str:
         + (" (overlaps the next step)" if inputs.publish_overlap else "")
         + f", read by {inf.num_servers} servers {step.read_s:.1f} s at {inputs.fs_read_gbps:g} GB/s"
         if inputs.transfer == "filesystem"
-        else f"sent to each inference node {step.read_s:.1f} s at {inputs.net_gbps:g} GB/s (a what-if: "
-        "asyncrl publishes files)"
+        else f"sent to each inference node {step.read_s:.1f} s at {inputs.net_gbps:g} GB/s (one copy per "
+        "node: the distributed transport sends one per receiving rank, docs/weights-transfer.md)"
     )
     measured = "given" if inputs.decode_tok_s else "roofline"
     rows = [
