@@ -60,6 +60,7 @@ from asyncrl.launcher.vllm import VLLMCommand, build_vllm_command, check_vllm, p
 from asyncrl.orchestrator.evaluator import best_weights
 from asyncrl.run_dir import log_file, logs_dir
 from asyncrl.transport.sinks import build_sinks
+from asyncrl.transport.weights import prune_weights, read_keep_set
 
 __all__ = ["build_children", "main"]
 
@@ -241,8 +242,16 @@ def main(argv: list[str]) -> int:
         file=sys.stderr if code else sys.stdout,
     )
     if code == 0:
+        _prune_finished(resolved)
         _print_best(resolved)
     return code
+
+
+def _prune_finished(resolved: ResolvedRL) -> None:
+    """Prune once more with the final keep-set: the trainer prunes as it publishes, so a version
+    the keep-set held then (the best so far) but not at the end would otherwise stay."""
+    run_dir = resolved.orchestrator.run_dir
+    prune_weights(run_dir, resolved.trainer.publish.keep_last, keep=read_keep_set(run_dir))
 
 
 def _print_best(resolved: ResolvedRL) -> None:

@@ -106,3 +106,20 @@ def test_the_written_rl_toml_reads_back_to_the_same_processes(tmp_path):
     assert written["inference"] == {"backend": "vllm", "max_num_seqs": 8}  # what the run set, no more
     assert written["trainer"] == {"loss": {"variant": "tis", "tis_cap": 1.5}}
     assert load_config(RLConfig, ["@", str(files["rl"])]).resolve() == cfg.resolve()
+
+
+def test_a_finished_run_keeps_only_the_newest_versions_and_the_final_keep_set(tmp_path):
+    """The trainer prunes as it publishes; a best version the keep-set held then but not at the end
+    is pruned when the run finishes."""
+    from asyncrl.launcher.rl import _prune_finished
+    from asyncrl.transport.weights import stable_steps, stage_weights, write_keep_set
+
+    run_dir = tmp_path / "run"
+    write_keep_set(run_dir, {2: "best so far"})
+    for step in (1, 2, 3, 4):
+        with stage_weights(run_dir, step, keep_last=1) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"w")
+    assert stable_steps(run_dir) == [2, 4]
+    write_keep_set(run_dir, {4: "best"})  # the last eval found v4 better
+    _prune_finished(_cfg(run_dir=str(run_dir), trainer={"publish": {"keep_last": 1}}).resolve())
+    assert stable_steps(run_dir) == [4]
