@@ -25,6 +25,18 @@ from asyncrl.launcher.vllm import (
     resolve_vllm_python,
 )
 
+GIB = 1 << 30
+# tiny-moe's attention: 4 layers x (K + V) x 2 KV heads x 32 dims
+TINY = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "hidden_size": 128,
+    "max_position_embeddings": 4096,
+}
+
 
 @pytest.fixture
 def model_dir(tmp_path):
@@ -112,6 +124,66 @@ def test_worker_extension_imports_without_vllm_and_leaves_other_models_alone():
     assert torch.equal(model[0].weight, before)
 
 
+def _model(tmp_path, name: str, config: dict):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_cpu_kv_cache_default_fits_max_num_seqs_full_sequences(tmp_path):
+    tiny = _model(tmp_path, "tiny", TINY)
+    cfg = _inference(tiny, dtype="bfloat16", max_num_seqs=128, max_model_len=512)
+    cmd = build_vllm_command(cfg, python="py", available_bytes=20 * GIB)
+    # 4 x 2 x 2 x 32 x 2 B = 1 KiB/token; 128 x 512 tokens = 64 MiB, rounded up to whole GiB
+    assert cmd.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert (cmd.cpu_kv.bytes_per_token, cmd.cpu_kv.num_tokens, cmd.cpu_kv.capped) == (1024, 65536, False)
+    # said at start on a CPU build; a GPU build ignores the variable
+    notice = check_vllm(cfg, cmd, _probe(cmd))
+    assert notice == [cmd.cpu_kv.describe()] and "KV cache 1 GiB" in notice[0]
+    assert "1024 B/token x 65536 tokens" in notice[0]
+    assert check_vllm(cfg, cmd, _probe(cmd, device_type="cuda")) == []
+    # without max_model_len the context is the model's (4096), and fp32 doubles the bytes:
+    # 2 KiB x 128 x 4096 = 1 GiB exactly
+    wide = build_vllm_command(_inference(tiny, max_num_seqs=128), python="py", available_bytes=20 * GIB)
+    assert (wide.cpu_kv.bytes_per_token, wide.env["VLLM_CPU_KVCACHE_SPACE"]) == (2048, "1")
+
+
+def test_cpu_kv_cache_default_is_capped_by_the_memory_available(tmp_path):
+    # a ~0.5B dense model: 24 layers x 2 x 2 KV heads x 64 dims x 2 B = 12 KiB/token
+    half_b = _model(tmp_path, "half-b", TINY | {"num_hidden_layers": 24, "head_dim": 64})
+    cfg = _inference(half_b, dtype="bfloat16", max_num_seqs=64, max_model_len=8192)
+    roomy = build_vllm_command(cfg, python="py", available_bytes=64 * GIB)
+    assert roomy.env["VLLM_CPU_KVCACHE_SPACE"] == "6" and not roomy.cpu_kv.capped  # 6 GiB wanted
+    small = build_vllm_command(cfg, python="py", available_bytes=20 * GIB)  # a 24 GB machine, busy
+    assert small.env["VLLM_CPU_KVCACHE_SPACE"] == "5" and small.cpu_kv.capped  # a quarter of 20 GiB
+    assert "capped at 25% of the 20.0 GiB available; 436906 tokens of the 524288 wanted" in (
+        small.cpu_kv.describe()
+    )
+    assert build_vllm_command(cfg, python="py", available_bytes=2 * GIB).env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_cpu_kv_cache_default_of_a_latent_attention_model(tmp_path):
+    # MLA caches one latent + rotary key per layer, DSA its indexer key too: 2 x (512 + 64 + 128) x 2 B
+    mla = _model(
+        tmp_path,
+        "mla",
+        TINY | {"num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128},
+    )
+    cfg = _inference(mla, dtype="bfloat16", max_num_seqs=4, max_model_len=1024)
+    cmd = build_vllm_command(cfg, python="py", available_bytes=GIB)
+    assert cmd.cpu_kv.bytes_per_token == 2 * (512 + 64 + 128) * 2
+
+
+def test_the_user_s_cpu_kv_cache_size_wins_over_the_default(tmp_path):
+    tiny = _model(tmp_path, "tiny", TINY)
+    mine = build_vllm_command(_inference(tiny, vllm={"cpu_kv_cache_space_gb": 3}), python="py")
+    assert mine.env["VLLM_CPU_KVCACHE_SPACE"] == "3" and mine.cpu_kv is None
+    by_env = build_vllm_command(_inference(tiny, vllm={"env": {"VLLM_CPU_KVCACHE_SPACE": "4"}}), python="py")
+    assert by_env.env["VLLM_CPU_KVCACHE_SPACE"] == "4" and by_env.cpu_kv is None
+    assert check_vllm(_inference(tiny), by_env, _probe(by_env)) == []
+
+
 def test_unknown_vllm_key_is_an_error_naming_it(model_dir):
     with pytest.raises(ConfigError, match="tensor_paralel_size"):
         load_config(InferenceConfig, {"model": "m", "backend": "vllm", "vllm": {"tensor_paralel_size": 2}})
@@ -120,9 +192,7 @@ def test_unknown_vllm_key_is_an_error_naming_it(model_dir):
 def test_compatibility_check_names_the_problem(model_dir):
     cfg = _inference(model_dir)
     cmd = build_vllm_command(cfg, python="py")
-    assert check_vllm(cfg, cmd, _probe(cmd)) == [
-        "vLLM CPU build: [inference.vllm] cpu_kv_cache_space_gb unset, vLLM picks its default"
-    ]
+    assert check_vllm(cfg, cmd, _probe(cmd)) == []
     with pytest.raises(ConfigError, match=r"vLLM 0.31.2 is too old: asyncrl needs >= 0.32"):
         check_vllm(cfg, cmd, _probe(cmd, version="0.31.2"))
     with pytest.raises(ConfigError, match=r"does not accept \['--enable-scale-out'\]"):
