@@ -2,12 +2,17 @@
 
 The design is docs/weights-transfer.md: one channel (process group) per server, each trainer rank
 sends its own shards in the serving dtype (`BucketSender`), each server assembles a complete
-version in staging before it swaps (`BucketReceiver`), dense or delta buckets (`buckets`).
+version in staging before it swaps (`BucketReceiver`), dense or delta buckets (`buckets`). In a
+run, the channels meet through one control store (`control`): the trainer's ranks send from a
+thread (`SendLoop`), each server receives in one (`ReceiveLoop`).
 """
 
 from asyncrl.weight_transfer.buckets import Assembly, BucketHeader, Piece, Shard, TransferError, pack_buckets
 from asyncrl.weight_transfer.channel import Channel, Rendezvous
+from asyncrl.weight_transfer.control import EndpointError, WeightsEndpoint, connect_store, host_store
+from asyncrl.weight_transfer.receive_loop import ReceiveLoop, Staged, StagingTimeout
 from asyncrl.weight_transfer.receiver import BucketReceiver, as_dtype
+from asyncrl.weight_transfer.send_loop import SendLoop, VersionReport
 from asyncrl.weight_transfer.sender import BucketSender, SendStats
 from asyncrl.weight_transfer.shards import iter_shards, published_shapes
 
@@ -17,12 +22,21 @@ __all__ = [
     "BucketReceiver",
     "BucketSender",
     "Channel",
+    "EndpointError",
     "Piece",
+    "ReceiveLoop",
     "Rendezvous",
+    "SendLoop",
     "SendStats",
     "Shard",
+    "Staged",
+    "StagingTimeout",
     "TransferError",
+    "VersionReport",
+    "WeightsEndpoint",
     "as_dtype",
+    "connect_store",
+    "host_store",
     "iter_shards",
     "pack_buckets",
     "published_shapes",

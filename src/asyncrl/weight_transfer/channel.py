@@ -18,6 +18,7 @@ sender's stream, it answers each sender with an ack (int64 [1]: 1 taken, 0 refus
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -75,11 +76,24 @@ class Channel:
         return range(self.rdv.num_senders, self.rdv.world_size)
 
     @classmethod
-    def join(cls, rdv: Rendezvous, *, rank: int, device: torch.device, timeout_s: float) -> Channel:
-        """Join (rank 0: host) the channel; returns once every member has joined or raises TransferError."""
+    def join(
+        cls,
+        rdv: Rendezvous,
+        *,
+        rank: int,
+        device: torch.device,
+        timeout_s: float,
+        store: dist.Store | None = None,
+    ) -> Channel:
+        """Join the channel; returns once every member has joined or raises TransferError. Its keys
+        live under `rdv.name` in `store` (the run's control store) when given; otherwise rank 0
+        hosts a store of its own at `rdv.host:rdv.port`."""
         timeout = timedelta(seconds=timeout_s)
         try:
-            store = dist.TCPStore(rdv.host, rdv.port, rdv.world_size, is_master=rank == 0, timeout=timeout)
+            if store is None:
+                store = dist.TCPStore(
+                    rdv.host, rdv.port, rdv.world_size, is_master=rank == 0, timeout=timeout
+                )
             store = dist.PrefixStore(rdv.name, store)
             group = _backend(store, rank, rdv.world_size, device, timeout)
         except (RuntimeError, dist.DistError) as e:
@@ -87,6 +101,11 @@ class Channel:
                 f"joining the weight channel '{rdv.name}' at {rdv.host}:{rdv.port} failed: {e}"
             ) from e
         return cls(rdv, group, store, rank=rank, device=device, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        """Drop the group: a peer blocked on this channel fails now instead of at its timeout."""
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            self.group.abort()
 
     def send_bucket(self, header: BucketHeader, payload: torch.Tensor, dst: int) -> None:
         data = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)

@@ -56,6 +56,7 @@ class BucketReceiver:
         self.channel, self.expected = channel, dict(expected)
         self.version: int | None = None  # the version held, once one was received
         self._held: dict[str, torch.Tensor] = {}  # its tensors, the base of delta pieces
+        self.last_bytes = 0  # payload bytes of the last transfer, per receiving rank
 
     @property
     def held(self) -> Mapping[str, torch.Tensor]:
@@ -68,9 +69,11 @@ class BucketReceiver:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         assembly = Assembly(expected=self.expected, base=self._held)
         versions, error = set(), None
+        self.last_bytes = 0
         for src in self.channel.senders:
             while True:
                 header, payload = self.channel.recv_bucket(src, deadline)  # a broken stream raises here
+                self.last_bytes += header.payload_bytes
                 versions.add(header.version)
                 if header.last:
                     break

@@ -60,7 +60,18 @@ class BucketSender:
 
         The whole snapshot is taken before the first send: the FP8 scales' all-reduce then never
         waits on a rank that is blocked sending."""
-        shards = list(iter_shards(model, fmt))
+        return self.send_shards(list(iter_shards(model, fmt)), version, channels, dense=dense)
+
+    def send_shards(
+        self,
+        shards: list[Shard],
+        version: int,
+        channels: Mapping[str, Channel],
+        *,
+        dense: Collection[str] = (),
+    ) -> dict[str, SendStats | TransferError]:
+        """`send` of a snapshot taken before (`iter_shards`): a background thread sends it while
+        the trainer's own collectives go on."""
         results: dict[str, SendStats | TransferError] = {}
         for name, channel in channels.items():
             as_delta = (
