@@ -11,6 +11,13 @@ Every server also loads asyncrl's worker extension (`vllm_ext/asyncrl_vllm_ext.p
 server's PYTHONPATH): weight updates call its `asyncrl_reload_weights`, vLLM's in-place reload plus
 a repair of the CPU build's MoE expert prepacking (see that module).
 
+With `[weights] transport = "distributed"` every server also gets
+`--weight-transfer-config '{"backend": "asyncrl"}'` and the run's weights endpoint in its
+environment: the extension registers asyncrl's weight-transfer engine with vLLM under that name,
+and each worker receives versions from the trainer while vLLM generates
+(`vllm_ext/asyncrl_vllm_receive.py`). That engine imports asyncrl from ASYNCRL_PACKAGE_DIR, this
+package's folder (the package alone: vLLM's interpreter keeps its own torch).
+
 `VLLM_SERVER_DEV_MODE=1` turns on vLLM's RL endpoints (`/pause`, `/resume`, `/collective_rpc`,
 `/update_weight_version`) that in-flight weight updates use; `--enable-scale-out` turns on the
 token-in/token-out `POST /inference/v1/generate`. Both stay on 127.0.0.1 unless `host` says
@@ -40,14 +47,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import asyncrl
 from asyncrl.config import ConfigError, InferenceConfig
 from asyncrl.config.inference import is_loopback
 from asyncrl.config.vllm import DEFAULT_VLLM_PYTHON
+from asyncrl.weight_transfer import WeightsEndpoint
 
 __all__ = [
     "CPU_KV_MAX_FRACTION",
     "FLAG_MAP",
     "MIN_VLLM_VERSION",
+    "PACKAGE_DIR_ENV",
+    "WEIGHT_TRANSFER_BACKEND",
     "WORKER_EXTENSION_CLS",
     "WORKER_EXTENSION_DIR",
     "CPUKVDefault",
@@ -73,6 +84,10 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # asyncrl's worker extension: a folder holding one module that imports only torch and vLLM.
 WORKER_EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
 WORKER_EXTENSION_CLS = "asyncrl_vllm_ext.AsyncRLWorkerExtension"
+# The name the extension registers asyncrl's weight-transfer engine under, and where that engine
+# finds the asyncrl package (vllm_ext/asyncrl_vllm_receive.py: ENV_PACKAGE).
+WEIGHT_TRANSFER_BACKEND = "asyncrl"
+PACKAGE_DIR_ENV = "ASYNCRL_PACKAGE_DIR"
 
 # asyncrl key -> vLLM flag (the table in docs/inference.md). Booleans become bare flags.
 FLAG_MAP: dict[str, str] = {
@@ -293,8 +308,11 @@ def build_vllm_command(
     argv += ["--enable-scale-out", "--enable-prompt-tokens-details", "--uvicorn-log-level", cfg.log_level]
     argv += ["--logprobs-mode", "processed_logprobs"]  # our contract: temperature applied
     argv += ["--worker-extension-cls", WORKER_EXTENSION_CLS]
-    argv += cfg.vllm.extra_args  # last, so that they win over ours
     env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(WORKER_EXTENSION_DIR)}
+    if cfg.weights.transport == "distributed":
+        argv += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND})]
+        env |= _weights_env(cfg)
+    argv += cfg.vllm.extra_args  # last, so that they win over ours
     if cfg.api_key:  # through the environment, so that it shows in neither `ps` nor --dry-run
         env["VLLM_API_KEY"] = cfg.api_key
     cpu_kv = None
@@ -311,6 +329,15 @@ def build_vllm_command(
     if "VLLM_CPU_KVCACHE_SPACE" in extra:  # the user's own choice, through [inference.vllm] env
         cpu_kv = None
     return VLLMCommand(argv=argv, env=env, cpu_kv=cpu_kv)
+
+
+def _weights_env(cfg: InferenceConfig) -> dict[str, str]:
+    """What the workers' weight-transfer engine reads: the run's weights endpoint, this server's
+    name on it, the transfer deadline, and where the asyncrl package is."""
+    w = cfg.weights
+    assert w.endpoint is not None, "InferenceConfig requires an endpoint with the distributed transport"
+    endpoint = WeightsEndpoint.parse(w.endpoint, cfg.weights_server, timeout_s=w.timeout_s)
+    return endpoint.to_env() | {PACKAGE_DIR_ENV: str(Path(asyncrl.__file__).resolve().parent)}
 
 
 def probe_vllm(python: str, *, timeout_s: float = 300.0) -> VLLMProbe:
@@ -371,6 +398,11 @@ def check_vllm(cfg: InferenceConfig, command: VLLMCommand, probe: VLLMProbe) -> 
         raise ConfigError(
             "[inference.vllm] enable_return_routed_experts needs a GPU build of vLLM; this one is "
             f"'{probe.device_type}'. Turn it off (the trainer then runs without router replay)"
+        )
+    if cfg.weights.transport == "distributed" and cfg.vllm.data_parallel_size > 1:
+        raise ConfigError(
+            '[weights] transport = "distributed" takes one vLLM replica per server: set [inference.vllm] '
+            "data_parallel_size = 1 and run more servers ([deployment] num_inference_servers)"
         )
     if cfg.fp8.enabled:
         raise ConfigError(
