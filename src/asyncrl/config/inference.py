@@ -22,6 +22,7 @@ from asyncrl.config.base import BaseConfig
 from asyncrl.config.fp8 import FP8Config
 from asyncrl.config.shared import Device
 from asyncrl.config.vllm import VLLMConfig
+from asyncrl.config.weights import FilesystemWeightsConfig, WeightsConfig
 
 __all__ = ["InferenceConfig", "is_loopback"]
 
@@ -78,6 +79,14 @@ class InferenceConfig(BaseConfig):
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig, description="vLLM engine arguments (backend = 'vllm' only)"
     )
+    weights: WeightsConfig = Field(
+        default_factory=FilesystemWeightsConfig,
+        description="how new weights arrive: files named by /update_weights, or (distributed) versions "
+        "received from the trainer through `endpoint`, staged while serving",
+    )
+    weights_server: str = Field(
+        "server0", description="this server's name on the weights endpoint (one per server of a run)"
+    )
 
     @model_validator(mode="after")
     def _check_exposure(self) -> InferenceConfig:
@@ -92,6 +101,19 @@ class InferenceConfig(BaseConfig):
             raise ValueError(
                 f"host = {self.host!r} is reachable from other machines: set update_weights_roots "
                 "(the directories /update_weights may load from)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> InferenceConfig:
+        if self.weights.transport == "distributed" and self.weights.endpoint is None:
+            raise ValueError(
+                "weights.transport = 'distributed' needs weights.endpoint (host:port of the trainer's "
+                "weights store; `asyncrl rl` sets it)"
+            )
+        if not self.weights_server or "/" in self.weights_server:
+            raise ValueError(
+                f"weights_server must be a non-empty name without '/', got {self.weights_server!r}"
             )
         return self
 

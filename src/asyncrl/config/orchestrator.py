@@ -55,6 +55,11 @@ class OrchestratorConfig(BaseConfig):
     inference_backend: Literal["embedded", "vllm"] = Field(
         "embedded", description="what the servers are: asyncrl's HTTP API or vLLM's (docs/inference.md)"
     )
+    weights_transport: Literal["filesystem", "distributed"] = Field(
+        "filesystem",
+        description="how the servers get each version: they load its files, or take the one the trainer "
+        "sent them (docs/weights-transfer.md)",
+    )
     api_key: str | None = Field(None, description="sent as `Authorization: Bearer KEY` to the servers")
     envs: EnvsConfig = Field(default_factory=EnvsConfig, description="the environment mixture")
     sampling: SamplingParams = Field(

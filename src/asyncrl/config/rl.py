@@ -62,7 +62,7 @@ __all__ = [
 
 # section -> keys that resolve() fills in (dotted for nested ones)
 _SHARED = {
-    "inference": ("model", "host", "port", "seed", "api_key"),
+    "inference": ("model", "host", "port", "seed", "api_key", "weights", "weights_server"),
     "orchestrator": (
         "model",
         "run_dir",
@@ -74,6 +74,7 @@ _SHARED = {
         "seq_len",
         "max_model_len",
         "trainer_dp_size",
+        "weights_transport",
     ),
     "trainer": (
         "run_dir",
@@ -84,6 +85,7 @@ _SHARED = {
         "publish.dtype",
         "publish.fp8",
         "publish.fp8_ignore",
+        "weights",
     ),
 }
 # where a shared key comes from, when not from the top-level key of its name
@@ -98,6 +100,9 @@ _SOURCE = {
     "publish.dtype": "from [inference] dtype",
     "publish.fp8": "from [inference] fp8.enabled",
     "publish.fp8_ignore": "from [inference] fp8.ignore",
+    "weights": "from the top-level [weights]",
+    "weights_server": "server<i>, from the server's index",
+    "weights_transport": "from [weights] transport",
 }
 
 InferenceSection = section_of(InferenceConfig, _SHARED["inference"])
@@ -195,13 +200,20 @@ class RLConfig(BaseConfig):
             return self
         return self.model_copy(update={"api_key": secrets.token_urlsafe(32)})
 
+    def with_weights_endpoint(self, host: str, port: int) -> RLConfig:
+        """This config with `[weights] endpoint` at host:port when the distributed transport needs one
+        and none is set (the launcher picks the port); otherwise unchanged."""
+        w = self.weights
+        if w.transport != "distributed" or w.endpoint is not None:
+            return self
+        return self.model_copy(update={"weights": w.model_copy(update={"endpoint": f"{host}:{port}"})})
+
     def resolve(self, *, trainer_world_size: int | None = None) -> ResolvedRL:
         """Each process's full config, with the shared keys filled in; errors name the section.
 
         `trainer_world_size` is the trainer's process count: `deployment.trainer_nproc` unless
         given (`asyncrl slurm` gives its trainer nodes' GPUs).
         """
-        _check_transport(self.weights)
         d = self.deployment
         world_size = d.trainer_nproc if trainer_world_size is None else trainer_world_size
         inference = [
@@ -216,10 +228,13 @@ class RLConfig(BaseConfig):
                     "port": d.base_port + i,
                     "seed": self.seed + i,
                     "api_key": self.api_key,
+                    "weights": self.weights.model_dump(),
+                    "weights_server": f"server{i}",
                 },
             )
             for i in range(d.num_inference_servers)
         ]
+        _check_transport(self.weights, inference[0])
         orchestrator = _section(
             OrchestratorConfig,
             "orchestrator",
@@ -236,6 +251,7 @@ class RLConfig(BaseConfig):
                 "seq_len": self.seq_len,
                 "max_model_len": min(_context_lens(inference), default=None),
                 "trainer_dp_size": _trainer_dp_size(self.trainer.parallel, world_size),
+                "weights_transport": self.weights.transport,
             },
         )
         trainer_keys = _set_keys(self.trainer)
@@ -250,6 +266,7 @@ class RLConfig(BaseConfig):
                 "max_steps": self.max_steps,
                 "seq_len": self.seq_len,
                 "seed": self.seed,
+                "weights": self.weights.model_dump(),
             },
         )
         _check_publish_interval(trainer, orchestrator)
@@ -276,13 +293,16 @@ def _serving_format(inference: InferenceConfig) -> dict[str, Any]:
     return {"dtype": inference.dtype, "fp8": inference.fp8.enabled, "fp8_ignore": inference.fp8.ignore}
 
 
-def _check_transport(weights: WeightsConfig) -> None:
-    """The distributed transport's library exists (asyncrl.weight_transfer) but the trainer, the
-    servers and the launcher do not use it yet: refuse it rather than quietly move files."""
-    if weights.transport == "distributed":
+def _check_transport(weights: WeightsConfig, inference: InferenceConfig) -> None:
+    """The distributed transport runs with the embedded engine; vLLM's receiving side is not wired
+    yet: refuse it rather than quietly move files. It needs an endpoint (the launcher sets one)."""
+    if weights.transport != "distributed":
+        return
+    if inference.backend == "vllm":
         raise ConfigError(
-            '[weights] transport = "distributed" is not wired into asyncrl rl yet (docs/weights-transfer.md, '
-            '"Status"); use transport = "filesystem"'
+            '[weights] transport = "distributed" is not wired into the vLLM backend yet '
+            '(docs/weights-transfer.md, "Status"); with vLLM use transport = "filesystem", or serve with '
+            "the embedded backend"
         )
 
 

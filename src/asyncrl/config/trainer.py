@@ -20,6 +20,7 @@ from asyncrl.config.mismatch import MismatchConfig
 from asyncrl.config.parallel import ParallelConfig
 from asyncrl.config.shared import DEFAULT_RUN_DIR, DEFAULT_SEQ_LEN, Device, SeqLen
 from asyncrl.config.sinks import SinksConfig
+from asyncrl.config.weights import FilesystemWeightsConfig, WeightsConfig
 from asyncrl.fp8_options import DEFAULT_FP8_IGNORE
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
@@ -250,6 +251,20 @@ class RLTrainerConfig(CommonTrainConfig):
     mismatch: MismatchConfig = Field(
         MismatchConfig(), description="per-step mismatch metrics and the max_mismatch_kl gate"
     )
+    weights: WeightsConfig = Field(
+        default_factory=FilesystemWeightsConfig,
+        description="how each version reaches the servers: files (publish) or buckets over process "
+        "groups (docs/weights-transfer.md); distributed needs weights.endpoint",
+    )
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> RLTrainerConfig:
+        if self.weights.transport == "distributed" and self.weights.endpoint is None:
+            raise ValueError(
+                "weights.transport = 'distributed' needs weights.endpoint (host:port where trainer rank 0 "
+                "hosts the weights store; `asyncrl rl` sets it)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_cp_loss(self) -> RLTrainerConfig:

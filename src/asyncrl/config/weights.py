@@ -5,6 +5,7 @@
     bucket_bytes = 268435456      # payload bytes of one bucket
     delta = true                  # send only changed serving values when smaller
     timeout_s = 120               # one server's whole transfer
+    endpoint = "10.0.0.1:29700"   # host:port of the run's control store; asyncrl rl picks one
 
 Each transport takes only its own keys (a discriminated union on `transport`): `bucket_bytes`
 under `transport = "filesystem"` is an error that says which transport reads it.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, field_validator
 
 from asyncrl.config.base import BaseConfig
 
@@ -64,6 +65,21 @@ class DistributedWeightsConfig(BaseConfig):
         description="one server's whole transfer; past it the server keeps its old weights and leaves "
         "the rotation",
     )
+    endpoint: str | None = Field(
+        None,
+        description="host:port of the run's control store, hosted by trainer rank 0 (servers and the "
+        "other trainer ranks connect to it); unset: `asyncrl rl` uses [deployment] host and a free port",
+    )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        host, sep, port = value.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"must be host:port with a port in 1..65535, got {value!r}")
+        return value
 
 
 def _default_transport(table: Any) -> Any:

@@ -116,6 +116,13 @@ class AsyncEngine:
         t0 = time.perf_counter()
         state = await asyncio.to_thread(self.engine.read_weights, path)
         load_seconds = time.perf_counter() - t0
+        paused_seconds = await self.swap_weights(state, version, mode, path)
+        return {"version": version, "load_seconds": load_seconds, "paused_seconds": paused_seconds}
+
+    async def swap_weights(
+        self, state: dict[str, torch.Tensor], version: int, mode: str, path: str | None
+    ) -> float:
+        """Swap in `state` (checked, in the engine's names and dtype) between two steps; the pause, in s."""
 
         def swap() -> float:
             t1 = time.perf_counter()
@@ -127,8 +134,7 @@ class AsyncEngine:
             self.weights_path = path
             return time.perf_counter() - t1
 
-        paused_seconds = await self.call(swap)
-        return {"version": version, "load_seconds": load_seconds, "paused_seconds": paused_seconds}
+        return await self.call(swap)
 
     # -- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:

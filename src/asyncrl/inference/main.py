@@ -20,10 +20,13 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.async_engine import AsyncEngine
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.server import build_app
-from asyncrl.model import ModelConfigError
+from asyncrl.model import ModelConfigError, Transformer
 from asyncrl.model.compute import cpu_kernels
+from asyncrl.model.mtp import PREFIX as MTP_PREFIX
+from asyncrl.model.serving import serving_format
+from asyncrl.weight_transfer import ReceiveLoop, WeightsEndpoint, published_shapes
 
-__all__ = ["build_server_app", "main"]
+__all__ = ["build_receiver", "build_server_app", "main"]
 
 log = logging.getLogger("asyncrl.inference")
 
@@ -39,7 +42,26 @@ def build_server_app(config: InferenceConfig) -> FastAPI:
 
     engine = Engine.from_config(config, detokenize=detokenize)
     name = config.served_model_name or Path(config.model).resolve().name
-    return build_app(AsyncEngine(engine), tokenizer, config, name)
+    return build_app(AsyncEngine(engine), tokenizer, config, name, build_receiver(config, engine))
+
+
+def build_receiver(config: InferenceConfig, engine: Engine) -> ReceiveLoop | None:
+    """With `weights.transport = "distributed"`: the thread that takes versions from the trainer, in
+    the serving format the trainer sends (the engine's dtype, FP8 blocks when it serves FP8)."""
+    w = config.weights
+    if w.transport != "distributed":
+        return None
+    assert w.endpoint is not None, "InferenceConfig requires an endpoint with transport = distributed"
+    endpoint = WeightsEndpoint.parse(w.endpoint, config.weights_server, timeout_s=w.timeout_s)
+    args = engine.model.args
+    with torch.device("meta"):
+        plain = Transformer(args)  # the trainer's module tree: the engine's may hold FP8 modules
+    fmt = serving_format(plain, engine.dtype, fp8=config.fp8.enabled, ignore=config.fp8.ignore)
+    shapes = published_shapes(plain, fmt)
+    # checkpoint MTP layers live only in a loaded model; they travel verbatim
+    shapes |= {n: tuple(t.shape) for n, t in engine.model.state_dict().items() if n.startswith(MTP_PREFIX)}
+    log.info("weights: receiving versions from %s as '%s'", endpoint.address, endpoint.server)
+    return ReceiveLoop(endpoint, expected_shapes=shapes, device=engine.device)
 
 
 def _kernels_note(engine: Engine) -> str:

@@ -10,12 +10,15 @@ Token-in/token-out `/v1/generate` for the orchestrator (and vLLM's shape of it,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
@@ -24,12 +27,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.async_engine import AsyncEngine
+from asyncrl.inference.engine import Engine
 from asyncrl.inference.metrics import render_metrics
 from asyncrl.inference.openai_api import add_openai_routes
 from asyncrl.inference.protocol import error_response, to_options
 from asyncrl.inference.request import InvalidRequestError, RequestFailedError
 from asyncrl.inference.serving import ClientDisconnected, ServerState, collect
 from asyncrl.model import ModelConfigError
+from asyncrl.model.hf import check_state_dict
+from asyncrl.weight_transfer import ReceiveLoop, StagingTimeout, as_dtype
 from asyncrl.wire import (
     GenerateRequest,
     GenerateResponse,
@@ -49,11 +55,23 @@ __all__ = ["build_app"]
 _OPEN_PATHS = ("/health",)
 
 
-def build_app(engine: AsyncEngine, tokenizer: Any, config: InferenceConfig, model_name: str) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    tokenizer: Any,
+    config: InferenceConfig,
+    model_name: str,
+    receiver: ReceiveLoop | None = None,
+) -> FastAPI:
+    """`receiver`: the thread that takes versions from the trainer (`[weights] transport = "distributed"`)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if receiver is not None:
+            receiver.start()
         yield
+        if receiver is not None:
+            receiver.close()
         engine.stop()
 
     app = FastAPI(title="asyncrl inference", lifespan=lifespan)
@@ -64,6 +82,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, config: InferenceConfig, mode
         model_name=model_name,
         max_token_chars=_max_token_chars(tokenizer),
     )
+    app.state.receiver = receiver
     _install_error_handlers(app)
     # Added last = outermost: a request without the key is refused before its body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
@@ -276,12 +295,47 @@ def _add_admin_routes(app: FastAPI) -> None:
 
     @app.post("/update_weights")
     async def update_weights(body: UpdateWeightsRequest) -> UpdateWeightsResponse:
+        if body.transport == "distributed":
+            return await _update_from_channel(state, app.state.receiver, body)
         _check_weights_path(body.path, state.config.update_weights_roots)
         try:
             timing = await state.engine.update_weights(body.path, body.version, body.mode)
         except (ModelConfigError, OSError) as e:
             raise InvalidRequestError("path", str(e)) from None
         return UpdateWeightsResponse(**timing)
+
+
+async def _update_from_channel(
+    state: ServerState, receiver: ReceiveLoop | None, body: UpdateWeightsRequest
+) -> UpdateWeightsResponse:
+    """Swap in the newest version received (>= body.version), waiting for it up to the transfer
+    timeout; 503 when it does not come (the server keeps its weights)."""
+    if receiver is None:
+        raise InvalidRequestError(
+            "transport", "this server takes no distributed weights (its weights.transport is 'filesystem')"
+        )
+    engine = state.engine.engine
+    t0 = time.perf_counter()
+    try:
+        staged = await asyncio.to_thread(receiver.wait_staged, body.version, receiver.endpoint.timeout_s)
+    except StagingTimeout as e:
+        raise InvalidRequestError("version", str(e), status=503) from None
+    weights = await asyncio.to_thread(_engine_state, engine, staged.state)
+    load_seconds = time.perf_counter() - t0
+    paused = await state.engine.swap_weights(weights, staged.version, body.mode, body.path)
+    return UpdateWeightsResponse(
+        version=staged.version,
+        load_seconds=load_seconds,
+        paused_seconds=paused,
+        receive_seconds=staged.receive_s,
+    )
+
+
+def _engine_state(engine: Engine, received: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A received version in the engine's dtype (the bits its files would load as), checked."""
+    weights = as_dtype(received, engine.dtype)
+    check_state_dict(engine.model, weights, where="the version received from the trainer")
+    return weights
 
 
 def _check_weights_path(path: str, roots: list[str] | None) -> None:

@@ -22,6 +22,10 @@ Other flags:
                 retracted and published again by the trainer; see asyncrl.launcher.resume)
   --dry-run     resolve and write the configs, print the commands, start nothing (and check no
                 input: the files may live where the processes will run)
+  --weights.transport distributed
+                send each version to the servers over process groups instead of files
+                (docs/weights-transfer.md): trainer rank 0 hosts the run's weights store on a free
+                port of [deployment] host (or `[weights] endpoint`), handed to every process
   --slurm       render RUN/slurm.sbatch from the `[slurm]` table and submit it with sbatch
                 (with --dry-run: only write it; with --resume: a job that resumes the run when it
                 starts); same as `asyncrl slurm`, see asyncrl.launcher.slurm
@@ -33,6 +37,7 @@ through to RUN/configs/trainer.toml; set `[deployment] trainer_nproc` (one node)
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -118,6 +123,14 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
     return children
 
 
+def free_port() -> int:
+    """A TCP port free on every address a moment ago (the OS picks it): the weights store's, which
+    trainer rank 0 binds on all addresses."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def build_console(cfg: RLConfig) -> Console:
     """A live status line on a terminal, plain echoed lines otherwise; both feed the sinks."""
     sinks = build_sinks(cfg.sinks, cfg.run_dir)
@@ -190,6 +203,7 @@ def main(argv: list[str]) -> int:
     try:
         # a [slurm] table is allowed and unused here; servers off loopback get a per-run API key
         cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=False)
+        cfg = cfg.with_weights_endpoint(cfg.deployment.host, free_port())
         resolved = cfg.resolve()
         nproc = cfg.deployment.trainer_nproc
         check_trainer_parallel(

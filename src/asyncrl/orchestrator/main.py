@@ -58,7 +58,9 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
             if evaluator is not None:
                 evaluator.on_version(version)
 
-        updater = WeightUpdater(pool, run_dir, poll_s=cfg.weights_poll_s, on_version=on_version)
+        updater = WeightUpdater(
+            pool, run_dir, poll_s=cfg.weights_poll_s, on_version=on_version, transport=cfg.weights_transport
+        )
         if evaluator is not None:
             await evaluator.resume(updater)  # an eval a crash cut short, at its own version
         await updater.sync_once()  # resume: servers start from the newest published weights

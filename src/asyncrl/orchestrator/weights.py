@@ -12,6 +12,12 @@ health probe calls `sync_server`, which loads the newest version being rolled ou
 before any server is asked, so a server rejoining during an update is brought to that update's
 version, not the one before) and resumes it.
 
+With `[weights] transport = "distributed"` the trainer has sent each version to every server
+before it publishes it, and the request says so (`transport`): a server swaps in the version it
+received (waiting a bounded time for it) instead of reading files; the rest is as above, and a
+server that missed a version gets it from the trainer when it joins anew, before `sync_server`
+resumes it.
+
 Servers get the resolved path of `weights/step_n`: one publication's own directory. A version
 published again (a trainer rerun from an older checkpoint outside `asyncrl rl --resume`, which
 retracts such versions before anything starts) is a new directory behind the same link, and is
@@ -26,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 from asyncrl.client import InferenceError
 from asyncrl.orchestrator.pool import Server, ServerPool
@@ -46,8 +53,10 @@ class WeightUpdater:
         *,
         poll_s: float = 0.05,
         on_version: Callable[[int], None] | None = None,
+        transport: Literal["filesystem", "distributed"] = "filesystem",
     ) -> None:
         self.pool, self.run_dir, self.poll_s = pool, Path(run_dir), poll_s
+        self.transport = transport
         self.version = 0  # every healthy server answered for it
         self.target = 0  # the newest version being rolled out; >= version
         self.path: str | None = None  # the publication of `version` the servers were sent
@@ -124,7 +133,8 @@ class WeightUpdater:
             return False
 
     def _request(self, version: int) -> UpdateWeightsRequest:
-        return UpdateWeightsRequest(path=str(weights_dir(self.run_dir, version).resolve()), version=version)
+        path = str(weights_dir(self.run_dir, version).resolve())
+        return UpdateWeightsRequest(path=path, version=version, transport=self.transport)
 
     def _fail(self, results: dict, what: str) -> None:
         for server in self.pool.servers:

@@ -3,8 +3,8 @@
 `WeightPublisher` is the interface; `FilesystemWeightPublisher` writes `RUN/weights/step_n/` in
 Hugging Face layout (safetensors + config.json + the tokenizer files of the source model) through
 the publication protocol of `asyncrl.transport` (a directory of its own, STABLE marker, `step_n`
-link swapped in one rename, keep last K). A torch.distributed sender can implement the same
-interface later, reusing the serving format (`asyncrl.model.serving`).
+link swapped in one rename, keep last K), every version (`to_disk` is always true for it).
+`asyncrl.trainer.publish_distributed` sends versions over process groups instead.
 
 The files hold what the servers serve (`[publish] dtype`, `fp8`): bf16 halves an fp32 master's
 bytes, FP8 quarters them. They are planned from shapes alone (`asyncrl.model.hf.plan_files`, the
@@ -72,8 +72,9 @@ class PublishError(RuntimeError):
 
 
 class WeightPublisher(Protocol):
-    def publish(self, model: Transformer, step: int) -> None:
-        """Start making the current weights available as policy version `step`. Called on every rank."""
+    def publish(self, model: Transformer, step: int, *, to_disk: bool = False) -> None:
+        """Start making the current weights available as policy version `step`. Called on every rank.
+        `to_disk`: the version must also be on disk as files (a checkpoint's step, the last step)."""
         ...
 
     def wait(self) -> None:
@@ -189,7 +190,7 @@ class FilesystemWeightPublisher:
         self._job: _Job | None = None  # the publish in flight or not yet reported
         self._thread: threading.Thread | None = None
 
-    def publish(self, model: Transformer, step: int) -> None:
+    def publish(self, model: Transformer, step: int, *, to_disk: bool = False) -> None:
         self.wait()
         layout = self._layout_of(model)
         need = layout.plan.total_bytes + _tokenizer_bytes(self.tokenizer_dir) if self.info.is_main else 0

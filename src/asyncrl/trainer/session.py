@@ -30,6 +30,7 @@ from asyncrl.trainer.checkpoint import (
 from asyncrl.trainer.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, peak_memory_bytes
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
 from asyncrl.trainer.publish import FilesystemWeightPublisher, WeightPublisher
+from asyncrl.trainer.publish_distributed import DistributedWeightPublisher
 from asyncrl.trainer.scaleout import ParallelState, build_parallel_model, resolve_dims
 from asyncrl.trainer.step import StepResult, StepRunner
 from asyncrl.transport.sinks import build_sinks
@@ -113,7 +114,7 @@ class TrainSession:
             info=info,
             model=model,
             step_runner=step_runner,
-            publisher=publisher or FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish, info),
+            publisher=publisher or _build_publisher(cfg, info, model, start_step),
             logger=MetricsLogger(
                 cfg.run_dir,
                 enabled=info.is_main,
@@ -150,7 +151,8 @@ class TrainSession:
 
         A publish may still be writing when this returns (`[publish] overlap`); a checkpoint waits
         for it first, so the weights of every checkpointed step are published, and so does the last
-        step. `publish_s` is the time the step spent publishing (and waiting for a write).
+        step. Those steps' versions are files on disk whatever the transport (`to_disk`).
+        `publish_s` is the time the step spent publishing (and waiting for a write).
         """
         cfg = self.cfg
         last = last or step == cfg.max_steps
@@ -158,7 +160,7 @@ class TrainSession:
         checkpoint = bool(interval) and (step % interval == 0 or last)
         start = time.perf_counter()
         if step % cfg.publish.interval == 0 or last:
-            self.publisher.publish(self.model, step)
+            self.publisher.publish(self.model, step, to_disk=checkpoint or last)
         if checkpoint or last:
             self.publisher.wait()
         publish_s = time.perf_counter() - start
@@ -183,6 +185,18 @@ class TrainSession:
         self.logger.close()
         if self.info.is_distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _build_publisher(
+    cfg: CommonTrainConfig, info: DistInfo, model: Transformer, start_step: int
+) -> WeightPublisher:
+    """Files by default; update channels with `[weights] transport = "distributed"` (RL only)."""
+    weights = getattr(cfg, "weights", None)
+    if weights is not None and weights.transport == "distributed":
+        return DistributedWeightPublisher(
+            cfg.run_dir, cfg.model.path, cfg.publish, weights, info, model, start_step
+        )
+    return FilesystemWeightPublisher(cfg.run_dir, cfg.model.path, cfg.publish, info)
 
 
 def _ratio_bounds(cfg: CommonTrainConfig) -> tuple[float, float]:

@@ -165,12 +165,18 @@ class WeightsInfo(_Message):
 
 
 class UpdateWeightsRequest(_Message, ValidUnicode):
+    """Load version `version`: from the files at `path` (filesystem), or (distributed) the version the
+    server received from the trainer over its update channel, waiting for it a bounded time; `path`
+    then names the version's publication and is not read."""
+
     path: str = Field(min_length=1, max_length=4096)
     version: int = Field(ge=0, le=MAX_VERSION)
     mode: Literal["keep", "abort"] = "keep"
+    transport: Literal["filesystem", "distributed"] = "filesystem"
 
 
 class UpdateWeightsResponse(_Message):
-    version: int
-    load_seconds: float
-    paused_seconds: float
+    version: int  # the version loaded (distributed: the newest the server received, >= the one asked)
+    load_seconds: float  # reading the files, or waiting for the received version and converting it
+    paused_seconds: float  # generation stopped for the swap
+    receive_seconds: float | None = None  # distributed: the transfer itself, while the server generated

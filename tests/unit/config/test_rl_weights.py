@@ -44,10 +44,29 @@ def test_bad_settings_fail_as_the_config_is_read(argv, match):
         _rl(argv)
 
 
-def test_distributed_is_refused_until_the_run_uses_it():
+def test_distributed_reaches_every_process_with_the_endpoint_the_launcher_picked():
+    cfg = _rl(["--weights.transport", "distributed", "--deployment.num_inference_servers", "2"])
+    resolved = cfg.with_weights_endpoint("127.0.0.1", 29711).resolve()
+    assert resolved.trainer.weights.endpoint == "127.0.0.1:29711"
+    assert [(i.weights, i.weights_server) for i in resolved.inference] == [
+        (resolved.trainer.weights, "server0"),
+        (resolved.trainer.weights, "server1"),
+    ]
+    assert resolved.orchestrator.weights_transport == "distributed"
+    mine = _rl(["--weights.transport", "distributed", "--weights.endpoint", "10.0.0.1:29700"])
+    assert mine.with_weights_endpoint("127.0.0.1", 1).weights.endpoint == "10.0.0.1:29700"  # the user's stays
+    assert _rl([]).with_weights_endpoint("127.0.0.1", 1).weights == FilesystemWeightsConfig()
+
+
+def test_distributed_without_an_endpoint_or_with_vllm_is_refused():
     cfg = _rl(["--weights.transport", "distributed"])
-    with pytest.raises(ConfigError, match=r'transport = "distributed" is not wired into asyncrl rl yet'):
+    with pytest.raises(ConfigError, match=r"needs weights.endpoint"):
         cfg.resolve()
+    vllm = _rl(["--weights.transport", "distributed", "--inference.backend", "vllm"])
+    with pytest.raises(ConfigError, match=r'"distributed" is not wired into the vLLM backend yet'):
+        vllm.with_weights_endpoint("127.0.0.1", 29711).resolve()
+    with pytest.raises(ConfigError, match=r"must be host:port"):
+        _rl(["--weights.transport", "distributed", "--weights.endpoint", "nohost"])
 
 
 def test_overrides_parse_into_the_weights_table():
