@@ -12,11 +12,14 @@ import sys
 import pytest
 import torch
 
+import asyncrl
 from asyncrl.config import ConfigError, InferenceConfig, load_config
 from asyncrl.config.rl import RLConfig
 from asyncrl.launcher.cli import main
 from asyncrl.launcher.slurm import SlurmRLConfig, render_sbatch
 from asyncrl.launcher.vllm import (
+    PACKAGE_DIR_ENV,
+    WEIGHT_TRANSFER_BACKEND,
     WORKER_EXTENSION_CLS,
     WORKER_EXTENSION_DIR,
     VLLMProbe,
@@ -227,6 +230,39 @@ def test_vllm_python_default(tmp_path, model_dir):
 def _rl(model_dir, **kw) -> RLConfig:
     base = {"model": str(model_dir), "run_dir": "r", "inference": {"backend": "vllm"}}
     return load_config(RLConfig, base | kw)
+
+
+def test_distributed_weights_reach_every_vllm_worker_through_its_engine(model_dir):
+    cfg = _rl(model_dir, weights={"transport": "distributed", "timeout_s": 30})
+    cfg = cfg.with_weights_endpoint("127.0.0.1", 29711)
+    resolved = cfg.resolve()  # vLLM takes the distributed transport
+    assert resolved.orchestrator.weights_transport == "distributed"
+    cmd = build_vllm_command(resolved.inference[0], python="py")
+    a = cmd.argv
+    assert json.loads(a[a.index("--weight-transfer-config") + 1]) == {"backend": WEIGHT_TRANSFER_BACKEND}
+    assert cmd.env["ASYNCRL_WEIGHTS_ENDPOINT"] == "127.0.0.1:29711"
+    assert (
+        cmd.env["ASYNCRL_WEIGHTS_SERVER"] == "server0" and float(cmd.env["ASYNCRL_WEIGHTS_TIMEOUT_S"]) == 30
+    )
+    # the engine imports this very package (and nothing else of this environment) in vLLM's interpreter
+    package = cmd.env[PACKAGE_DIR_ENV]
+    assert os.path.samefile(os.path.join(package, "__init__.py"), asyncrl.__file__)
+    # the extension registers the engine under the name the command asks for (it runs in vLLM's
+    # interpreter; here, without vLLM, it registers nothing)
+    sys.path.insert(0, str(WORKER_EXTENSION_DIR))
+    try:
+        import asyncrl_vllm_ext
+    finally:
+        sys.path.remove(str(WORKER_EXTENSION_DIR))
+    assert asyncrl_vllm_ext.ENGINE_NAME == WEIGHT_TRANSFER_BACKEND and not asyncrl_vllm_ext.register_engine()
+    files = build_vllm_command(_rl(model_dir).resolve().inference[0], python="py")
+    assert "--weight-transfer-config" not in files.argv and "ASYNCRL_WEIGHTS_ENDPOINT" not in files.env
+    replicas = resolved.inference[0].model_copy(
+        update={"vllm": resolved.inference[0].vllm.model_copy(update={"data_parallel_size": 2})}
+    )
+    rcmd = build_vllm_command(replicas, python="py")
+    with pytest.raises(ConfigError, match="one vLLM replica per server"):
+        check_vllm(replicas, rcmd, _probe(rcmd))
 
 
 def test_resolve_tells_the_orchestrator_the_backend_and_turns_replay_off(model_dir):
