@@ -2,8 +2,8 @@
 engine, salt isolation, no prefix-cache hit across a reload, a failed reload leaving the server
 paused, in-flight weight updates with exact per-token versions, abort on cancel; and versions
 received over asyncrl's update channel (this process is the trainer): served exactly as their
-files are, a delta and a dense transfer alike, and a transfer broken midway leaving vLLM on its
-old version.
+files are, a delta and a dense transfer alike, swapped in by VLLMBackend or by vLLM's own
+weight-transfer routes, and a transfer broken midway leaving vLLM on its old version.
 
 One vLLM server serves the module (conftest.py); the weight-update tests run last and restore v0.
 """
@@ -387,6 +387,16 @@ def _served(url: str) -> tuple[dict[str, str], list[GenerateResponse]]:
     return checksums["checksums"], _run(go())
 
 
+def _wait_staged(url: str, version: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        staged = httpx.post(f"{url}/collective_rpc", json={"method": "asyncrl_staged"}, timeout=10).json()
+        if staged["results"][0]["version"] == version:
+            return
+        assert time.monotonic() < deadline, f"version {version} not staged: {staged}"
+        time.sleep(0.05)
+
+
 def _same(a: list[GenerateResponse], b: list[GenerateResponse]) -> bool:
     return all(x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(a, b, strict=True))
 
@@ -440,9 +450,18 @@ def test_a_transfer_broken_midway_leaves_vllm_on_its_version_until_a_dense_one_c
     release.set()
     trainer.loop.wait(2, timeout_s=30)
     assert trainer.reports[-1].left_behind == ("server0",)
-    # the server joins a new channel and gets the current version whole, without a new step
-    update = _run(_update(server.url, _received(2)))
-    assert update.version == 2
+    # the server joins a new channel and gets the current version whole, without a new step; this
+    # time vLLM's own weight-transfer routes swap it in (a client that speaks only vLLM's API)
+    _wait_staged(server.url, 2)
+    httpx.post(f"{server.url}/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=60)
+    for route, body in [
+        ("/start_weight_update", None),
+        ("/update_weights", {"update_info": {"version": 2}}),
+        ("/finish_weight_update", {"weight_version": "2"}),
+        ("/resume", None),
+    ]:
+        assert httpx.post(f"{server.url}{route}", json=body, timeout=60).status_code == 200, route
+    assert httpx.get(f"{server.url}/weight_info", timeout=10).json()["weight_version"] == "2"
     received = _served(server.url)
     _run(_update(server.url, UpdateWeightsRequest(path=str(trainer.files / "step_2"), version=2)))
     from_files = _served(server.url)
