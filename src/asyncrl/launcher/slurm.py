@@ -11,6 +11,11 @@ holds inference_nodes + trainer_nodes nodes; Slurm's node list is split in that 
 - orchestrator: on the first node of the group named by `orchestrator_on` (CPU only), given the
   servers' URLs, which are known only once Slurm has picked the hosts.
 
+With `[weights] transport = "distributed"` (one trainer node), trainer rank 0 hosts the weights
+store on the trainer node at slurm.rdzv_port + 1 (unless `[weights] endpoint` names another
+address): the configs hold the job's variable for that node, and the trainer and every server get
+the address on their command line.
+
 The job runs in the directory it was rendered from (`#SBATCH --chdir`), so every path of the
 configs means on the nodes what it means here; it needs them on a filesystem shared by every node
 at the same path and `gpus_per_node` GPUs per node, and checks both on every node before it starts
@@ -62,6 +67,25 @@ class SlurmRLConfig(RLConfig):
 
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
+    def with_job_weights_endpoint(self) -> SlurmRLConfig:
+        """With `[weights] transport = "distributed"` and no endpoint: trainer rank 0's node (known to
+        the job only, so the configs hold the job's variable for it) at slurm.rdzv_port + 1."""
+        return self.with_weights_endpoint(WEIGHTS_HOST, self.slurm.rdzv_port + 1)
+
+
+# The job's variable for trainer rank 0's node, where the weights store listens. The configs hold it
+# as text; the job passes the address, expanded, to the trainer and each server (`_weights_flag`).
+WEIGHTS_HOST = "${TRAINER_MASTER}"
+
+
+def _weights_flag(cfg: SlurmRLConfig) -> str:
+    """` --weights.endpoint "HOST:PORT"` for the job's command lines when the run sends weights over
+    process groups (the shell expands the host there), else nothing."""
+    w = cfg.weights
+    if w.transport != "distributed" or w.endpoint is None:
+        return ""
+    return f' --weights.endpoint "{w.endpoint}"'
+
 
 def _check(cfg: SlurmRLConfig) -> None:
     s, d = cfg.slurm, cfg.deployment
@@ -71,6 +95,12 @@ def _check(cfg: SlurmRLConfig) -> None:
             f"deployment.num_inference_servers ({d.num_inference_servers}) must equal slurm.inference_nodes "
             f"* slurm.servers_per_inference_node = {s.inference_nodes} * {s.servers_per_inference_node} = "
             f"{want}"
+        )
+    if cfg.weights.transport == "distributed" and s.trainer_nodes > 1:
+        raise ConfigError(
+            f'[weights] transport = "distributed" with slurm.trainer_nodes = {s.trainer_nodes} is not '
+            "supported yet: trainer rank 0, which hosts the weights store, lands on a node that torchrun's "
+            'rendezvous picks when the job runs; use one trainer node, or transport = "filesystem"'
         )
     if s.gpus_per_node % s.servers_per_inference_node:
         raise ConfigError(
@@ -161,7 +191,7 @@ def _inference(cfg: SlurmRLConfig, py: str, run_dir: Path) -> list[str]:
     lines = ["", "# inference servers: on base_port + j, each on its slice of the node's GPUs", *_BIND_GPUS]
     lines += ["SERVERS=()", "PIDS=()"]
     config, log = config_file(run_dir, "inference-${i}"), log_file(run_dir, "inference-${i}")
-    command = f'{py} inference @ "{config}" --host 0.0.0.0 --port "$port"'
+    command = f'{py} inference @ "{config}" --host 0.0.0.0 --port "$port"{_weights_flag(cfg)}'
     if cfg.inference.backend == "vllm":
         command = _vllm_server(cfg)
         if cfg.api_key:
@@ -224,7 +254,7 @@ def render_sbatch(
         f"--nproc-per-node={s.gpus_per_node} "
         f'--rdzv-backend=c10d --rdzv-endpoint="${{TRAINER_MASTER}}:{s.rdzv_port}" '
         '--rdzv-id="$SLURM_JOB_ID" \\',
-        f'  -m asyncrl trainer @ "{config_file(run_dir, "trainer")}" &',
+        f'  -m asyncrl trainer @ "{config_file(run_dir, "trainer")}"{_weights_flag(cfg)} &',
         "TRAINER_PID=$!",
         "",
         "# orchestrator (CPU only): told the servers' URLs now that the hosts are known",
@@ -350,7 +380,7 @@ def main(argv: list[str]) -> int:
         if flags.job_start:
             return job_start(argv, resume=flags.resume)
         # Servers listen on 0.0.0.0 on cluster nodes: they always get a per-run API key.
-        cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=True)
+        cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=True).with_job_weights_endpoint()
         script = render_sbatch(cfg, Path(cfg.run_dir), resume=flags.resume)
         resolved = _resolve(cfg, flags.model_config)
         if flags.resume:

@@ -157,3 +157,24 @@ def test_resume_renders_a_job_that_applies_the_plan_when_it_starts(tmp_path, mon
     # the job of a new run refuses to start over it
     assert slurm.main(["--job-start", "@", str(rl_toml)]) == 2
     assert "already holds a run" in capsys.readouterr().err
+
+
+def test_distributed_weights_get_the_trainer_nodes_address_when_the_job_runs(tmp_path, capsys):
+    """One trainer node: the store listens there at rdzv_port + 1; the configs hold the job's variable,
+    which the job's command lines expand. Several trainer nodes are refused (rank 0's node is not known)."""
+    cfg = tmp_path / "rl.toml"
+    cfg.write_text(
+        TOML.format(run=tmp_path / "run", servers=4, per=2).replace("trainer_nodes = 4", "trainer_nodes = 1")
+    )
+    assert slurm.main(["@", str(cfg), "--dry-run", "--weights.transport", "distributed"]) == 0
+    run = tmp_path / "run"
+    script = (run / "slurm.sbatch").read_text()
+    flag = '--weights.endpoint "${TRAINER_MASTER}:29501"'
+    assert f'--port "$port" {flag} &' in script and f'trainer.toml" {flag} &' in script
+    configs = {
+        n: tomllib.loads((run / "configs" / f"{n}.toml").read_text()) for n in ("trainer", "inference-3")
+    }
+    assert {c["weights"]["endpoint"] for c in configs.values()} == {"${TRAINER_MASTER}:29501"}
+    assert configs["inference-3"]["weights_server"] == "server3"
+    assert slurm.main(["@", str(_write(tmp_path)), "--dry-run", "--weights.transport", "distributed"]) == 2
+    assert "slurm.trainer_nodes = 4 is not supported yet" in capsys.readouterr().err
