@@ -58,6 +58,7 @@ from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm_checks import cluster_check_lines, requirements_comment
 from asyncrl.launcher.vllm import WORKER_EXTENSION_DIR, build_vllm_command
 from asyncrl.run_dir import config_file, log_file, logs_dir, sbatch_file
+from asyncrl.weight_transfer.control import ENV_ENDPOINT, ENV_SERVER
 
 __all__ = ["SlurmRLConfig", "job_start", "main", "render_sbatch"]
 
@@ -155,7 +156,10 @@ def _vllm_server(cfg: SlurmRLConfig) -> str:
     argv = [shlex.quote(a) for a in command.argv]
     argv[argv.index("--port") + 1] = '"$port"'
     argv[argv.index("--seed") + 1] = f'"$(({cfg.seed} + i))"'
-    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(command.env.items()) if k != "VLLM_API_KEY"]
+    job = {"VLLM_API_KEY", ENV_ENDPOINT, ENV_SERVER}  # set below or by the job, not verbatim
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(command.env.items()) if k not in job]
+    if ENV_ENDPOINT in command.env:  # the store's host is the job's variable; server i is "server<i>"
+        env += [f'{ENV_ENDPOINT}="{command.env[ENV_ENDPOINT]}"', f'{ENV_SERVER}="server${{i}}"']
     return " ".join(["env", *env, *argv])
 
 

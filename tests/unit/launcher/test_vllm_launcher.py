@@ -359,6 +359,32 @@ def test_slurm_renders_vllm_servers(model_dir, tmp_path):
     assert "asyncrl inference @" not in script
 
 
+def test_slurm_vllm_servers_find_the_weights_store_on_the_trainer_node(model_dir, tmp_path):
+    cfg = load_config(
+        SlurmRLConfig,
+        {
+            "model": str(model_dir),
+            "run_dir": str(tmp_path),
+            "api_key": "k",
+            "deployment": {"num_inference_servers": 2},
+            "inference": {"backend": "vllm"},
+            "weights": {"transport": "distributed"},
+            "slurm": {"inference_nodes": 1, "trainer_nodes": 1, "servers_per_inference_node": 2},
+        },
+    ).with_job_weights_endpoint()
+    server = next(x for x in render_sbatch(cfg, tmp_path).splitlines() if "vllm.entrypoints" in x)
+    assert "--weight-transfer-config" in server
+    words = [w for w in shlex.split(server, posix=False) if w.startswith("ASYNCRL_WEIGHTS_")]
+    # the job's shell expands the trainer node's name and each server's index (the loop's $i)
+    shown = subprocess.run(
+        ["bash", "-c", f"TRAINER_MASTER=node7; i=1; echo {' '.join(words)}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert {"ASYNCRL_WEIGHTS_ENDPOINT=node7:29501", "ASYNCRL_WEIGHTS_SERVER=server1"} <= set(shown)
+
+
 def test_asyncrl_inference_refuses_the_vllm_backend(model_dir, capsys):
     assert main(["inference", "--model", str(model_dir), "--backend", "vllm"]) == 2
     assert "served by vLLM itself" in capsys.readouterr().err
