@@ -79,7 +79,13 @@ _import_asyncrl()
 
 from asyncrl.model.hf import HFReader, build_meta_model, load_args, to_hf_tensors  # noqa: E402
 from asyncrl.model.serving import SCALE_SUFFIX, ServingFormat  # noqa: E402
-from asyncrl.weight_transfer import ReceiveLoop, WeightsEndpoint, published_shapes  # noqa: E402
+from asyncrl.weight_transfer import (  # noqa: E402
+    ReceiveLoop,
+    Staged,
+    StagingTimeout,
+    WeightsEndpoint,
+    published_shapes,
+)
 
 __all__ = ["AsyncRLWeightTransferEngine", "expected_shapes", "hf_tensors"]
 
@@ -162,9 +168,7 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         `timeout_s` (default: the endpoint's) for it; StagingTimeout leaves the model as it was."""
         timeout_s = self.loop.endpoint.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
-        staged = self.loop.wait_staged(version, timeout_s)
-        if get_world_group().world_size > 1:
-            staged = self._agree(staged, timeout_s)
+        staged = self._wait_agreed(version, timeout_s)
         t1 = time.perf_counter()
         _reload_from_memory(self.vllm_config, self.model, hf_tensors(staged.state))
         return {
@@ -175,18 +179,29 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
             "num_bytes": float(staged.num_bytes),
         }
 
-    def _agree(self, staged: Any, timeout_s: float) -> Any:
-        """The newest version every worker has staged: each worker's receive loop completes a
-        version on its own, and shards of two versions must never be served together."""
-        group = get_world_group().cpu_group
+    def _wait_agreed(self, version: int, timeout_s: float) -> Staged:
+        """The newest version >= `version` that every worker has staged. Each worker's receive loop
+        completes a version on its own, and shards of two versions must never serve together; a
+        worker that times out makes every worker raise (none is left waiting in a collective)."""
+        world = get_world_group()
         while True:
-            newest = torch.tensor([staged.version])
-            dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group)
-            staged = self.loop.wait_staged(int(newest), timeout_s)
-            got = torch.tensor([staged.version, -staged.version])
-            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=group)
-            if int(got[0]) == -int(got[1]):  # max == min
+            try:
+                staged, got = self.loop.wait_staged(version, timeout_s), None
+            except StagingTimeout as e:
+                staged, got = None, e
+            mine = -1 if staged is None else staged.version
+            held = torch.tensor([mine, -mine])  # one all-reduce (max) gives the newest and the oldest
+            if world.world_size > 1:
+                dist.all_reduce(held, op=dist.ReduceOp.MAX, group=world.cpu_group)
+            newest, oldest = int(held[0]), -int(held[1])
+            if oldest < 0:
+                raise got or StagingTimeout(
+                    f"another worker of this server did not receive version >= {version}"
+                )
+            if newest == oldest:
+                assert staged is not None
                 return staged
+            version = newest
 
     # -- vLLM's weight-transfer API (/start_weight_update, /update_weights, /finish_weight_update)
     def init_transfer_engine(self, init_info: AsyncRLInitInfo) -> None:
