@@ -39,6 +39,7 @@ from asyncrl.wire import (
     UpdateWeightsResponse,
     WeightsInfo,
 )
+from asyncrl.wire.binary import GENERATE_MEDIA_TYPE, BinaryBodyError, decode_generate
 
 __all__ = ["ContextLimitExceeded", "HttpBackend", "InferenceBackend", "InferenceError", "ServerUnavailable"]
 
@@ -120,7 +121,15 @@ class HttpBackend:
         self._http = httpx.AsyncClient(**kw)
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
-        return await self._call("POST", "/v1/generate", GenerateResponse, request, generation=True)
+        """Asks for the binary body (routed experts as raw bytes); a server that answers JSON is read too."""
+        payload = request.model_dump(exclude_none=True)
+        response = await self._send_json("POST", "/v1/generate", payload, generation=True, binary=True)
+        if not response.headers.get("content-type", "").startswith(GENERATE_MEDIA_TYPE):
+            return self._validate(response, "POST", "/v1/generate", GenerateResponse)
+        try:
+            return decode_generate(response.content)
+        except BinaryBodyError as e:
+            raise InferenceError(f"POST {self.url}/v1/generate: response breaks the contract: {e}") from None
 
     async def pause(self, request: PauseRequest) -> PauseResponse:
         return await self._call("POST", "/pause", PauseResponse, request)
@@ -157,6 +166,9 @@ class HttpBackend:
         generation: bool = False,
     ) -> _Answer:
         response = await self._send(method, path, body, generation=generation)
+        return self._validate(response, method, path, answer)
+
+    def _validate(self, response: httpx.Response, method: str, path: str, answer: type[_Answer]) -> _Answer:
         try:
             return answer.model_validate_json(response.content)
         except ValidationError as e:
@@ -178,12 +190,15 @@ class HttpBackend:
         params: dict[str, str] | None = None,
         *,
         generation: bool = False,
+        binary: bool = False,
     ) -> httpx.Response:
-        """One request; transport errors and 5xx raise ServerUnavailable, other non-200 InferenceError."""
+        """One request; transport errors and 5xx raise ServerUnavailable, other non-200 InferenceError.
+        `binary`: accept the binary generate body as well as JSON."""
         where = f"{method} {self.url}{path}"
+        headers = {"Accept": f"{GENERATE_MEDIA_TYPE}, application/json;q=0.5"} if binary else None
         try:
             client = self._gen if generation else self._http
-            response = await client.request(method, path, json=payload, params=params)
+            response = await client.request(method, path, json=payload, params=params, headers=headers)
         except httpx.HTTPError as e:
             raise ServerUnavailable(f"{where} failed: {type(e).__name__}: {e}") from e
         if response.status_code >= 500:

@@ -40,7 +40,10 @@ class _Segment:
     temperatures: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     kv_versions: list[int] = field(default_factory=list)
-    routing: list[np.ndarray | None] = field(default_factory=list)  # one [layers, top_k] row per token
+    routed: list[bool] = field(default_factory=list)  # per token: its routing row is known
+    # uint8|uint16 [>= tokens, layers, top_k]: one buffer, grown by doubling, so a turn's rows land
+    # in one copy and a long episode holds no per-token arrays
+    routing: np.ndarray | None = None
 
     def append(
         self,
@@ -58,7 +61,7 @@ class _Segment:
         self.temperatures += [temperature] * len(ids)
         self.versions += versions
         self.kv_versions += kv_versions
-        self.routing += [None] * len(ids)
+        self.routed += [False] * len(ids)
 
     @property
     def num_sampled(self) -> int:
@@ -66,14 +69,28 @@ class _Segment:
 
     def trimmed(self) -> _Segment:
         """This segment up to and including its last sampled token."""
-        end = max(i for i, sampled in enumerate(self.loss_mask) if sampled) + 1
-        return _Segment(*(getattr(self, f)[:end] for f in _Segment.__dataclass_fields__))
+        end = len(self.loss_mask) - self.loss_mask[::-1].index(True)
+        lists = {f: getattr(self, f)[:end] for f in _Segment.__dataclass_fields__ if f != "routing"}
+        return _Segment(**lists, routing=None if self.routing is None else self.routing[:end])
 
     def known_routing_prefix(self) -> int:
-        n = 0
-        while n < len(self.routing) and self.routing[n] is not None:
-            n += 1
-        return n
+        return self.routed.index(False) if False in self.routed else len(self.routed)
+
+    def place_routing(self, rows_TLK: np.ndarray, start: int) -> None:
+        """Rows [start, start + len(rows_TLK)) of the routing buffer, grown to hold every token."""
+        end = start + rows_TLK.shape[0]
+        if self.routing is None or self.routing.shape[0] < len(self.routed):
+            grown = np.zeros(
+                (max(len(self.routed), 2 * self._capacity()), *rows_TLK.shape[1:]), rows_TLK.dtype
+            )
+            if self.routing is not None:
+                grown[: self.routing.shape[0]] = self.routing
+            self.routing = grown
+        self.routing[start:end] = rows_TLK
+        self.routed[start:end] = [True] * (end - start)
+
+    def _capacity(self) -> int:
+        return 0 if self.routing is None else self.routing.shape[0]
 
 
 class TrajectoryBuilder:
@@ -151,13 +168,12 @@ class TrajectoryBuilder:
             )
         self._routing_shape = key
         end = start + rows_TLK.shape[0]
-        if end > len(self._cur.routing):
+        if end > len(self._cur.routed):
             raise InferenceError(
-                f"routed_experts rows [{start}, {end}) exceed the {len(self._cur.routing)} prompt + "
+                f"routed_experts rows [{start}, {end}) exceed the {len(self._cur.routed)} prompt + "
                 "completion tokens"
             )
-        for i, row in enumerate(rows_TLK):
-            self._cur.routing[start + i] = row
+        self._cur.place_routing(rows_TLK, start)
 
     def build(
         self, *, reward: float, env: str, episode_id: str, metrics: dict[str, float]
@@ -166,7 +182,7 @@ class TrajectoryBuilder:
         segments = [s.trimmed() for s in [*self._done, self._cur] if s.num_sampled > 0]
         samples = []
         for i, seg in enumerate(segments):
-            routed, routing_metrics = _stack_routing(seg.routing)
+            routed, routing_metrics = _stack_routing(seg.routing, seg.routed)
             samples.append(
                 RolloutSample(
                     token_ids=np.asarray(seg.token_ids, np.int32),
@@ -186,15 +202,19 @@ class TrajectoryBuilder:
         return samples
 
 
-def _stack_routing(rows: list[np.ndarray | None]) -> tuple[np.ndarray | None, dict[str, float]]:
+def _stack_routing(
+    routing: np.ndarray | None, routed: list[bool]
+) -> tuple[np.ndarray | None, dict[str, float]]:
     """[T, layers, top_k] when every row is known. The last token may lack routing: no step fed it
     to the model as input, and its routing only shapes logits past the sequence end (which no loss
     reads), so it is filled with the previous row and counted. Any other gap drops routing."""
-    known = [r is not None for r in rows]
-    if not any(known):
+    num_known = sum(routed)
+    if routing is None or num_known == 0:
         return None, {}
-    if all(known):
-        return np.stack(rows), {}  # type: ignore[arg-type]
-    if all(known[:-1]) and len(rows) > 1:
-        return np.stack([*rows[:-1], rows[-2]]), {"routing_filled_tokens": 1.0}  # type: ignore[list-item]
-    return None, {"routing_missing_tokens": float(len(rows) - sum(known))}
+    out = routing[: len(routed)].copy()
+    if num_known == len(routed):
+        return out, {}
+    if num_known == len(routed) - 1 and not routed[-1] and len(routed) > 1:
+        out[-1] = out[-2]
+        return out, {"routing_filled_tokens": 1.0}
+    return None, {"routing_missing_tokens": float(len(routed) - num_known)}

@@ -359,10 +359,10 @@ class Engine:
         stream."""
         if not req.stream:
             tokens, logprobs, versions = req.output_token_ids, req.output_logprobs, req.output_versions
-        routing = self._routing(req) if req.return_routed_experts else None
+        start = self._routing_start.pop(req.request_id)
+        routing = self._routing(req, start) if req.return_routed_experts else None
         self.scheduler.remove(req)
         del self.requests[req.request_id]
-        start = self._routing_start.pop(req.request_id)
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=tokens,
@@ -371,13 +371,14 @@ class Engine:
             finish_reason=req.finish_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_prompt_tokens=len(req.prompt_token_ids),
-            routed_experts=None if routing is None else routing[start:],
+            routed_experts=routing,
             context_version=req.context_version,
         )
 
-    def _routing(self, req: Request) -> np.ndarray:
-        """Expert ids of every computed token [T, L, K]; uint8, or uint16 past 256 experts."""
-        slots = self.cache.slots(req, req.num_computed_tokens)
+    def _routing(self, req: Request, start: int) -> np.ndarray:
+        """Expert ids of the computed tokens from `start` on [T - start, L, K]; uint8, or uint16 past
+        256 experts. Only those rows leave the device: a later turn's context is mostly known."""
+        slots = self.cache.slots(req, req.num_computed_tokens)[start:]
         routing = self.cache.routing_PLK[slots].cpu().numpy()
         return routing.astype(np.uint8 if self.model.args.num_experts <= 256 else np.uint16)
 

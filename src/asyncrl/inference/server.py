@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -42,11 +42,11 @@ from asyncrl.wire import (
     PauseRequest,
     PauseResponse,
     ResumeResponse,
-    RoutedExperts,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
     WeightsInfo,
 )
+from asyncrl.wire.binary import GENERATE_MEDIA_TYPE, encode_generate
 from asyncrl.wire.http import FieldValueError
 from asyncrl.wire.vllm import VLLMGenerateRequest, to_vllm_answer
 
@@ -240,24 +240,15 @@ def _add_core_routes(app: FastAPI) -> None:
             # The engine names the field "prompt"; these endpoints name it as their body does.
             field = prompt_field if e.field == "prompt" else e.field
             raise InvalidRequestError(field, e.message, e.status) from None
-        routed = None
-        if result.routed_experts is not None:
-            start = min(body.routed_experts_start, len(body.prompt_token_ids))
-            routed = RoutedExperts.from_array(result.routed_experts, start=start)
-        return GenerateResponse(
-            token_ids=result.token_ids,
-            logprobs=result.logprobs,
-            policy_versions=result.versions,
-            finish_reason=result.finish_reason,
-            num_cached_tokens=result.num_cached_tokens,
-            prompt_token_ids=body.prompt_token_ids,
-            routed_experts=routed,
-            context_version=result.context_version,
-        )
+        return result.to_response(body)
 
-    @app.post("/v1/generate")
-    async def generate(body: GenerateRequest, http: Request) -> GenerateResponse:
-        return await run(body, http, "prompt_token_ids")
+    @app.post("/v1/generate", response_model=GenerateResponse)
+    async def generate(body: GenerateRequest, http: Request) -> GenerateResponse | Response:
+        """JSON, or the binary body (routing as raw bytes) for a client whose `Accept` names it."""
+        response = await run(body, http, "prompt_token_ids")
+        if GENERATE_MEDIA_TYPE in http.headers.get("accept", ""):
+            return Response(encode_generate(response), media_type=GENERATE_MEDIA_TYPE)
+        return response
 
     @app.post("/inference/v1/generate")
     async def generate_vllm_shape(body: VLLMGenerateRequest, http: Request) -> dict[str, Any]:

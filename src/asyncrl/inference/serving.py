@@ -18,6 +18,7 @@ from fastapi import Request
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.async_engine import AsyncEngine
 from asyncrl.inference.request import RequestOutput, SamplingOptions
+from asyncrl.wire import GenerateRequest, GenerateResponse, RoutedExperts
 
 __all__ = ["ClientDisconnected", "Collected", "ServerState", "collect"]
 
@@ -60,6 +61,23 @@ class Collected:
             self.num_cached_tokens = out.num_cached_tokens
             self.routed_experts = out.routed_experts
             self.context_version = out.context_version
+
+    def to_response(self, request: GenerateRequest) -> GenerateResponse:
+        """The `/v1/generate` answer. It does not repeat the prompt's ids: a later turn's prompt is the
+        whole context, which the client holds."""
+        routed = None
+        if self.routed_experts is not None:
+            start = min(request.routed_experts_start, len(request.prompt_token_ids))
+            routed = RoutedExperts.from_array(self.routed_experts, start=start)
+        return GenerateResponse(
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            policy_versions=self.versions,
+            finish_reason=self.finish_reason,
+            num_cached_tokens=self.num_cached_tokens,
+            routed_experts=routed,
+            context_version=self.context_version,
+        )
 
 
 async def collect(

@@ -46,6 +46,7 @@ __all__ = ["SendLoop", "VersionReport", "count_changed"]
 log = logging.getLogger(__name__)
 
 _IDLE_S = 0.02  # rank 0's poll for registrations and versions
+_CLOSE_S = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,13 +147,15 @@ class SendLoop:
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
 
     def close(self) -> None:
-        """Stop after the job under way; drop every channel (their servers register anew)."""
+        """Stop after the job under way, or drop it after a few seconds (a join or a send can block
+        up to `timeout_s`; a trainer on its way out does not wait for that); then drop every channel
+        (their servers register anew)."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
         if self._thread.is_alive():
-            self._thread.join(timeout=self.timeout_s + 5)
-        for channel in self._channels.values():
+            self._thread.join(timeout=_CLOSE_S)
+        for channel in list(self._channels.values()):
             channel.close()
         self._channels.clear()
 
@@ -176,6 +179,8 @@ class SendLoop:
                         self._done.add(job.version)
                         self._cond.notify_all()
         except Exception as e:  # the thread's top level: the next submit or wait raises it
+            if self._stop.is_set():
+                return  # closed under a job: its channels were dropped
             log.exception("weights: the sending thread failed")
             with self._cond:
                 self._error = e

@@ -7,10 +7,19 @@ asyncrl-specific messages that the orchestrator and the engine both speak. Torch
 from __future__ import annotations
 
 import base64
+import math
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from asyncrl.config.sampling import MAX_SEED, SamplingParams
 
@@ -95,26 +104,65 @@ class GenerateRequest(SamplingParams, ValidUnicode):
 
 
 class RoutedExperts(_Message):
-    """Expert ids per token, [tokens, layers, top_k], as base64 of the raw little-endian array."""
+    """Expert ids per token, [tokens, layers, top_k] from token `start` on, uint8 (<= 256 experts) or uint16.
 
-    data: str
-    shape: list[int]
+    In JSON `data` is base64 of the raw little-endian array. A message built with `from_array`
+    holds the array itself and encodes it only when dumped to JSON, so the binary body
+    (`asyncrl.wire.binary`) carries the rows raw and never base64.
+
+        RoutedExperts.from_array(np.zeros((3, 4, 2), np.uint8), start=5).to_array().shape  # (3, 4, 2)
+    """
+
+    data: str = ""
+    shape: list[int] = Field(min_length=3, max_length=3)
     dtype: Literal["uint8", "uint16"]
-    start: int = 0
+    start: int = Field(0, ge=0)
+    _rows: np.ndarray | None = PrivateAttr(None)  # uint8|uint16 [tokens, layers, top_k], native order
+
+    @model_validator(mode="after")
+    def _data_fits_shape(self) -> RoutedExperts:
+        num_bytes = math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        if self._rows is None and len(self.data) != 4 * math.ceil(num_bytes / 3):
+            raise ValueError(
+                f"data holds {len(self.data)} base64 characters; shape {self.shape} of {self.dtype} "
+                f"needs {4 * math.ceil(num_bytes / 3)}"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _encode_rows(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if self._rows is not None:
+            out["data"] = base64.b64encode(self.to_bytes()).decode()
+        return out
 
     @classmethod
     def from_array(cls, arr: np.ndarray, start: int = 0) -> RoutedExperts:
         if arr.dtype not in (np.uint8, np.uint16) or arr.ndim != 3:
             raise ValueError(f"routed experts must be uint8/uint16 [T, L, K], got {arr.dtype} {arr.shape}")
-        raw = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-        return cls(
-            data=base64.b64encode(raw).decode(), shape=list(arr.shape), dtype=str(arr.dtype), start=start
-        )
+        if start < 0:
+            raise ValueError(f"routed experts start must be >= 0, got {start}")
+        out = cls.model_construct(shape=list(arr.shape), dtype=str(arr.dtype), start=start)
+        out._rows = arr
+        return out
 
     def to_array(self) -> np.ndarray:
-        dtype = np.dtype(self.dtype).newbyteorder("<")
-        arr = np.frombuffer(base64.b64decode(self.data), dtype=dtype)
-        return arr.reshape(self.shape).astype(np.dtype(self.dtype))
+        if self._rows is None:
+            raw = np.frombuffer(base64.b64decode(self.data), dtype=np.dtype(self.dtype).newbyteorder("<"))
+            self._rows = raw.reshape(self.shape).astype(np.dtype(self.dtype), copy=False)
+        return self._rows
+
+    def to_bytes(self) -> bytes:
+        """The rows as raw little-endian bytes, C order."""
+        rows = self.to_array()
+        return np.ascontiguousarray(rows).astype(rows.dtype.newbyteorder("<"), copy=False).tobytes()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RoutedExperts):
+            return NotImplemented
+        return (self.shape, self.dtype, self.start) == (other.shape, other.dtype, other.start) and (
+            np.array_equal(self.to_array(), other.to_array())
+        )
 
 
 class GenerateResponse(_Message):

@@ -10,7 +10,8 @@ and the other way round, for the embedded server, which serves the same endpoint
 
 vLLM's request carries `token_ids`, `sampling_params`, `cache_salt`, `kv_transfer_params`; its
 answer carries per choice `token_ids`, `logprobs.content[i].logprob`, `finish_reason`,
-`routed_experts` (base64 of an `.npy` array, [prompt + completion - 1, layers, top_k]) and
+`routed_experts` (base64 of an `.npy` array, [prompt + completion - 1 - start, layers, top_k], uint8
+up to 256 experts, else uint16, from token `sampling_params.routed_experts_prompt_start` on) and
 `weight_versions`: spans {version, start, end} over output-token indexes, one per weight version
 that sampled them. The spans make our per-token `policy_versions` exact: asyncrl labels each
 version with its integer step (`POST /update_weight_version`), and vLLM's own "default" label of
@@ -67,9 +68,14 @@ def to_vllm_generate(request: GenerateRequest, *, kv_transfer_params: dict[str, 
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
     if request.return_routed_experts:
-        # asyncrl's extension: the embedded server returns routing per request; vLLM ignores the
-        # keys and returns it server-wide when started with --enable-return-routed-experts.
-        body |= {"return_routed_experts": True, "routed_experts_start": request.routed_experts_start}
+        # vLLM returns routing server-wide when started with --enable-return-routed-experts and
+        # skips the prompt tokens before `routed_experts_prompt_start` (it rejects a start past the
+        # prompt). `return_routed_experts` is asyncrl's extension: the embedded server returns
+        # routing per request, and vLLM ignores the key.
+        sampling["routed_experts_prompt_start"] = min(
+            request.routed_experts_start, len(request.prompt_token_ids)
+        )
+        body["return_routed_experts"] = True
     return body
 
 
@@ -100,19 +106,43 @@ def _versions(spans: list[dict] | None, num_tokens: int, fallback: int | None) -
     return out
 
 
-def _routed(data: str | None, request: GenerateRequest, sent_from: int) -> RoutedExperts | None:
-    """vLLM's rows start at token 0; asyncrl's embedded server says where its rows start (`sent_from`)."""
+def _routed(choice: dict, request: GenerateRequest, num_tokens: int) -> RoutedExperts | None:
+    """The answer's routing rows from the start we asked for; ids keep the engine's uint8/uint16.
+
+    asyncrl's embedded server says where its rows start (`routed_experts_start`). vLLM does not:
+    its rows end at the last token it fed forward (prompt + completion - 1), so their count gives
+    the start, which is the one we asked for, or 0 from a vLLM that ignored it.
+    """
+    data = choice.get("routed_experts")
     if data is None or not request.return_routed_experts:
         return None
     arr = np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)
     if arr.ndim != 3:
         raise VLLMProtocolError(f"routed_experts must be [tokens, layers, top_k], got shape {arr.shape}")
+    asked = min(request.routed_experts_start, len(request.prompt_token_ids))
+    if choice.get("routed_experts_start") is not None:
+        sent_from = int(choice["routed_experts_start"])
+    else:
+        sent_from = len(request.prompt_token_ids) + num_tokens - 1 - arr.shape[0]
+        if sent_from not in (0, asked):
+            raise VLLMProtocolError(
+                f"{arr.shape[0]} routed_experts rows for {len(request.prompt_token_ids)} prompt and "
+                f"{num_tokens} completion tokens from start {asked}"
+            )
+    start = max(asked, sent_from)
+    return RoutedExperts.from_array(_expert_ids(arr[start - sent_from :]), start=start)
+
+
+def _expert_ids(arr: np.ndarray) -> np.ndarray:
+    """uint8/uint16 as vLLM chose them by expert count; a wider type (an older vLLM's int32) as uint16,
+    the same for every answer, since an episode's or batch's rows must share one dtype."""
+    if arr.dtype in (np.uint8, np.uint16):
+        return np.ascontiguousarray(arr)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise VLLMProtocolError(f"routed_experts must hold integer expert ids, got {arr.dtype}")
     if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint16).max):
         raise VLLMProtocolError("routed_experts ids out of the uint16 range")
-    dtype = np.uint8 if not arr.size or arr.max() <= np.iinfo(np.uint8).max else np.uint16
-    start = max(min(request.routed_experts_start, len(request.prompt_token_ids)), sent_from)
-    rows = arr[start - sent_from :]
-    return RoutedExperts.from_array(np.ascontiguousarray(rows).astype(dtype), start=start)
+    return np.ascontiguousarray(arr).astype(np.uint16)
 
 
 def from_vllm_generate(
@@ -145,10 +175,7 @@ def from_vllm_generate(
         policy_versions=_versions(choice.get("weight_versions"), len(token_ids), fallback_version),
         finish_reason=finish,
         num_cached_tokens=int(cached),
-        prompt_token_ids=request.prompt_token_ids,
-        routed_experts=_routed(
-            choice.get("routed_experts"), request, int(choice.get("routed_experts_start") or 0)
-        ),
+        routed_experts=_routed(choice, request, len(token_ids)),
     )
 
 
@@ -160,13 +187,15 @@ class VLLMSamplingParams(SamplingParams):
 
     logprobs: int | None = Field(None, ge=0, le=1, description="0 or 1: the sampled token's logprob")
     detokenize: bool = True  # accepted for vLLM clients; the answer is token ids either way
+    routed_experts_prompt_start: int = Field(0, ge=0, description="routing from this prompt token on")
 
 
 class VLLMGenerateRequest(BaseModel):
     """The body of vLLM's `POST /inference/v1/generate`, as asyncrl's embedded server accepts it.
 
-    `return_routed_experts` and `routed_experts_start` are asyncrl's extensions (vLLM returns
-    routed experts server-wide when started with `--enable-return-routed-experts`).
+    `return_routed_experts` is asyncrl's extension (vLLM returns routed experts server-wide when
+    started with `--enable-return-routed-experts`); both skip the prompt tokens before
+    `sampling_params.routed_experts_prompt_start`.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -179,16 +208,17 @@ class VLLMGenerateRequest(BaseModel):
     stream: Literal[False] = False
     output_mode: Literal["tokens"] = "tokens"
     return_routed_experts: bool = False
-    routed_experts_start: int = Field(0, ge=0)
 
     def to_request(self) -> GenerateRequest:
-        sampling = self.sampling_params.model_dump(exclude={"logprobs", "detokenize"})
+        sampling = self.sampling_params.model_dump(
+            exclude={"logprobs", "detokenize", "routed_experts_prompt_start"}
+        )
         return GenerateRequest(
             **sampling,
             prompt_token_ids=self.token_ids,
             cache_salt=self.cache_salt,
             return_routed_experts=self.return_routed_experts,
-            routed_experts_start=self.routed_experts_start,
+            routed_experts_start=self.sampling_params.routed_experts_prompt_start,
         )
 
 

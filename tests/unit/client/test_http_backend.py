@@ -6,10 +6,12 @@ import asyncio
 import json
 
 import httpx
+import numpy as np
 import pytest
 
 from asyncrl.client import HttpBackend, InferenceBackend, InferenceError, ServerUnavailable
-from asyncrl.wire import GenerateResponse, PauseRequest, UpdateWeightsRequest
+from asyncrl.wire import GenerateRequest, GenerateResponse, PauseRequest, RoutedExperts, UpdateWeightsRequest
+from asyncrl.wire.binary import GENERATE_MEDIA_TYPE, encode_generate
 
 
 def _backend(handler) -> HttpBackend:
@@ -52,7 +54,11 @@ def test_admin_calls_send_and_parse_the_wire_models():
     assert ok is True
     assert seen[:3] == [
         ("POST", "/pause", {"mode": "abort"}),
-        ("POST", "/update_weights", {"path": "/w/step_7", "version": 7, "mode": "keep"}),
+        (
+            "POST",
+            "/update_weights",
+            {"path": "/w/step_7", "version": 7, "mode": "keep", "transport": "filesystem"},
+        ),
         ("POST", "/resume", {}),
     ]
 
@@ -89,3 +95,44 @@ def test_generate_response_needs_one_logprob_and_version_per_token():
     assert ok.policy_versions == [3, 3]
     with pytest.raises(ValueError, match="2 token_ids but 2 logprobs and 1 policy_versions"):
         GenerateResponse(token_ids=[1, 2], logprobs=[0.0, -1.0], policy_versions=[3], finish_reason="stop")
+
+
+def test_generate_asks_for_the_binary_body_and_reads_json_from_a_server_without_it():
+    rows = np.arange(4 * 3 * 2, dtype=np.uint8).reshape(4, 3, 2)
+    answer = GenerateResponse(
+        token_ids=[5, 6],
+        logprobs=[-0.5, -1.0],
+        policy_versions=[1, 1],
+        finish_reason="length",
+        routed_experts=RoutedExperts.from_array(rows, start=2),
+    )
+    accepts: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        accepts.append(request.headers["accept"])
+        if json.loads(request.content)["seed"] == 1:
+            return httpx.Response(
+                200, content=encode_generate(answer), headers={"content-type": GENERATE_MEDIA_TYPE}
+            )
+        if json.loads(request.content)["seed"] == 2:
+            return httpx.Response(
+                200, content=answer.model_dump_json(), headers={"content-type": "application/json"}
+            )
+        return httpx.Response(
+            200, content=encode_generate(answer)[:-1], headers={"content-type": GENERATE_MEDIA_TYPE}
+        )
+
+    async def go(seed: int) -> GenerateResponse:
+        b = _backend(handler)
+        try:
+            return await b.generate(
+                GenerateRequest(prompt_token_ids=[1, 2, 3], seed=seed, return_routed_experts=True)
+            )
+        finally:
+            await b.aclose()
+
+    assert asyncio.run(go(1)) == asyncio.run(go(2)) == answer
+    assert asyncio.run(go(1)).routed_experts.to_array().tobytes() == rows.tobytes()
+    assert all(a.startswith(GENERATE_MEDIA_TYPE) for a in accepts)
+    with pytest.raises(InferenceError, match="breaks the contract: routed_experts"):
+        asyncio.run(go(3))

@@ -73,7 +73,7 @@ def test_weight_version_spans_become_exact_per_token_versions():
     assert out.policy_versions == [0, 0, 7, 7, 7]
     assert out.logprobs == [-0.5, -1.5, -2.5, -3.5, -4.5]
     assert out.finish_reason == "length" and out.num_cached_tokens == 2
-    assert out.prompt_token_ids == [1, 2, 3] and out.routed_experts is None
+    assert out.prompt_token_ids is None and out.routed_experts is None  # the client holds the prompt
 
 
 def test_missing_spans_use_the_fallback_version_or_fail():
@@ -108,9 +108,21 @@ def test_unknown_finish_reason_and_length_mismatch_are_rejected():
         from_vllm_generate(bad, req)
 
 
-def test_routed_experts_become_our_wire_format_from_start():
-    # vLLM: [prompt + completion - 1, layers, top_k], int32 ids in an .npy
-    routed = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 8
+def test_request_asks_vllm_for_routing_from_the_start_it_already_holds():
+    req = GenerateRequest(prompt_token_ids=[1, 2, 3], return_routed_experts=True, routed_experts_start=2)
+    assert to_vllm_generate(req)["sampling_params"]["routed_experts_prompt_start"] == 2
+    # vLLM rejects a start past the prompt: the last sampled token of a turn is routed only next turn
+    past = req.model_copy(update={"routed_experts_start": 5})
+    assert to_vllm_generate(past)["sampling_params"]["routed_experts_prompt_start"] == 3
+    assert (
+        "routed_experts_prompt_start"
+        not in to_vllm_generate(GenerateRequest(prompt_token_ids=[1]))["sampling_params"]
+    )
+
+
+def test_rows_vllm_sends_from_the_asked_start_are_placed_there():
+    # vLLM 0.32 with routed_experts_prompt_start=2: rows 2..(3 + 2 - 1), uint8 up to 256 experts
+    routed = (np.arange(2 * 2 * 2).reshape(2, 2, 2) % 8).astype(np.uint8)
     req = GenerateRequest(
         prompt_token_ids=[1, 2, 3], max_tokens=2, return_routed_experts=True, routed_experts_start=2
     )
@@ -118,7 +130,33 @@ def test_routed_experts_become_our_wire_format_from_start():
     out = from_vllm_generate(_answer([4, 5], spans, routed=_npy_b64(routed)), req)
     assert out.routed_experts is not None
     assert out.routed_experts.start == 2 and out.routed_experts.dtype == "uint8"
-    np.testing.assert_array_equal(out.routed_experts.to_array(), routed[2:].astype(np.uint8))
+    np.testing.assert_array_equal(out.routed_experts.to_array(), routed)
+    with pytest.raises(VLLMProtocolError, match="3 routed_experts rows for 3 prompt and 2 completion"):
+        from_vllm_generate(_answer([4, 5], spans, routed=_npy_b64(np.zeros((3, 2, 2), np.uint8))), req)
+
+
+def test_rows_from_a_vllm_that_ignored_the_start_are_cut_there():
+    # all of [prompt + completion - 1] from token 0, int32 ids (an older vLLM)
+    routed = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 8
+    req = GenerateRequest(
+        prompt_token_ids=[1, 2, 3], max_tokens=2, return_routed_experts=True, routed_experts_start=2
+    )
+    spans = [{"version": "1", "start": 0, "end": 2}]
+    out = from_vllm_generate(_answer([4, 5], spans, routed=_npy_b64(routed)), req)
+    assert out.routed_experts is not None
+    assert out.routed_experts.start == 2 and out.routed_experts.dtype == "uint16"
+    np.testing.assert_array_equal(out.routed_experts.to_array(), routed[2:])
+
+
+def test_uint16_expert_ids_stay_uint16_whatever_their_values():
+    # > 256 experts: vLLM sends uint16; a turn whose ids all happen to be < 256 must not turn uint8,
+    # or the episode's next turn (or the batch) would mix dtypes
+    req = GenerateRequest(prompt_token_ids=[1, 2], max_tokens=1, return_routed_experts=True)
+    routed = np.full((2, 2, 2), 7, np.uint16)
+    out = from_vllm_generate(
+        _answer([4], [{"version": "1", "start": 0, "end": 1}], routed=_npy_b64(routed)), req
+    )
+    assert out.routed_experts is not None and out.routed_experts.dtype == "uint16"
 
 
 def test_version_labels():
@@ -137,7 +175,6 @@ def test_embedded_answer_in_vllm_shape_round_trips():
         policy_versions=[3, 3, 4],
         finish_reason="stop",
         num_cached_tokens=2,
-        prompt_token_ids=[1, 2, 3, 4],
         routed_experts=routed,
     )
     payload = to_vllm_answer(ours, req, "r-9")
@@ -160,3 +197,9 @@ def test_vllm_request_shape_becomes_ours_and_rejects_what_we_do_not_serve():
     assert req.return_routed_experts and to_vllm_generate(req)["return_routed_experts"] is True
     with pytest.raises(ValidationError, match="n"):
         VLLMGenerateRequest.model_validate(body | {"sampling_params": {"n": 2}})
+
+
+def test_embedded_server_reads_the_routing_start_where_vllm_takes_it():
+    ours = GenerateRequest(prompt_token_ids=[5, 6, 7], return_routed_experts=True, routed_experts_start=2)
+    back = VLLMGenerateRequest.model_validate(to_vllm_generate(ours)).to_request()
+    assert back.return_routed_experts and back.routed_experts_start == 2
