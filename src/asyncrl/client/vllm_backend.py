@@ -156,7 +156,9 @@ class VLLMBackend(HttpBackend):
         )
 
     async def _swap_received(self, request: UpdateWeightsRequest) -> UpdateWeightsResponse:
-        """Wait (serving) until every worker staged `request.version` or newer, then pause and swap."""
+        """Wait (serving) until every worker staged `request.version` or newer, then pause and swap.
+        `load_seconds` is the wait and the swap, as the embedded server counts it."""
+        start = time.perf_counter()
         await self._wait_staged(request.version)
         own_pause = not self._paused
         t0 = time.perf_counter()
@@ -167,7 +169,7 @@ class VLLMBackend(HttpBackend):
         if any(int(r["version"]) != version for r in results):
             raise InferenceError(f"{self.url}: the workers swapped in different versions: {results}")
         await self._label(version)
-        load_seconds = time.perf_counter() - t0
+        load_seconds = time.perf_counter() - start
         if own_pause:
             await self.resume()
         return UpdateWeightsResponse(

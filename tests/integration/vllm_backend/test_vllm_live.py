@@ -417,8 +417,8 @@ def test_a_version_received_over_the_channel_is_served_exactly_as_its_files(serv
     assert _same(received[1], from_files[1])  # bit for bit: tokens and logprobs
     assert not _same(received[1], before[1])  # and the version did change what it serves
     print(
-        f"\nvLLM distributed update: pause {update.paused_seconds * 1e3:.0f} ms (swap "
-        f"{update.load_seconds * 1e3:.0f} ms), receive {update.receive_seconds * 1e3:.0f} ms while serving"
+        f"\nvLLM distributed update: pause {update.paused_seconds * 1e3:.0f} ms, wait and swap "
+        f"{update.load_seconds * 1e3:.0f} ms, receive {update.receive_seconds * 1e3:.0f} ms while serving"
     )
 
 
