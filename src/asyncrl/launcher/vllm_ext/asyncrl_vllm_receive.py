@@ -7,8 +7,9 @@ environment (`asyncrl.weight_transfer.WeightsEndpoint.to_env`). The worker exten
 (asyncrl_vllm_ext.py) registers this engine under that name in vLLM's weight-transfer registry, so
 vLLM builds one in every worker right after loading the model. It starts an
 `asyncrl.weight_transfer.ReceiveLoop` there: the worker is a receiving rank of its server's update
-channel (its rank among the server's workers), joins it before the server reports healthy, and
-keeps the newest complete version staged in host memory (our names, the serving format), without
+channel (its rank among the server's workers), registers it in the run's control store before the
+server reports healthy (the trainer then joins it and sends the current version whole), and keeps
+the newest complete version staged in host memory (our names, the serving format), without
 stopping the engine. VLLMBackend then drives each update through the worker extension:
 
     POST /collective_rpc {"method": "asyncrl_staged"}         until version >= 3 (no pause: between steps)
