@@ -4,7 +4,7 @@ The demo's config on a fresh tiny-moe, 24 steps, two embedded servers; one serve
 the first batch. The run finishes; every version went over the update channels (a small
 publication with its manifest, files only for the last step), the restarted server joined a new
 channel and took the current version before it was back in rotation, and rollouts sampled by
-updated weights reached the trainer. About 2 min on 2 busy cores: `long`, skipped in CI unless
+updated weights reached the trainer. 30-90 s on 2 shared cores (seen): `long`, skipped in CI unless
 ASYNCRL_LONG_TESTS=1.
 """
 

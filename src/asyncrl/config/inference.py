@@ -7,6 +7,11 @@ Example::
     dtype = "float32"          # exact on-policy mode: logprobs equal asyncrl.model's
     max_num_seqs = 64
     kv_cache_tokens = 32768    # paged KV pool size, in tokens (rounded up to whole blocks)
+
+`deployment = "disaggregated"` (vLLM only) splits each server into a prefill server and a decode
+server that hands over the prompt's KV through `[inference.vllm] kv_transfer_config`;
+`[inference.prefill]` holds the prefill servers' vLLM keys (default: the decode servers'). The
+orchestrator sees each pair as one server (asyncrl.client.disaggregated).
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from asyncrl.config.shared import Device
 from asyncrl.config.vllm import VLLMConfig
 from asyncrl.config.weights import FilesystemWeightsConfig, WeightsConfig
 
-__all__ = ["InferenceConfig", "is_loopback"]
+__all__ = ["Deployment", "InferenceConfig", "Role", "is_loopback"]
+
+Deployment = Literal["colocated", "disaggregated"]
+Role = Literal["serve", "prefill", "decode"]
 
 # What the embedded engine assumes when config.json does not say (asyncrl.model.ModelArgs).
 _DEFAULT_MAX_POSITION_EMBEDDINGS = 32768
@@ -79,6 +87,14 @@ class InferenceConfig(BaseConfig):
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig, description="vLLM engine arguments (backend = 'vllm' only)"
     )
+    deployment: Deployment = Field(
+        "colocated",
+        description="'colocated': each server prefills and decodes; 'disaggregated' (vLLM): each server is a "
+        "prefill server and a decode server, the prompt's KV handed over by the kv_transfer_config connector",
+    )
+    prefill: VLLMConfig | None = Field(
+        None, description="disaggregated only: the prefill servers' vLLM keys; default: [inference.vllm]"
+    )
     weights: WeightsConfig = Field(
         default_factory=FilesystemWeightsConfig,
         description="how new weights arrive: files named by /update_weights, or (distributed) versions "
@@ -103,6 +119,40 @@ class InferenceConfig(BaseConfig):
                 "(the directories /update_weights may load from)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_deployment(self) -> InferenceConfig:
+        if self.deployment == "colocated":
+            if self.prefill is not None:
+                raise ValueError(
+                    '[inference.prefill] is for deployment = "disaggregated"; remove it or set the deployment'
+                )
+            return self
+        if self.backend != "vllm":
+            raise ValueError(
+                'deployment = "disaggregated" needs backend = "vllm": the embedded engine has no KV connector'
+            )
+        for role in ("prefill", "decode"):
+            v = self.role_config(role).vllm
+            if not v.kv_transfer_config:
+                where = "[inference.prefill]" if role == "prefill" and self.prefill else "[inference.vllm]"
+                raise ValueError(
+                    f'deployment = "disaggregated": the {role} servers need a KV connector: set {where} '
+                    'kv_transfer_config, e.g. { kv_connector = "NixlConnector", kv_role = "kv_both" }'
+                )
+            if v.enable_return_routed_experts:
+                raise ValueError(
+                    'deployment = "disaggregated" does not return routed experts yet (the prompt\'s routing '
+                    "is on the prefill server, the completion's on the decode server): turn "
+                    "enable_return_routed_experts off"
+                )
+        return self
+
+    def role_config(self, role: Role) -> InferenceConfig:
+        """The config of a server in `role`: a prefill server runs `prefill` (else `vllm`)."""
+        if role != "prefill" or self.prefill is None:
+            return self
+        return self.model_copy(update={"vllm": self.prefill})
 
     @model_validator(mode="after")
     def _check_weights(self) -> InferenceConfig:

@@ -52,6 +52,11 @@ class OrchestratorConfig(BaseConfig):
         min_length=1,
         description="base URLs of the inference servers",
     )
+    prefill_servers: list[str] = Field(
+        default_factory=list,
+        description="disaggregated deployments: the prefill server of each of `servers` (its decode "
+        "server), in the same order; each pair is one server to the pool (asyncrl.client.disaggregated)",
+    )
     inference_backend: Literal["embedded", "vllm"] = Field(
         "embedded", description="what the servers are: asyncrl's HTTP API or vLLM's (docs/inference.md)"
     )
@@ -173,6 +178,11 @@ class OrchestratorConfig(BaseConfig):
                 f"({self.max_off_policy_steps}): groups dispatched that far ahead are too old for the batch "
                 "they land in, and the batch cut drops them; raise max_off_policy_steps to at least "
                 "max_async_steps, or lower max_async_steps"
+            )
+        if self.prefill_servers and len(self.prefill_servers) != len(self.servers):
+            raise ValueError(
+                f"prefill_servers lists {len(self.prefill_servers)} servers, servers {len(self.servers)}: "
+                "each server (a decode server) needs its own prefill server"
             )
         self._check_episode_budgets()
         if self.eval.enabled:

@@ -68,6 +68,7 @@ _SHARED = {
         "run_dir",
         "max_steps",
         "servers",
+        "prefill_servers",
         "seed",
         "api_key",
         "inference_backend",
@@ -93,6 +94,7 @@ _SOURCE = {
     "host": "from [deployment] host",
     "port": "from [deployment] base_port",
     "servers": "from [deployment] host, base_port and num_inference_servers",
+    "prefill_servers": 'from [deployment] and [inference] deployment = "disaggregated"',
     "inference_backend": "from [inference] backend",
     "max_model_len": "from [inference] max_model_len",
     "trainer_dp_size": "from [trainer.parallel] and the trainer's world size ([deployment] trainer_nproc)",
@@ -245,6 +247,7 @@ class RLConfig(BaseConfig):
                 "run_dir": self.run_dir,
                 "max_steps": self.max_steps,
                 "servers": self.server_urls,
+                "prefill_servers": self._prefill_urls(inference[0]),
                 "seed": self.seed,
                 "api_key": self.api_key,
                 "seq_len": self.seq_len,
@@ -270,6 +273,14 @@ class RLConfig(BaseConfig):
         )
         _check_publish_interval(trainer, orchestrator)
         return ResolvedRL(inference=inference, orchestrator=orchestrator, trainer=trainer)
+
+    def _prefill_urls(self, inference: InferenceConfig) -> list[str]:
+        """Where each server's prefill server would listen on one machine (after the decode servers'
+        ports); `asyncrl rl --slurm` gives the orchestrator the job's own at start."""
+        if inference.deployment != "disaggregated":
+            return []
+        d, n = self.deployment, self.deployment.num_inference_servers
+        return [f"http://{d.host}:{d.base_port + n + i}" for i in range(n)]
 
     def _routing_replay(self, inference: InferenceConfig) -> dict[str, Any]:
         """Router replay needs servers that return routed experts: a vLLM server does only with

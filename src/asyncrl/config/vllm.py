@@ -9,23 +9,32 @@ Example (inside an `asyncrl rl` config)::
 
     [inference.vllm]
     tensor_parallel_size = 1
-    data_parallel_size = 1
+    data_parallel_size = 1                     # replicas behind one server: a DP group
+    data_parallel_size_local = 1               # of them per node (`--slurm`: a group spans nodes)
     enable_expert_parallel = false
     quantization = "fp8"                       # optional
     kv_transfer_config = { kv_connector = "NixlConnector", kv_role = "kv_both" }   # optional
     extra_args = ["--enforce-eager"]
 
 Every key here has one vLLM flag (`asyncrl.launcher.vllm.FLAG_MAP`, the table in
-docs/inference.md); unknown keys are errors. `extra_args` is passed through verbatim, for flags
-asyncrl has no key for. vLLM runs from its own interpreter (`python`), never from asyncrl's
-environment: `bash scripts/setup-vllm.sh` creates it.
+docs/inference.md), but the multi-node keys (`data_parallel_size_local`, `data_parallel_rpc_port`),
+which the Slurm job renders per node; unknown keys are errors. `extra_args` is passed through
+verbatim, for flags asyncrl has no key for. `kv_offloading_size_gb` is vLLM's own CPU offload of
+the KV cache, which takes the place of a `kv_transfer_config` connector (so not with one). vLLM
+runs from its own interpreter (`python`), never from asyncrl's environment: `bash
+scripts/setup-vllm.sh` creates it.
+
+A data-parallel group of `data_parallel_size` engines is one server: `data_parallel_size_local` of
+them per node, each on tensor_parallel_size x pipeline_parallel_size GPUs. Under `asyncrl rl
+--slurm` a group larger than one node's share runs as a head (the HTTP server and its local
+engines) and headless followers on the next nodes (asyncrl.launcher.slurm_inference).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.base import BaseConfig
 
@@ -49,12 +58,35 @@ class VLLMConfig(BaseConfig):
         1, ge=1, description="pipeline stages per replica (--pipeline-parallel-size)"
     )
     data_parallel_size: int = Field(1, ge=1, description="replicas behind one server (--data-parallel-size)")
+    data_parallel_size_local: int | None = Field(
+        None,
+        ge=1,
+        description="replicas per node (--data-parallel-size-local); default: all of them on one node; "
+        "fewer spread the group over data_parallel_size / data_parallel_size_local nodes (--slurm only)",
+    )
+    data_parallel_rpc_port: int = Field(
+        13345,
+        ge=1,
+        le=65535,
+        description="a multi-node group's handshake port on its head node (--data-parallel-rpc-port); the "
+        "j-th group headed on a node uses this + j",
+    )
     enable_expert_parallel: bool = Field(
         False, description="shard routed experts over the TP x DP ranks (--enable-expert-parallel)"
     )
     quantization: str | None = Field(None, description="e.g. 'fp8'; vLLM's --quantization")
     kv_transfer_config: dict[str, Any] | None = Field(
         None, description="P/D or KV-offload connector, passed to vLLM's --kv-transfer-config as JSON"
+    )
+    kv_offloading_size_gb: float | None = Field(
+        None,
+        gt=0.0,
+        description="vLLM's own KV offload to CPU memory, GiB per server (--kv-offloading-size); "
+        "off when unset",
+    )
+    kv_offloading_backend: Literal["native", "lmcache"] = Field(
+        "native",
+        description="what offloads the KV cache (--kv-offloading-backend), with kv_offloading_size_gb",
     )
     gpu_memory_utilization: float | None = Field(
         None, gt=0.0, le=1.0, description="fraction of device memory vLLM may take; default vLLM's"
@@ -86,3 +118,36 @@ class VLLMConfig(BaseConfig):
                     "checks it against the environments' max_total_tokens and caps requests by it)"
                 )
         return extra_args
+
+    @model_validator(mode="after")
+    def _check_data_parallel(self) -> VLLMConfig:
+        local = self.data_parallel_size_local
+        if local is not None and self.data_parallel_size % local:
+            raise ValueError(
+                f"data_parallel_size_local ({local}) must divide data_parallel_size "
+                f"({self.data_parallel_size}): every node of a group runs the same number of engines"
+            )
+        if self.kv_offloading_size_gb is not None and self.kv_transfer_config:
+            # vLLM 0.32 turns --kv-offloading-size into its own connector, in place of the given one
+            raise ValueError(
+                "kv_offloading_size_gb replaces kv_transfer_config's connector in vLLM: offload through the "
+                "connector instead, e.g. a MultiConnector of your connector and { kv_connector = "
+                '"OffloadingConnector", kv_role = "kv_both", kv_connector_extra_config = { cpu_bytes_to_use '
+                "= BYTES } }"
+            )
+        return self
+
+    @property
+    def engines_per_node(self) -> int:
+        """Data-parallel engines of one group on each of its nodes."""
+        return self.data_parallel_size_local or self.data_parallel_size
+
+    @property
+    def nodes_per_group(self) -> int:
+        """Nodes one data-parallel group spans."""
+        return self.data_parallel_size // self.engines_per_node
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs a group takes on each of its nodes: its local engines, each tensor x pipeline parallel."""
+        return self.engines_per_node * self.tensor_parallel_size * self.pipeline_parallel_size

@@ -258,7 +258,26 @@ def _add_core_routes(app: FastAPI) -> None:
         except ValidationError as e:  # GenerateRequest's own bounds (seed range, valid Unicode, ...)
             err = e.errors()[0]
             raise InvalidRequestError(".".join(str(p) for p in err["loc"]) or "body", err["msg"]) from None
-        return to_vllm_answer(await run(request, http, "token_ids"), request, body.request_id or "")
+        answer = await run(request, http, "token_ids")
+        handoff = _kv_handoff(body.kv_transfer_params, body.request_id or "")
+        return to_vllm_answer(answer, request, body.request_id or "", kv_transfer_params=handoff)
+
+
+def _kv_handoff(params: dict[str, Any] | None, request_id: str) -> dict[str, Any] | None:
+    """A prefill/decode pair's parameters, answered as a server without a KV connector can: a prefill
+    hop (`do_remote_decode`) gets parameters that name no blocks, and the decode hop that brings them
+    computes the whole prompt itself, so the pair's answer is what one server would give."""
+    if not params or not params.get("do_remote_decode"):
+        return None
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "asyncrl-embedded",
+        "remote_request_id": request_id,
+        "remote_block_ids": [],
+        "remote_host": None,
+        "remote_port": None,
+    }
 
 
 def _add_admin_routes(app: FastAPI) -> None:

@@ -54,6 +54,7 @@ from asyncrl.launcher.resume import check_fresh_run_dir, plan_resume
 from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm import SlurmRLConfig
 from asyncrl.launcher.slurm import main as slurm_main
+from asyncrl.launcher.slurm_inference import check_one_machine
 from asyncrl.launcher.supervisor import ChildSpec, Supervisor
 from asyncrl.launcher.vllm import VLLMCommand, build_vllm_command, check_vllm, probe_vllm, resolve_vllm_python
 from asyncrl.orchestrator.evaluator import best_weights
@@ -205,6 +206,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(SlurmRLConfig, argv).with_run_api_key(exposed=False)
         cfg = cfg.with_weights_endpoint(cfg.deployment.host, free_port())
         resolved = cfg.resolve()
+        check_one_machine(resolved.inference[0])
         nproc = cfg.deployment.trainer_nproc
         check_trainer_parallel(
             resolved.trainer, world_size=nproc, where=f"deployment.trainer_nproc = {nproc}"

@@ -3,13 +3,15 @@
 The same TOML as `asyncrl rl`, plus a `[slurm]` table (asyncrl.config.SlurmConfig). The job
 holds inference_nodes + trainer_nodes nodes; Slurm's node list is split in that order:
 
-- inference: `servers_per_inference_node` servers per inference node, listening on 0.0.0.0 at
-  deployment.base_port + local index; they share the node through `srun --overlap`, each
-  narrowed to its own slice of the node's GPUs (CUDA_VISIBLE_DEVICES);
+- inference: the servers, each on its slice of a node's GPUs (CUDA_VISIBLE_DEVICES), or on that
+  slice of several nodes for a vLLM data-parallel group that spans them (a head and headless
+  followers), as asyncrl.launcher.slurm_inference places them; a node's j-th slice listens on
+  0.0.0.0 at deployment.base_port + j, and its steps share the node through `srun --overlap`;
 - trainer: one `torchrun` per trainer node (gpus_per_node processes each), joined by a c10d
   rendezvous on the first trainer node;
 - orchestrator: on the first node of the group named by `orchestrator_on` (CPU only), given the
-  servers' URLs, which are known only once Slurm has picked the hosts.
+  servers' URLs (and their prefill servers' under `deployment = "disaggregated"`), which are known
+  only once Slurm has picked the hosts.
 
 With `[weights] transport = "distributed"` (one trainer node), trainer rank 0 hosts the weights
 store on the trainer node at slurm.rdzv_port + 1 (unless `[weights] endpoint` names another
@@ -56,9 +58,9 @@ from asyncrl.launcher.preflight import check_inputs
 from asyncrl.launcher.resume import check_fresh_run_dir, plan_resume
 from asyncrl.launcher.run_configs import write_configs
 from asyncrl.launcher.slurm_checks import cluster_check_lines, requirements_comment
-from asyncrl.launcher.vllm import WORKER_EXTENSION_DIR, build_vllm_command
+from asyncrl.launcher.slurm_inference import ServerStep, inference_lines, plan_inference
+from asyncrl.launcher.vllm import WORKER_EXTENSION_DIR
 from asyncrl.run_dir import config_file, log_file, logs_dir, sbatch_file
-from asyncrl.weight_transfer.control import ENV_ENDPOINT, ENV_SERVER
 
 __all__ = ["SlurmRLConfig", "job_start", "main", "render_sbatch"]
 
@@ -88,25 +90,24 @@ def _weights_flag(cfg: SlurmRLConfig) -> str:
     return f' --weights.endpoint "{w.endpoint}"'
 
 
-def _check(cfg: SlurmRLConfig) -> None:
-    s, d = cfg.slurm, cfg.deployment
-    want = s.inference_nodes * s.servers_per_inference_node
-    if d.num_inference_servers != want:
+def _plan(cfg: SlurmRLConfig) -> list[ServerStep]:
+    _check_weights(cfg)
+    return plan_inference(
+        cfg.slurm,
+        cfg.resolve().inference[0],
+        num_servers=cfg.deployment.num_inference_servers,
+        base_port=cfg.deployment.base_port,
+        seed=cfg.seed,
+    )
+
+
+def _check_weights(cfg: SlurmRLConfig) -> None:
+    if cfg.weights.transport == "distributed" and cfg.slurm.trainer_nodes > 1:
         raise ConfigError(
-            f"deployment.num_inference_servers ({d.num_inference_servers}) must equal slurm.inference_nodes "
-            f"* slurm.servers_per_inference_node = {s.inference_nodes} * {s.servers_per_inference_node} = "
-            f"{want}"
-        )
-    if cfg.weights.transport == "distributed" and s.trainer_nodes > 1:
-        raise ConfigError(
-            f'[weights] transport = "distributed" with slurm.trainer_nodes = {s.trainer_nodes} is not '
-            "supported yet: trainer rank 0, which hosts the weights store, lands on a node that torchrun's "
-            'rendezvous picks when the job runs; use one trainer node, or transport = "filesystem"'
-        )
-    if s.gpus_per_node % s.servers_per_inference_node:
-        raise ConfigError(
-            f"slurm.servers_per_inference_node ({s.servers_per_inference_node}) must divide "
-            f"slurm.gpus_per_node ({s.gpus_per_node})"
+            f'[weights] transport = "distributed" with slurm.trainer_nodes = {cfg.slurm.trainer_nodes} is '
+            "not supported yet: trainer rank 0, which hosts the weights store, lands on a node that "
+            "torchrun's rendezvous picks when the job runs; use one trainer node, or "
+            'transport = "filesystem"'
         )
 
 
@@ -144,23 +145,11 @@ def _environment(s: SlurmConfig) -> list[str]:
     return lines
 
 
-def _vllm_server(cfg: SlurmRLConfig) -> str:
-    """The command of one vLLM server, its environment set by `env`; `$port` and `$i` are the loop's.
-
-    vLLM runs from `[inference.vllm] python` (default .venv-vllm/bin/python, relative to the job's
-    working directory); the API key reaches it as VLLM_API_KEY, read from the server's config.
-    """
-    inference = cfg.resolve().inference[0].model_copy(update={"host": "0.0.0.0"})
-    python = inference.vllm.python or DEFAULT_VLLM_PYTHON
-    command = build_vllm_command(inference, python=python)
-    argv = [shlex.quote(a) for a in command.argv]
-    argv[argv.index("--port") + 1] = '"$port"'
-    argv[argv.index("--seed") + 1] = f'"$(({cfg.seed} + i))"'
-    job = {"VLLM_API_KEY", ENV_ENDPOINT, ENV_SERVER}  # set below or by the job, not verbatim
-    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(command.env.items()) if k not in job]
-    if ENV_ENDPOINT in command.env:  # the store's host is the job's variable; server i is "server<i>"
-        env += [f'{ENV_ENDPOINT}="{command.env[ENV_ENDPOINT]}"', f'{ENV_SERVER}="server${{i}}"']
-    return " ".join(["env", *env, *argv])
+def _prefill(cfg: SlurmRLConfig) -> str:
+    """The orchestrator's prefill servers, one per server, when each server is a prefill/decode pair."""
+    if cfg.inference.deployment != "disaggregated":
+        return ""
+    return ' --prefill-servers "[$(IFS=,; echo "${PREFILL_SERVERS[*]}")]"'
 
 
 def _vllm_paths(cfg: SlurmRLConfig) -> list[str]:
@@ -168,54 +157,20 @@ def _vllm_paths(cfg: SlurmRLConfig) -> list[str]:
     extension."""
     if cfg.inference.backend != "vllm":
         return []
-    return [cfg.inference.vllm.python or DEFAULT_VLLM_PYTHON, str(WORKER_EXTENSION_DIR)]
+    pythons = [v.python or DEFAULT_VLLM_PYTHON for v in (cfg.inference.vllm, cfg.inference.prefill) if v]
+    return [*dict.fromkeys(pythons), str(WORKER_EXTENSION_DIR)]
 
 
-# Runs "$@" on one server's slice of its node's GPUs (ASYNCRL_GPU_SLICE = first:count): a slice of the
-# ones Slurm gives the step (all of the node's, shared by its servers through --overlap), or of
-# 0, 1, ... where Slurm sets none.
-_BIND_GPUS = [
-    "read -r -d '' BIND_GPUS <<'BIND' || true",
-    "first=${ASYNCRL_GPU_SLICE%:*}; count=${ASYNCRL_GPU_SLICE#*:}",
-    'IFS=, read -r -a gpus <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((first + count - 1)))}"',
-    'if [ "${#gpus[@]}" -lt $((first + count)) ]; then',
-    "  echo \"asyncrl slurm: a server needs GPUs $first..$((first + count - 1)) of the step's, "
-    'which has ${CUDA_VISIBLE_DEVICES}" >&2; exit 1',
-    "fi",
-    'export CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${gpus[*]:first:count}")"',
-    'exec "$@"',
-    "BIND",
-]
-
-
-def _inference(cfg: SlurmRLConfig, py: str, run_dir: Path) -> list[str]:
-    s, base_port = cfg.slurm, cfg.deployment.base_port
-    per = s.servers_per_inference_node
-    gpus = s.gpus_per_node // per
-    lines = ["", "# inference servers: on base_port + j, each on its slice of the node's GPUs", *_BIND_GPUS]
-    lines += ["SERVERS=()", "PIDS=()"]
-    config, log = config_file(run_dir, "inference-${i}"), log_file(run_dir, "inference-${i}")
-    command = f'{py} inference @ "{config}" --host 0.0.0.0 --port "$port"{_weights_flag(cfg)}'
-    if cfg.inference.backend == "vllm":
-        command = _vllm_server(cfg)
-        if cfg.api_key:
-            key = f"tomllib.load(open('{config_file(run_dir, 'inference-0')}', 'rb'))['api_key']"
-            lines.append(f'export VLLM_API_KEY="$({cfg.slurm.python} -c "import tomllib; print({key})")"')
-    lines.append(f"for n in $(seq 0 {s.inference_nodes - 1}); do")
-    lines.append(f"  for j in $(seq 0 {per - 1}); do")
-    lines.append(f"    i=$((n * {per} + j)); port=$(({base_port} + j))")
-    lines.append('    SERVERS+=("\\"http://${INFERENCE_NODES[$n]}:${port}\\"")')
-    lines.append(
-        '    srun --overlap --nodes=1 --ntasks=1 --nodelist="${INFERENCE_NODES[$n]}" '
-        f"--gpus-per-node={s.gpus_per_node} \\"
+def _inference(cfg: SlurmRLConfig, run_dir: Path) -> list[str]:
+    inference = cfg.resolve().inference[0]
+    return inference_lines(
+        _plan(cfg),
+        inference,
+        slurm=cfg.slurm,
+        run_dir=run_dir,
+        api_key=bool(cfg.api_key),
+        embedded_flags=_weights_flag(cfg),
     )
-    lines.append(
-        f'      --open-mode=append --output="{log}" --export=ALL,ASYNCRL_GPU_SLICE="$((j * '
-        f'{gpus})):{gpus}" \\'
-    )
-    lines.append(f'      bash -c "$BIND_GPUS" bind-gpus {command} &')
-    lines += ["    PIDS+=($!)", "  done", "done"]
-    return lines
 
 
 def _job_start(cfg: SlurmRLConfig, run_dir: Path, *, resume: bool) -> list[str]:
@@ -237,7 +192,7 @@ def render_sbatch(
     `workdir`: the job's working directory (default: the current one), against which every relative
     path of the configs resolves as it does here; `resume`: the job continues the run in `run_dir`.
     """
-    _check(cfg)
+    _plan(cfg)  # the layout's errors before anything else
     s = cfg.slurm
     workdir = workdir or Path.cwd()
     py = f"{s.python} -m asyncrl"
@@ -247,7 +202,7 @@ def render_sbatch(
     lines += _environment(s)
     lines += cluster_check_lines(s, run_dir, [cfg.model, *_vllm_paths(cfg)])
     lines += _job_start(cfg, run_dir, resume=resume)
-    lines += _inference(cfg, py, run_dir)
+    lines += _inference(cfg, run_dir)
     lines += [
         "",
         "# trainer: one torchrun per node, c10d rendezvous on the first trainer node",
@@ -264,7 +219,8 @@ def render_sbatch(
         "# orchestrator (CPU only): told the servers' URLs now that the hosts are known",
         f'srun --overlap --nodes=1 --ntasks=1 --nodelist="{orch_node}" --open-mode=append '
         f'--output="{orch_log}" \\',
-        f'  {py} orchestrator @ "{orch_config}" --servers "[$(IFS=,; echo "${{SERVERS[*]}}")]" &',
+        f'  {py} orchestrator @ "{orch_config}" --servers "[$(IFS=,; echo "${{SERVERS[*]}}")]"'
+        f"{_prefill(cfg)} &",
         "PIDS+=($!)",
         "",
         "# the run ends with the trainer; stop everything else and report the trainer's status",

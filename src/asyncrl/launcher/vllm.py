@@ -68,6 +68,7 @@ __all__ = [
     "build_vllm_command",
     "check_vllm",
     "cpu_kv_cache_default",
+    "data_parallel_group_argv",
     "probe_vllm",
     "resolve_vllm_python",
 ]
@@ -107,6 +108,8 @@ FLAG_MAP: dict[str, str] = {
     "vllm.enable_expert_parallel": "--enable-expert-parallel",
     "vllm.quantization": "--quantization",
     "vllm.kv_transfer_config": "--kv-transfer-config",
+    "vllm.kv_offloading_size_gb": "--kv-offloading-size",
+    "vllm.kv_offloading_backend": "--kv-offloading-backend",
     "vllm.gpu_memory_utilization": "--gpu-memory-utilization",
     "vllm.enforce_eager": "--enforce-eager",
     "vllm.enable_return_routed_experts": "--enable-return-routed-experts",
@@ -228,6 +231,8 @@ def _flag_values(cfg: InferenceConfig) -> list[tuple[str, object]]:
         "vllm.enable_expert_parallel": v.enable_expert_parallel,
         "vllm.quantization": v.quantization,
         "vllm.kv_transfer_config": v.kv_transfer_config,
+        "vllm.kv_offloading_size_gb": v.kv_offloading_size_gb,
+        "vllm.kv_offloading_backend": v.kv_offloading_backend if v.kv_offloading_size_gb else None,
         "vllm.gpu_memory_utilization": v.gpu_memory_utilization,
         "vllm.enforce_eager": v.enforce_eager,
         "vllm.enable_return_routed_experts": v.enable_return_routed_experts,
@@ -338,6 +343,25 @@ def _weights_env(cfg: InferenceConfig) -> dict[str, str]:
     assert w.endpoint is not None, "InferenceConfig requires an endpoint with the distributed transport"
     endpoint = WeightsEndpoint.parse(w.endpoint, cfg.weights_server, timeout_s=w.timeout_s)
     return endpoint.to_env() | {PACKAGE_DIR_ENV: str(Path(asyncrl.__file__).resolve().parent)}
+
+
+def data_parallel_group_argv(
+    argv: list[str], cfg: InferenceConfig, *, address: str, rpc_port: str, start_rank: int
+) -> list[str]:
+    """`argv` (build_vllm_command's) as the node of a multi-node data-parallel group whose first engine
+    is `start_rank`: the head (rank 0) serves HTTP and balances over every engine of the group; the
+    others are headless followers (vLLM's `serve --headless`: the api_server module has no such mode)
+    that hand their engines to the head at `address`:`rpc_port`. `address` and `rpc_port` may be shell
+    expressions."""
+    v = cfg.vllm
+    group = ["--data-parallel-size-local", str(v.engines_per_node)]
+    group += ["--data-parallel-address", address, "--data-parallel-rpc-port", rpc_port]
+    if start_rank == 0:
+        return [*argv[: -len(v.extra_args) or None], *group, *v.extra_args]
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], argv[:3]
+    head = [argv[0], "-m", "vllm.entrypoints.cli.main", "serve"]
+    rest = argv[3 : -len(v.extra_args) or None]
+    return [*head, *rest, *group, "--headless", "--data-parallel-start-rank", str(start_rank), *v.extra_args]
 
 
 def probe_vllm(python: str, *, timeout_s: float = 300.0) -> VLLMProbe:

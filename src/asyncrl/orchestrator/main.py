@@ -37,7 +37,11 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     state = _resume_state(cfg)
     backends = build_backends(
-        cfg.servers, kind=cfg.inference_backend, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s
+        cfg.servers,
+        kind=cfg.inference_backend,
+        api_key=cfg.api_key,
+        timeout_s=cfg.request_timeout_s,
+        prefill_urls=cfg.prefill_servers,
     )
     pool = ServerPool(backends)
     evaluator: Evaluator | None = None

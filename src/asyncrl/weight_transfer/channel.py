@@ -63,7 +63,8 @@ class Channel:
         device: torch.device,
         timeout_s: float,
     ) -> None:
-        self.rdv, self.group, self.rank, self.device = rdv, group, rank, device
+        self.rdv, self.rank, self.device = rdv, rank, device
+        self.group: dist.ProcessGroup | None = group
         self.timeout = timedelta(seconds=timeout_s)
         self._store = store  # the group reads the store after construction; it must outlive the group
 
@@ -103,9 +104,14 @@ class Channel:
         return cls(rdv, group, store, rank=rank, device=device, timeout_s=timeout_s)
 
     def close(self) -> None:
-        """Drop the group: a peer blocked on this channel fails now instead of at its timeout."""
-        with contextlib.suppress(RuntimeError, dist.DistError):
-            self.group.abort()
+        """Drop the group, so that a peer blocked on this channel fails now instead of at its timeout:
+        destroying a gloo group closes its connections (its `abort` and `shutdown` leave a peer's send
+        waiting). The channel is unusable afterwards."""
+        group, self.group = self.group, None
+        if group is not None and self.device.type == "cuda":
+            # an NCCL communicator with work in flight must be aborted before it is destroyed
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                group.abort()
 
     def send_bucket(self, header: BucketHeader, payload: torch.Tensor, dst: int) -> None:
         data = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
@@ -133,9 +139,15 @@ class Channel:
     def recv_ack(self, src: int) -> bool:
         return bool(self._recv(torch.empty(1, dtype=torch.int64), src, None)[0])
 
+    def _group(self) -> dist.ProcessGroup:
+        if self.group is None:
+            raise TransferError(f"the weight channel '{self.rdv.name}' was closed")
+        return self.group
+
     def _send(self, t: torch.Tensor, dst: int) -> None:
+        group = self._group()
         try:
-            self.group.send([t.to(self.device)], dst, 0).wait(self.timeout)
+            group.send([t.to(self.device)], dst, 0).wait(self.timeout)
         except (RuntimeError, dist.DistError) as e:
             raise TransferError(f"sending to channel rank {dst} failed: {e}") from e
 
@@ -144,8 +156,9 @@ class Channel:
         timeout = self.timeout
         if deadline is not None:
             timeout = min(timeout, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        group = self._group()
         try:
-            self.group.recv([buf], src, 0).wait(timeout)
+            group.recv([buf], src, 0).wait(timeout)
         except (RuntimeError, dist.DistError) as e:
             raise TransferError(f"receiving from channel rank {src} failed: {e}") from e
         return buf.cpu()

@@ -160,7 +160,7 @@ class ReceiveLoop:
             except TransferError as e:
                 self._fail(e)
             finally:
-                channel.close()
+                channel.close()  # before registering anew: a trainer rank still sending on it fails now
 
     def _register(self, store: dist.Store) -> Registration | None:
         self._attempt += 1

@@ -208,6 +208,9 @@ class VLLMGenerateRequest(BaseModel):
     stream: Literal[False] = False
     output_mode: Literal["tokens"] = "tokens"
     return_routed_experts: bool = False
+    # A prefill/decode hop's (asyncrl.client.disaggregated); the embedded server has no KV connector
+    # and computes every prompt itself (asyncrl.inference.server).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def to_request(self) -> GenerateRequest:
         sampling = self.sampling_params.model_dump(
@@ -232,7 +235,13 @@ def _spans(versions: list[int]) -> list[dict[str, Any]]:
     return spans
 
 
-def to_vllm_answer(response: GenerateResponse, request: GenerateRequest, request_id: str = "") -> dict:
+def to_vllm_answer(
+    response: GenerateResponse,
+    request: GenerateRequest,
+    request_id: str = "",
+    *,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> dict:
     """Our `GenerateResponse` in vLLM's answer shape (`output_mode` "tokens"), one choice.
 
     Versions become `weight_versions` spans labelled by the integer version; routed experts an
@@ -262,6 +271,7 @@ def to_vllm_answer(response: GenerateResponse, request: GenerateRequest, request
         "request_id": request_id,
         "output_mode": "tokens",
         "choices": [choice],
+        "kv_transfer_params": kv_transfer_params,
         "usage": {
             "prompt_tokens": n_prompt,
             "completion_tokens": n_out,

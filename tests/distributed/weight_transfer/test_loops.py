@@ -3,7 +3,8 @@
 A trainer (one rank) and two servers: each server that joins gets the trainer's current version
 whole before any step; a published version reaches both (a delta after the first) with the bits
 of the trainer's snapshot; a server that restarts gets the current version again without a new
-step; a server whose store never answers times out with a message naming what it holds.
+step; a transfer that breaks leaves that server behind until it rejoins on a new channel and gets
+the version whole; a server whose store never answers times out with a message naming what it holds.
 About 3 s on 2 busy cores.
 """
 
@@ -17,9 +18,11 @@ from asyncrl.model.serving import serving_format
 from asyncrl.tools.init_model import init_model
 from asyncrl.weight_transfer import (
     BucketSender,
+    Channel,
     ReceiveLoop,
     SendLoop,
     StagingTimeout,
+    TransferError,
     VersionReport,
     WeightsEndpoint,
     host_store,
@@ -116,3 +119,55 @@ def test_a_version_that_does_not_come_in_time_is_a_clear_error(tmp_path):
         assert loop.held_version is None
     finally:
         loop.close()
+
+
+def test_a_transfer_that_breaks_leaves_that_server_behind_and_it_catches_up_on_a_new_channel(
+    tmp_path, monkeypatch
+):
+    """Server b's stream of version 1 breaks after its first bucket: a gets v1, b is reported left
+    behind; b registers a new channel generation and gets v1 whole from the trainer, no new version."""
+    real = Channel.recv_bucket
+    broken = []
+
+    def recv_bucket(self, src, deadline=None):
+        header, payload = real(self, src, deadline)
+        if self.rdv.name == "ch/b/1" and header.version == 1 and not broken:
+            broken.append(header.version)
+            raise TransferError("the stream broke (test)")
+        return header, payload
+
+    monkeypatch.setattr(Channel, "recv_bucket", recv_bucket)
+    init_model("tiny-moe", tmp_path, seed=0)
+    model = from_pretrained(tmp_path)
+    fmt = serving_format(model, SERVING)
+    port = free_port()
+    reports: list[VersionReport] = []
+    sender = SendLoop(
+        host_store(port, num_senders=1),
+        rank=0,
+        world_size=1,
+        sender=BucketSender(bucket_bytes=64 << 10, delta=True),
+        timeout_s=30,
+        initial=(0, list(iter_shards(model, fmt))),
+        on_version=reports.append,
+    )
+    sender.start()
+    shapes = published_shapes(model, fmt)
+    servers = {name: _loop(port, name, shapes) for name in ("a", "b")}
+    try:
+        for loop in servers.values():
+            loop.wait_staged(0, timeout_s=30)
+        _step(model, 1)
+        sender.submit(1, list(iter_shards(model, fmt)))
+        sender.wait(1, timeout_s=30)
+        (report,) = reports
+        assert (report.servers, report.left_behind) == (("a",), ("b",)) and "b" in report.errors
+        want = _expected(model)
+        for loop in servers.values():
+            staged = loop.wait_staged(1, timeout_s=30)
+            assert staged.version == 1 and _same(staged.state, want)
+        assert broken == [1] and servers["b"].registration.gen == 2
+    finally:
+        for loop in servers.values():
+            loop.close()
+        sender.close()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from asyncrl.client import HttpBackend, VLLMBackend
+from asyncrl.client.disaggregated import PREFILL_KV_TRANSFER_PARAMS, DisaggregatedBackend, KVHandoffBackend
 from asyncrl.wire import GenerateRequest, PauseRequest
 
 
@@ -87,3 +88,37 @@ def test_pause_takes_vllm_s_query_mode(server):
     paused, metrics, clash = asyncio.run(go())
     assert paused.mode == "abort" and "asyncrl_paused 1" in metrics
     assert clash.status_code == 400 and clash.json()["error"]["param"] == "mode"
+
+
+def test_a_prefill_decode_pair_of_embedded_servers_answers_as_one_server(server):
+    # The embedded server has no KV connector: it answers a prefill hop with parameters that name no
+    # blocks, and the decode hop computes the prompt itself (docs/inference.md, "Prefill/decode").
+    req = GenerateRequest(
+        prompt_token_ids=[256, *range(65, 95)], max_tokens=8, temperature=0.0, ignore_eos=True, cache_salt="3"
+    )
+
+    async def go():
+        one = VLLMBackend(server.url, api_key=server.api_key)
+        hops = [KVHandoffBackend(server.url, api_key=server.api_key) for _ in range(2)]
+        pair = DisaggregatedBackend(*hops)
+        try:
+            return await one.generate(req), await pair.generate(req)
+        finally:
+            await one.aclose()
+            await pair.aclose()
+
+    alone, paired = asyncio.run(go())
+    assert paired.token_ids == alone.token_ids and paired.policy_versions == [0] * 8
+    assert paired.logprobs == pytest.approx(alone.logprobs, abs=1e-6)
+    assert paired.context_version == 0
+    with server.client() as c:
+        body = {"token_ids": [256, 65], "sampling_params": {"max_tokens": 1}, "request_id": "p-1"}
+        prefill = c.post(
+            "/inference/v1/generate", json=body | {"kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+        )
+        assert prefill.status_code == 200, prefill.text
+        handoff = prefill.json()["kv_transfer_params"]
+        assert handoff["do_remote_prefill"] is True and handoff["remote_block_ids"] == []
+        assert handoff["remote_request_id"] == "p-1"
+        decode = c.post("/inference/v1/generate", json=body | {"kv_transfer_params": handoff})
+        assert decode.status_code == 200 and decode.json()["kv_transfer_params"] is None

@@ -106,9 +106,10 @@ def test_rl_help_shows_descriptions_and_leaves_out_the_shared_keys(capsys):
     )  # the orchestrator's default
     orchestrator = out.split("\n[orchestrator]  ")[1].split("[orchestrator.envs]")[0]
     assert (
-        "model, run_dir, max_steps, servers, seed, api_key, inference_backend, seq_len, max_model_len, "
-        "trainer_dp_size, weights_transport come from the top level (max_model_len: the [inference] "
-        "servers' context limit) (trainer_dp_size: the [trainer] data-parallel ranks)" in orchestrator
+        "model, run_dir, max_steps, servers, prefill_servers, seed, api_key, inference_backend, seq_len, "
+        "max_model_len, trainer_dp_size, weights_transport come from the top level (max_model_len: the "
+        "[inference] servers' context limit) (trainer_dp_size: the [trainer] data-parallel ranks)"
+        in orchestrator
     )
     assert (
         "run_dir =" not in orchestrator

@@ -70,8 +70,17 @@ def test_dry_run_writes_script_and_configs_for_2_inference_and_4_trainer_nodes(t
     assert "--nnodes=4 --nproc-per-node=8 --rdzv-backend=c10d" in script
     assert '--rdzv-endpoint="${TRAINER_MASTER}:29500"' in script
     assert "srun --nodes=4 --ntasks-per-node=1" in script
-    # 2 servers per inference node sharing it (--overlap), 4 GPUs each, on base_port + local index
-    assert "port=$((8100 + j))" in script and 'ASYNCRL_GPU_SLICE="$((j * 4)):4"' in script
+    # 2 servers per inference node sharing it (--overlap), 4 GPUs each, on base_port + local index:
+    # `launch NODE FIRST_GPU:COUNT LOG COMMAND ... --port PORT`
+    launches = [
+        line.split()[1:3] + line.split()[-1:] for line in script.splitlines() if line.startswith("launch ")
+    ]
+    assert launches == [
+        ["0", "0:4", "8100"],
+        ["0", "4:4", "8101"],
+        ["1", "0:4", "8100"],
+        ["1", "4:4", "8101"],
+    ]
     assert "srun --overlap --nodes=1 --ntasks=1" in script
     assert '--nodelist="${TRAINER_MASTER}"' in script and "orchestrator.toml" in script
     assert "export HF_HUB_OFFLINE=1" in script and "export NCCL_DEBUG=WARN" in script

@@ -351,8 +351,8 @@ def test_slurm_renders_vllm_servers(model_dir, tmp_path):
     script = render_sbatch(cfg, tmp_path)
     server = next(x for x in script.splitlines() if "vllm.entrypoints.openai.api_server" in x)
     assert " .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server" in server
-    assert server.strip().startswith('bash -c "$BIND_GPUS" bind-gpus env ')
-    assert '--host 0.0.0.0 --port "$port"' in server and '--seed "$((0 + i))"' in server
+    assert server.startswith("launch 0 0:8 ") and " env " in server  # node 0, its 8 GPUs
+    assert "--host 0.0.0.0 --port 8000" in server and "--seed 0" in server
     assert "--data-parallel-size 8 --enable-expert-parallel" in server
     assert "VLLM_SERVER_DEV_MODE=1" in script and "export VLLM_API_KEY=" in script
     assert f"PYTHONPATH={WORKER_EXTENSION_DIR}" in script and WORKER_EXTENSION_CLS in server
@@ -372,12 +372,12 @@ def test_slurm_vllm_servers_find_the_weights_store_on_the_trainer_node(model_dir
             "slurm": {"inference_nodes": 1, "trainer_nodes": 1, "servers_per_inference_node": 2},
         },
     ).with_job_weights_endpoint()
-    server = next(x for x in render_sbatch(cfg, tmp_path).splitlines() if "vllm.entrypoints" in x)
-    assert "--weight-transfer-config" in server
-    words = [w for w in shlex.split(server, posix=False) if w.startswith("ASYNCRL_WEIGHTS_")]
-    # the job's shell expands the trainer node's name and each server's index (the loop's $i)
+    servers = [x for x in render_sbatch(cfg, tmp_path).splitlines() if "vllm.entrypoints" in x]
+    assert len(servers) == 2 and all("--weight-transfer-config" in x for x in servers)
+    words = [w for w in shlex.split(servers[1], posix=False) if w.startswith("ASYNCRL_WEIGHTS_")]
+    # the job's shell expands the trainer node's name; each server has its own name on the store
     shown = subprocess.run(
-        ["bash", "-c", f"TRAINER_MASTER=node7; i=1; echo {' '.join(words)}"],
+        ["bash", "-c", f"TRAINER_MASTER=node7; echo {' '.join(words)}"],
         capture_output=True,
         text=True,
         check=True,
