@@ -12,6 +12,7 @@ extension that the launcher loads (asyncrl.launcher.vllm, `vllm_ext/asyncrl_vllm
 | pause            | POST /pause?mode=keep / abort (keep: running requests and their KV stay)    |
 | resume           | POST /resume                                                                |
 | update_weights   | POST /collective_rpc asyncrl_reload_weights {weights_path}, then /update_weight_version |
+|  (distributed)   | POST /collective_rpc asyncrl_staged (polled), then asyncrl_swap_weights {version} |
 | weights          | GET /weight_info (vLLM's "default" label = version 0)                      |
 | health, metrics  | GET /health, GET /metrics                                                   |
 
@@ -33,16 +34,25 @@ recomputes its whole context after the update (its API documents the flag as ign
 mode, but its code applies it). Running requests keep their KV, as on the embedded engine. A
 failed reload leaves the server paused (its weights may be half-loaded): only a later successful
 update and a `resume` serve again.
+
+With `transport = "distributed"` (docs/weights-transfer.md) the server's workers receive each
+version from the trainer while vLLM generates (the worker extension's weight-transfer engine,
+`vllm_ext/asyncrl_vllm_receive.py`). An update then waits, without pausing, until every worker
+holds the version (polling `asyncrl_staged`, which vLLM answers between two engine steps), and
+only then pauses for the swap from memory. A version that does not arrive within the run's
+`[weights] timeout_s` raises `ServerUnavailable` before any pause, the weights untouched; a swap
+that fails leaves the server paused, as a failed reload does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 
 import httpx
 
-from asyncrl.client.backend import HttpBackend, InferenceError
+from asyncrl.client.backend import HttpBackend, InferenceError, ServerUnavailable
 from asyncrl.wire import (
     GenerateRequest,
     GenerateResponse,
@@ -56,6 +66,8 @@ from asyncrl.wire import (
 from asyncrl.wire.vllm import VLLMProtocolError, from_vllm_generate, parse_version_label, to_vllm_generate
 
 __all__ = ["VLLMBackend"]
+
+_STAGED_POLL_S = 0.05  # each poll is one collective RPC, served between two engine steps
 
 
 class VLLMBackend(HttpBackend):
@@ -124,14 +136,17 @@ class VLLMBackend(HttpBackend):
         return ResumeResponse(paused=False)
 
     async def update_weights(self, request: UpdateWeightsRequest) -> UpdateWeightsResponse:
-        """Reload HF safetensors from `request.path` in place and label them `request.version`.
+        """Load `request.version` in place and label it so: HF safetensors from `request.path`, or
+        (`transport = "distributed"`) the version the workers received from the trainer.
 
-        The reload always runs inside a pause of its own, which starts a new weights epoch. Outside
+        The load always runs inside a pause of its own, which starts a new weights epoch. Outside
         a caller's pause, the server is paused in `request.mode` and resumed after a successful
-        reload, as the embedded server does; inside one (kept as `keep`, so that nothing the caller
-        kept is aborted), the caller resumes it. A failed reload raises and leaves the server
+        load, as the embedded server does; inside one (kept as `keep`, so that nothing the caller
+        kept is aborted), the caller resumes it. A failed load raises and leaves the server
         paused either way: its weights may be half-loaded.
         """
+        if request.transport == "distributed":
+            return await self._swap_received(request)
         own_pause = not self._paused
         t0 = time.perf_counter()
         await self.pause(PauseRequest(mode=request.mode if own_pause else "keep"))
@@ -139,14 +154,71 @@ class VLLMBackend(HttpBackend):
         # asyncrl's worker extension (launcher/vllm_ext): vLLM's reload_weights + a CPU MoE repair
         rpc = {"method": "asyncrl_reload_weights", "kwargs": {"weights_path": request.path}}
         await self._send_json("POST", "/collective_rpc", rpc)
-        await self._send_json("POST", "/update_weight_version", {"new_version": str(request.version)})
+        await self._label(request.version)
         load_seconds = time.perf_counter() - t1
-        self._version = request.version
         if own_pause:
             await self.resume()
         return UpdateWeightsResponse(
             version=request.version, load_seconds=load_seconds, paused_seconds=time.perf_counter() - t0
         )
+
+    async def _swap_received(self, request: UpdateWeightsRequest) -> UpdateWeightsResponse:
+        """Wait (serving) until every worker staged `request.version` or newer, then pause and swap.
+        `load_seconds` is the wait and the swap, as the embedded server counts it."""
+        start = time.perf_counter()
+        await self._wait_staged(request.version)
+        own_pause = not self._paused
+        t0 = time.perf_counter()
+        await self.pause(PauseRequest(mode=request.mode if own_pause else "keep"))
+        rpc = {"method": "asyncrl_swap_weights", "kwargs": {"version": request.version}}
+        results = await self._rpc_results(rpc)
+        version = int(results[0]["version"])
+        if any(int(r["version"]) != version for r in results):
+            raise InferenceError(f"{self.url}: the workers swapped in different versions: {results}")
+        await self._label(version)
+        load_seconds = time.perf_counter() - start
+        if own_pause:
+            await self.resume()
+        return UpdateWeightsResponse(
+            version=version,
+            load_seconds=load_seconds,
+            paused_seconds=time.perf_counter() - t0,
+            receive_seconds=max(float(r["receive_s"]) for r in results),
+        )
+
+    async def _wait_staged(self, version: int) -> None:
+        """Return once every worker holds `version` or newer; ServerUnavailable past the run's
+        transfer deadline (the server keeps its weights and is not paused)."""
+        start = time.monotonic()
+        while True:
+            staged = await self._rpc_results({"method": "asyncrl_staged"})
+            held = [r["version"] for r in staged]
+            if None not in held and min(held) >= version:
+                return
+            timeout_s = float(staged[0]["timeout_s"])
+            if time.monotonic() - start > timeout_s:
+                raise ServerUnavailable(
+                    f"{self.url}: version {version} did not arrive over the weights channel within "
+                    f"{timeout_s:g} s (the workers hold {held}); the server keeps its weights"
+                )
+            await asyncio.sleep(_STAGED_POLL_S)
+
+    async def _rpc_results(self, rpc: dict) -> list[dict]:
+        """One result per worker (dicts); InferenceError for any other answer."""
+        response = await self._send_json("POST", "/collective_rpc", rpc)
+        try:
+            results = response.json()["results"]
+        except (ValueError, KeyError, TypeError):
+            results = None
+        if not (isinstance(results, list) and results and all(isinstance(r, dict) for r in results)):
+            raise InferenceError(
+                f"POST {self.url}/collective_rpc {rpc['method']}: unexpected answer {response.text[:300]}"
+            )
+        return results
+
+    async def _label(self, version: int) -> None:
+        await self._send_json("POST", "/update_weight_version", {"new_version": str(version)})
+        self._version = version
 
     async def weights(self) -> WeightsInfo:
         response = await self._send_json("GET", "/weight_info", None)

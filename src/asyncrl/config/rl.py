@@ -236,7 +236,6 @@ class RLConfig(BaseConfig):
             )
             for i in range(d.num_inference_servers)
         ]
-        _check_transport(self.weights, inference[0])
         orchestrator = _section(
             OrchestratorConfig,
             "orchestrator",
@@ -302,19 +301,6 @@ def _serving_format(inference: InferenceConfig) -> dict[str, Any]:
     """The trainer publishes what the servers serve: their dtype (float32 keeps a float32 run exactly
     on-policy), in FP8 blocks when they run FP8."""
     return {"dtype": inference.dtype, "fp8": inference.fp8.enabled, "fp8_ignore": inference.fp8.ignore}
-
-
-def _check_transport(weights: WeightsConfig, inference: InferenceConfig) -> None:
-    """The distributed transport runs with the embedded engine; vLLM's receiving side is not wired
-    yet: refuse it rather than quietly move files. It needs an endpoint (the launcher sets one)."""
-    if weights.transport != "distributed":
-        return
-    if inference.backend == "vllm":
-        raise ConfigError(
-            '[weights] transport = "distributed" is not wired into the vLLM backend yet '
-            '(docs/weights-transfer.md, "Status"); with vLLM use transport = "filesystem", or serve with '
-            "the embedded backend"
-        )
 
 
 def _context_lens(inference: list[InferenceConfig]) -> list[int]:

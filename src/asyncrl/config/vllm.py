@@ -92,7 +92,11 @@ class VLLMConfig(BaseConfig):
         None, gt=0.0, le=1.0, description="fraction of device memory vLLM may take; default vLLM's"
     )
     cpu_kv_cache_space_gb: int | None = Field(
-        None, ge=1, description="CPU build only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"
+        None,
+        ge=1,
+        description="CPU build only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); default: max_num_seqs "
+        "sequences of max_model_len tokens of the model's KV, at most a quarter of the memory available "
+        "at start (docs/inference.md)",
     )
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation (--enforce-eager)")
     enable_return_routed_experts: bool = Field(

@@ -30,6 +30,7 @@ from asyncrl.config.inference import Role
 from asyncrl.config.vllm import DEFAULT_VLLM_PYTHON
 from asyncrl.launcher.vllm import build_vllm_command, data_parallel_group_argv
 from asyncrl.run_dir import config_file, log_file
+from asyncrl.weight_transfer.control import ENV_ENDPOINT
 
 __all__ = ["ServerStep", "check_one_machine", "inference_lines", "plan_inference"]
 
@@ -202,7 +203,10 @@ def _vllm_command(resolved: InferenceConfig, step: ServerStep) -> str:
     working directory).
     """
     cfg = resolved.role_config(step.role)
-    cfg = cfg.model_copy(update={"host": "0.0.0.0", "port": step.port, "seed": step.seed})
+    update: dict[str, object] = {"host": "0.0.0.0", "port": step.port, "seed": step.seed}
+    if cfg.weights.transport == "distributed":  # its own name on the run's weights store
+        update["weights_server"] = f"{'prefill' if step.role == 'prefill' else 'server'}{step.server}"
+    cfg = cfg.model_copy(update=update)
     command = build_vllm_command(cfg, python=cfg.vllm.python or DEFAULT_VLLM_PYTHON)
     argv = [shlex.quote(a) for a in command.argv]
     if cfg.vllm.nodes_per_group > 1:
@@ -210,7 +214,13 @@ def _vllm_command(resolved: InferenceConfig, step: ServerStep) -> str:
         argv = data_parallel_group_argv(
             argv, cfg, address=address, rpc_port=str(step.rpc_port), start_rank=step.start_rank
         )
-    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(command.env.items()) if k != "VLLM_API_KEY"]
+    env = [
+        f"{k}={shlex.quote(v)}"
+        for k, v in sorted(command.env.items())
+        if k not in ("VLLM_API_KEY", ENV_ENDPOINT)
+    ]
+    if ENV_ENDPOINT in command.env:  # the store's host is the job's variable: the job's shell expands it
+        env.append(f'{ENV_ENDPOINT}="{command.env[ENV_ENDPOINT]}"')
     return " ".join(["env", *env, *argv])
 
 

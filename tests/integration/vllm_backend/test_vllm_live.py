@@ -1,8 +1,11 @@
 """vLLM as the inference backend, for real (vLLM's CPU build): numerics against the embedded fp32
 engine, salt isolation, no prefix-cache hit across a reload, a failed reload leaving the server
-paused, in-flight weight updates with exact per-token versions, abort on cancel.
+paused, in-flight weight updates with exact per-token versions, abort on cancel; and versions
+received over asyncrl's update channel (this process is the trainer): served exactly as their
+files are, a delta and a dense transfer alike, swapped in by VLLMBackend or by vLLM's own
+weight-transfer routes, and a transfer broken midway leaving vLLM on its old version.
 
-One vLLM server serves the module (conftest.py); the weight-update test runs last and restores v0.
+One vLLM server serves the module (conftest.py); the weight-update tests run last and restore v0.
 """
 
 from __future__ import annotations
@@ -10,16 +13,29 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
+import threading
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from vllm_helpers import HAS_VLLM, NO_VLLM
 
-from asyncrl.client import InferenceError, VLLMBackend
-from asyncrl.model.hf import from_pretrained
-from asyncrl.wire import GenerateRequest, PauseRequest, UpdateWeightsRequest
+from asyncrl.client import InferenceError, ServerUnavailable, VLLMBackend
+from asyncrl.model import Transformer
+from asyncrl.model.hf import from_pretrained, save_pretrained
+from asyncrl.model.serving import ServingFormat, serving_format
+from asyncrl.weight_transfer import (
+    BucketSender,
+    Channel,
+    SendLoop,
+    TransferError,
+    VersionReport,
+    iter_shards,
+)
+from asyncrl.wire import GenerateRequest, GenerateResponse, PauseRequest, UpdateWeightsRequest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not HAS_VLLM, reason=NO_VLLM)]
 
@@ -292,3 +308,161 @@ def test_update_in_flight_keeps_the_request_and_stamps_each_token(server, models
     )
     assert kl < 5e-3, f"after reload, mismatch KL to v1 is {kl:.2e}"
     assert info.version == 1 and math.isfinite(update.load_seconds)
+
+
+# -- versions over asyncrl's update channel (docs/weights-transfer.md) ------------------------------
+
+
+@dataclass
+class Trainer:
+    """This process as the run's one trainer rank: its model, a sending thread, what it reported."""
+
+    model: Transformer
+    fmt: ServingFormat
+    loop: SendLoop
+    files: Path  # each version's files, for the reference reload
+    reports: list[VersionReport] = field(default_factory=list)
+
+    def publish(self, version: int, seed: int) -> None:
+        """A small optimizer-like step (most bf16 values keep their bits), sent and written as files."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 1e-4 * p.abs())
+        save_pretrained(self.model, self.files / f"step_{version}")
+        self.loop.submit(version, list(iter_shards(self.model, self.fmt)))
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(s.values.numel() * s.values.element_size() for s in iter_shards(self.model, self.fmt))
+
+
+@pytest.fixture(scope="module")
+def trainer(server, models, weights_store, tmp_path_factory):
+    model = from_pretrained(models[0])
+    fmt = serving_format(model, torch.bfloat16)
+    reports: list[VersionReport] = []
+    loop = SendLoop(
+        weights_store[1],
+        rank=0,
+        world_size=1,
+        sender=BucketSender(bucket_bytes=1 << 20, delta=True),  # tiny-moe: 4 buckets
+        timeout_s=30,
+        initial=(0, list(iter_shards(model, fmt))),  # what the server gets when it joins
+        on_version=reports.append,
+    )
+    loop.start()
+    yield Trainer(model=model, fmt=fmt, loop=loop, files=tmp_path_factory.mktemp("versions"), reports=reports)
+    loop.close()
+    _run(_update(server.url, UpdateWeightsRequest(path=str(models[0]), version=0)))  # restore v0
+
+
+async def _update(url: str, request: UpdateWeightsRequest):
+    backend = VLLMBackend(url, timeout_s=300)
+    try:
+        return await backend.update_weights(request)
+    finally:
+        await backend.aclose()
+
+
+def _received(version: int) -> UpdateWeightsRequest:
+    return UpdateWeightsRequest(path=f"/not/read/step_{version}", version=version, transport="distributed")
+
+
+def _served(url: str) -> tuple[dict[str, str], list[GenerateResponse]]:
+    """What vLLM serves: its own digests of its parameters (the CPU build's dense linears are
+    prepacked, their parameters empty: the greedy answers cover those), and greedy answers, one
+    request at a time so that batching cannot move a bit."""
+    checksums = httpx.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=60).json()
+    reqs = [
+        GenerateRequest(prompt_token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True) for p in PROMPTS
+    ]
+
+    async def go():
+        backend = VLLMBackend(url, timeout_s=300)
+        outs = [await backend.generate(r) for r in reqs]
+        await backend.aclose()
+        return outs
+
+    return checksums["checksums"], _run(go())
+
+
+def _wait_staged(url: str, version: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        staged = httpx.post(f"{url}/collective_rpc", json={"method": "asyncrl_staged"}, timeout=10).json()
+        if staged["results"][0]["version"] == version:
+            return
+        assert time.monotonic() < deadline, f"version {version} not staged: {staged}"
+        time.sleep(0.05)
+
+
+def _same(a: list[GenerateResponse], b: list[GenerateResponse]) -> bool:
+    return all(x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(a, b, strict=True))
+
+
+def test_a_version_received_over_the_channel_is_served_exactly_as_its_files(server, trainer):
+    before = _served(server.url)
+    trainer.publish(1, seed=1)
+    trainer.loop.wait(1, timeout_s=30)
+    report = trainer.reports[-1]
+    assert report.servers == ("server0",) and report.num_bytes < trainer.dense_bytes / 4  # a delta on v0
+    update = _run(_update(server.url, _received(1)))
+    received = _served(server.url)
+    assert update.version == 1 and update.receive_seconds > 0 and update.paused_seconds > 0
+    assert received[1][0].policy_versions == [1] * 8
+    _run(_update(server.url, UpdateWeightsRequest(path=str(trainer.files / "step_1"), version=1)))
+    from_files = _served(server.url)
+    assert received[0] == from_files[0]  # vLLM's digests of every parameter it keeps
+    assert _same(received[1], from_files[1])  # bit for bit: tokens and logprobs
+    assert not _same(received[1], before[1])  # and the version did change what it serves
+    print(
+        f"\nvLLM distributed update: pause {update.paused_seconds * 1e3:.0f} ms, wait and swap "
+        f"{update.load_seconds * 1e3:.0f} ms, receive {update.receive_seconds * 1e3:.0f} ms while serving"
+    )
+
+
+def test_a_transfer_broken_midway_leaves_vllm_on_its_version_until_a_dense_one_comes(
+    server, trainer, monkeypatch
+):
+    stalled, release = threading.Event(), threading.Event()
+    send_bucket = Channel.send_bucket
+
+    def break_after_first_bucket(self, header, payload, dst):
+        if header.version == 2 and stalled.is_set():
+            release.wait(60)
+            self.close()  # the trainer's end goes away mid-version
+            raise TransferError("killed mid-transfer by the test")
+        send_bucket(self, header, payload, dst)
+        if header.version == 2:
+            stalled.set()
+
+    monkeypatch.setattr(Channel, "send_bucket", break_after_first_bucket)
+    v1 = _served(server.url)
+    trainer.publish(2, seed=2)
+    assert stalled.wait(30)
+    with pytest.raises(ServerUnavailable, match="version 2 did not arrive"):  # in the server's timeout_s
+        _run(_update(server.url, _received(2)))
+    assert not _is_paused(server.url)
+    still = _served(server.url)
+    assert still[0] == v1[0] and _same(still[1], v1[1])  # nothing of v2 reached the model
+    monkeypatch.undo()
+    release.set()
+    trainer.loop.wait(2, timeout_s=30)
+    assert trainer.reports[-1].left_behind == ("server0",)
+    # the server joins a new channel and gets the current version whole, without a new step; this
+    # time vLLM's own weight-transfer routes swap it in (a client that speaks only vLLM's API)
+    _wait_staged(server.url, 2)
+    httpx.post(f"{server.url}/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=60)
+    for route, body in [
+        ("/start_weight_update", None),
+        ("/update_weights", {"update_info": {"version": 2}}),
+        ("/finish_weight_update", {"weight_version": "2"}),
+        ("/resume", None),
+    ]:
+        assert httpx.post(f"{server.url}{route}", json=body, timeout=60).status_code == 200, route
+    assert httpx.get(f"{server.url}/weight_info", timeout=10).json()["weight_version"] == "2"
+    received = _served(server.url)
+    _run(_update(server.url, UpdateWeightsRequest(path=str(trainer.files / "step_2"), version=2)))
+    from_files = _served(server.url)
+    assert received[0] == from_files[0] and _same(received[1], from_files[1])

@@ -297,3 +297,73 @@ def test_a_failed_reload_raises_and_leaves_the_server_paused():
     assert paused_after_failure and held == 0  # never resumed on half-loaded weights
     assert paused_after_retry  # the caller's pause: the caller resumes
     assert fake.paths == ["/w/step_1"] and out.policy_versions == [1] and out.context_version == 1
+
+
+class ReceivingVLLM(FakeVLLM):
+    """A vLLM whose workers receive versions over asyncrl's channel: `arrivals` is what the staged
+    version reads at each poll (the last one repeats)."""
+
+    def __init__(self, arrivals: list[int | None], *, workers: int = 1, timeout_s: float = 30.0) -> None:
+        super().__init__()
+        self.arrivals, self.workers, self.timeout_s = arrivals, workers, timeout_s
+        self.polls = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/collective_rpc":
+            return super().__call__(request)
+        body = json.loads(request.content)
+        self.calls.append(("POST", "/collective_rpc", body))
+        if body["method"] == "asyncrl_staged":
+            held = self.arrivals[min(self.polls, len(self.arrivals) - 1)]
+            self.polls += 1
+            return httpx.Response(
+                200, json={"results": [{"version": held, "timeout_s": self.timeout_s}] * self.workers}
+            )
+        assert body["method"] == "asyncrl_swap_weights"
+        swapped = {"version": float(self.arrivals[-1]), "wait_s": 0.0, "load_s": 0.04, "receive_s": 0.3}
+        return httpx.Response(200, json={"results": [swapped] * self.workers})
+
+
+def test_a_distributed_update_waits_serving_for_the_version_then_swaps_it_inside_a_pause():
+    fake = ReceivingVLLM([None, 2, 4], workers=2)  # the trainer ran ahead: v4 is staged when v3 is asked
+
+    async def go():
+        b = _backend(fake)
+        req = UpdateWeightsRequest(path="/run/weights/step_3", version=3, transport="distributed")
+        res = await b.update_weights(req)
+        await b.aclose()
+        return res
+
+    res = asyncio.run(go())
+    paths = [c[1] for c in fake.calls]
+    # no pause while the version is on its way; the swap, its label and the resume inside one
+    assert paths == [
+        "/collective_rpc",
+        "/collective_rpc",
+        "/collective_rpc",
+        "/pause?mode=keep&clear_cache=false",
+        "/collective_rpc",
+        "/update_weight_version",
+        "/resume",
+    ]
+    assert [c[2]["method"] for c in fake.calls if c[1] == "/collective_rpc"] == ["asyncrl_staged"] * 3 + [
+        "asyncrl_swap_weights"
+    ]
+    assert fake.calls[4][2]["kwargs"] == {"version": 3}
+    assert fake.calls[5][2] == {"new_version": "4"}  # labelled with what was loaded
+    assert res.version == 4 and res.receive_seconds == 0.3 and res.load_seconds >= res.paused_seconds > 0
+
+
+def test_a_version_that_never_arrives_raises_without_pausing():
+    fake = ReceivingVLLM([1], timeout_s=0.2)
+
+    async def go():
+        b = _backend(fake)
+        with pytest.raises(
+            ServerUnavailable, match=r"version 2 did not arrive .* within 0.2 s \(the workers hold \[1\]\)"
+        ):
+            await b.update_weights(UpdateWeightsRequest(path="/w/step_2", version=2, transport="distributed"))
+        await b.aclose()
+
+    asyncio.run(go())
+    assert {c[1] for c in fake.calls} == {"/collective_rpc"}  # polled only: serving, weights untouched

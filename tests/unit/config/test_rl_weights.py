@@ -58,13 +58,10 @@ def test_distributed_reaches_every_process_with_the_endpoint_the_launcher_picked
     assert _rl([]).with_weights_endpoint("127.0.0.1", 1).weights == FilesystemWeightsConfig()
 
 
-def test_distributed_without_an_endpoint_or_with_vllm_is_refused():
+def test_distributed_without_an_endpoint_is_refused():
     cfg = _rl(["--weights.transport", "distributed"])
     with pytest.raises(ConfigError, match=r"needs weights.endpoint"):
         cfg.resolve()
-    vllm = _rl(["--weights.transport", "distributed", "--inference.backend", "vllm"])
-    with pytest.raises(ConfigError, match=r'"distributed" is not wired into the vLLM backend yet'):
-        vllm.with_weights_endpoint("127.0.0.1", 29711).resolve()
     with pytest.raises(ConfigError, match=r"must be host:port"):
         _rl(["--weights.transport", "distributed", "--weights.endpoint", "nohost"])
 

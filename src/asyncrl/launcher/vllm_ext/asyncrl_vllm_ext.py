@@ -15,16 +15,45 @@ the very weights it serves moved teacher-forced KL from 2e-4 to 1.7-3.3). The re
 reloaded expert weights in place. Other layers are unaffected (their CPU GEMM dispatch is redone by
 the reload), and GPU builds need no repair: the method is a plain reload there.
 
-Only torch and vLLM are imported here; nothing from asyncrl.
+With `[weights] transport = "distributed"` the workers receive versions over asyncrl's update
+channels instead (asyncrl_vllm_receive.py, the weight-transfer engine this module registers with
+vLLM as "asyncrl"), and two more methods drive an update from memory:
+
+    {"method": "asyncrl_staged"}                            -> {"version": 2 (or None), "timeout_s": 120}
+    {"method": "asyncrl_swap_weights", "kwargs": {"version": 3}}       (timeout_s: the endpoint's)
+
+Only torch and vLLM are imported here; asyncrl only by the engine, once vLLM builds it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Any
 
 import torch
 
-__all__ = ["AsyncRLWorkerExtension", "repack_cpu_moe_experts"]
+__all__ = ["ENGINE_NAME", "AsyncRLWorkerExtension", "register_engine", "repack_cpu_moe_experts"]
+
+ENGINE_NAME = "asyncrl"  # --weight-transfer-config '{"backend": "asyncrl"}'
+
+
+def register_engine() -> bool:
+    """Register asyncrl's weight-transfer engine with vLLM (by module path: imported only when a
+    server is started with it); False without vLLM's weight-transfer registry."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return False
+    with contextlib.suppress(ValueError):  # registered already in this process
+        WeightTransferEngineFactory.register_engine(
+            ENGINE_NAME, "asyncrl_vllm_receive", "AsyncRLWeightTransferEngine"
+        )
+    return True
+
+
+# vLLM imports this module in each worker before it builds the worker and its engine
+register_engine()
 
 
 @torch.no_grad()
@@ -66,3 +95,24 @@ class AsyncRLWorkerExtension:
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         repacked = repack_cpu_moe_experts(self.model_runner.get_model())
         return {"seconds": time.perf_counter() - t0, "repacked_moe_layers": float(repacked)}
+
+    def asyncrl_staged(self) -> dict[str, float | None]:
+        """The newest version this worker's receive loop holds complete (None: none yet), and how
+        long a transfer may take (the run's `[weights] timeout_s`)."""
+        return self._asyncrl_engine().staged()
+
+    def asyncrl_swap_weights(self, version: int, timeout_s: float | None = None) -> dict[str, float]:
+        """Load the staged version >= `version` from memory (waiting up to `timeout_s`, default the
+        endpoint's, for it); the loaded version and the times. Raises, leaving the weights as they
+        were, when none comes."""
+        return self._asyncrl_engine().swap(version, timeout_s)
+
+    def _asyncrl_engine(self) -> Any:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "swap"):
+            raise RuntimeError(
+                "this vLLM server receives no weights over asyncrl's channels: start it with "
+                f'--weight-transfer-config \'{{"backend": "{ENGINE_NAME}"}}\' ([weights] transport = '
+                "'distributed' in asyncrl rl)"
+            )
+        return engine
