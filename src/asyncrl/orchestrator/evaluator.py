@@ -48,7 +48,7 @@ from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
 from asyncrl.run_dir import weights_dir
 from asyncrl.transport.metrics import MetricsWriter, read_metrics
-from asyncrl.transport.weights import STABLE_MARKER, read_keep_set, write_keep_set
+from asyncrl.transport.weights import STABLE_MARKER, holds_tensors, read_keep_set, write_keep_set
 from asyncrl.wire import SamplingParams
 
 __all__ = ["Evaluator", "best_weights", "version_weights"]
@@ -238,11 +238,12 @@ class Evaluator:
 
 def version_weights(run_dir: str | Path, model: str | Path, version: int) -> Path | None:
     """Where the weights of `version` are: the base model for v0, a published step after; None once
-    pruned or retracted."""
+    pruned or retracted, or when the version was only sent to the servers (the distributed
+    transport writes files at checkpoint steps and the last step only)."""
     if version == 0:
         return Path(model)
     path = weights_dir(run_dir, version)
-    return path if (path / STABLE_MARKER).is_file() else None
+    return path if (path / STABLE_MARKER).is_file() and holds_tensors(path) else None
 
 
 def best_weights(run_dir: str | Path, model: str | Path, metric: str) -> tuple[int, float, Path] | None:

@@ -39,6 +39,7 @@ from asyncrl.model.hf import plan_files
 from asyncrl.model.serving import ServingFormat, quantization_config_for, serving_format
 from asyncrl.trainer.publish import FilesystemWeightPublisher
 from asyncrl.transport import begin_publication, commit_publication, discard_publication
+from asyncrl.transport.weights import TRANSFER_MANIFEST
 from asyncrl.weight_transfer import (
     BucketSender,
     SendLoop,
@@ -49,11 +50,10 @@ from asyncrl.weight_transfer import (
     iter_shards,
 )
 
-__all__ = ["MANIFEST", "DistributedWeightPublisher"]
+__all__ = ["DistributedWeightPublisher"]
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"  # what a version's transfer did, in its publication
 _CONNECT_S = 600.0  # the other ranks wait this long for rank 0's store
 
 
@@ -123,7 +123,7 @@ class DistributedWeightPublisher:
         try:
             content = begin_publication(self.run_dir, report.version)
             (content / "config.json").write_text(json.dumps(self._config, indent=2) + "\n")
-            (content / MANIFEST).write_text(json.dumps(_manifest(report), indent=2) + "\n")
+            (content / TRANSFER_MANIFEST).write_text(json.dumps(_manifest(report), indent=2) + "\n")
             commit_publication(self.run_dir, report.version, content, keep_last=self.cfg.keep_last)
         except OSError as e:  # DiskFullError too: the servers hold the version; the next one may fit
             if content is not None:

@@ -34,10 +34,12 @@ from asyncrl.transport.disk import disk_full_as_error
 
 __all__ = [
     "STABLE_MARKER",
+    "TRANSFER_MANIFEST",
     "WeightsTimeoutError",
     "begin_publication",
     "commit_publication",
     "discard_publication",
+    "holds_tensors",
     "latest_stable_step",
     "prune_weights",
     "read_keep_set",
@@ -49,6 +51,9 @@ __all__ = [
 ]
 
 STABLE_MARKER = "STABLE"
+# A version the distributed transport sent without writing its tensors is published with this
+# file (what the transfer did) and config.json only (docs/weights-transfer.md).
+TRANSFER_MANIFEST = "manifest.json"
 _POLL_S = 0.05
 
 
@@ -119,6 +124,12 @@ def _replace_with_link(final: Path, link: Path) -> None:
         # a rename: move it aside first. It is deleted with its step.
         os.rename(final, final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}"))
     os.replace(link, final)
+
+
+def holds_tensors(publication: str | os.PathLike) -> bool:
+    """Whether a published version's directory holds its weights: not a version that was only sent
+    to the servers (`TRANSFER_MANIFEST`)."""
+    return not (Path(publication) / TRANSFER_MANIFEST).is_file()
 
 
 def stable_steps(run_dir: str | os.PathLike) -> list[int]:

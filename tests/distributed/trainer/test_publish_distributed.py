@@ -28,7 +28,8 @@ from asyncrl.model.hf import load_state_dict
 from asyncrl.model.serving import serving_format
 from asyncrl.run_dir import weights_dir
 from asyncrl.tools.init_model import init_model
-from asyncrl.trainer.publish_distributed import MANIFEST, DistributedWeightPublisher
+from asyncrl.trainer.publish_distributed import DistributedWeightPublisher
+from asyncrl.transport.weights import TRANSFER_MANIFEST as MANIFEST
 from asyncrl.weight_transfer import ReceiveLoop, WeightsEndpoint, as_dtype, published_shapes
 from asyncrl.weight_transfer.channel import Channel
 from helpers import free_port

@@ -144,3 +144,25 @@ def test_resume_redoes_an_eval_cut_short_by_a_crash_at_its_own_version(tmp_path,
     assert redone["eval/tokens_on_version"] == 1.0 and redone["eval/newest_version"] == cut  # v<cut> only
     assert {s.version for s in restarted.seen[: redone["eval/episodes"]]} == {cut}
     assert json.loads((tmp_path / "run" / "weights" / "keep.json").read_text()) == {"steps": {}}
+
+
+def test_a_version_only_sent_to_the_servers_has_no_weights_to_name(tmp_path):
+    """The distributed transport publishes most versions as config.json + its manifest, without
+    tensors: neither an eval's resume nor keep_best may point at them."""
+    from asyncrl.orchestrator.evaluator import best_weights, version_weights
+    from asyncrl.transport.metrics import MetricsWriter
+    from asyncrl.transport.weights import TRANSFER_MANIFEST, stage_weights
+
+    run_dir = tmp_path / "run"
+    for step, sent_only in ((1, False), (2, True)):
+        with stage_weights(run_dir, step) as tmp:
+            (tmp / "config.json").write_text("{}")
+            if sent_only:
+                (tmp / TRANSFER_MANIFEST).write_text("{}")
+    assert version_weights(run_dir, "base", 1) == weights_dir(run_dir, 1)
+    assert version_weights(run_dir, "base", 2) is None
+    out = MetricsWriter(run_dir, "eval")
+    for version, reward in ((0, 0.1), (1, 0.5), (2, 0.9)):
+        out.write(version, {"version": version, "eval/r": reward})
+    version, value, path = best_weights(run_dir, "base", "eval/r")
+    assert (version, path) == (1, weights_dir(run_dir, 1)) and value == pytest.approx(0.5)
