@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -25,10 +25,13 @@ import torch
 from asyncrl.model.dtypes import DTYPES
 from asyncrl.model.fp8 import FP8_DTYPE
 
-__all__ = ["Assembly", "BucketHeader", "Piece", "Shard", "TransferError", "pack_buckets"]
+__all__ = ["Assembly", "BucketHeader", "Piece", "Shard", "TransferError", "count_differing", "pack_buckets"]
 
 _POSITION = torch.int32
 _ALIGN = 8
+# elements compared at a time: a mask of a whole large tensor lands in fresh pages, whose faults
+# cost more than the comparison; a chunk's mask stays in cache
+_CHUNK = 1 << 20
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # element size -> an integer view of its bits
 _WIRE_DTYPES = DTYPES | {"float8_e4m3fn": FP8_DTYPE}  # the serving dtypes, block-FP8 weights included
 
@@ -100,12 +103,31 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 
 
+def count_differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of `a` and `b` (flat, same dtype) differ in their bits."""
+    a, b = _bits(a), _bits(b)
+    return sum(
+        int(torch.count_nonzero(a[i : i + _CHUNK] != b[i : i + _CHUNK])) for i in range(0, a.numel(), _CHUNK)
+    )
+
+
+def _differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The positions (int64, ascending) where the flat integer tensors `a` and `b` differ."""
+    parts = [
+        (a[i : i + _CHUNK] != b[i : i + _CHUNK]).nonzero().view(-1).add_(i)
+        for i in range(0, a.numel(), _CHUNK)
+    ]
+    if not parts:
+        return a.new_empty(0, dtype=torch.int64)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def _encode(new: torch.Tensor, old: torch.Tensor | None) -> tuple[list[torch.Tensor], int | None]:
     """The payload parts of one piece: dense [values], or delta [positions, values] when smaller."""
     if old is None:
         return [new], None
     new_bits = _bits(new)
-    where = (new_bits != _bits(old)).nonzero().view(-1)
+    where = _differing(new_bits, _bits(old))
     delta_bytes = where.numel() * (4 + new.element_size())
     if delta_bytes >= new.numel() * new.element_size():
         return [new], None
@@ -123,9 +145,14 @@ def pack_buckets(
     version: int,
     base: Mapping[str, torch.Tensor] | None = None,
     base_version: int | None = None,
+    buffer: Callable[[int, torch.device], torch.Tensor] | None = None,
 ) -> Iterator[tuple[BucketHeader, torch.Tensor]]:
     """Buckets of at most `bucket_bytes` payload (uint8) from `shards`, dense or delta against `base`
-    (shard key -> the values of version `base_version` last sent); the stream ends with a `last` header."""
+    (shard key -> the values of version `base_version` last sent); the stream ends with a `last` header.
+
+    `buffer(n, device)` gives the uint8 [n] tensor a payload is packed into (default: a new one).
+    A sender that reuses one memory for every bucket (each sent before the next is drawn) saves
+    the page faults of fresh memory, which cost more than the copy itself."""
     assert (base is None) == (base_version is None), "a delta base needs its version"
     if not 8 <= bucket_bytes <= 1 << 31:
         raise ValueError(
@@ -138,9 +165,15 @@ def pack_buckets(
 
     def flush() -> tuple[BucketHeader, torch.Tensor]:
         nonlocal pieces, parts, used
-        payload = torch.zeros(used, dtype=torch.uint8, device=parts[0].device if parts else "cpu")
+        device = parts[0].device if parts else torch.device("cpu")
+        payload = (
+            torch.empty(used, dtype=torch.uint8, device=device) if buffer is None else buffer(used, device)
+        )
+        end = 0
         for piece, blob in zip(pieces, parts):
+            payload[end : piece.at] = 0  # alignment padding: the same bytes whatever the buffer held
             payload[piece.at : piece.at + piece.nbytes] = blob
+            end = piece.at + piece.nbytes
         header = BucketHeader(
             version=version, base_version=base_version, pieces=tuple(pieces), payload_bytes=used
         )

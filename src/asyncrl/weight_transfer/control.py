@@ -62,7 +62,7 @@ ENV_SERVER = "ASYNCRL_WEIGHTS_SERVER"  # the server's name on it
 ENV_TIMEOUT = "ASYNCRL_WEIGHTS_TIMEOUT_S"  # one transfer's deadline
 ENV_INSTANCE = "ASYNCRL_WEIGHTS_INSTANCE"  # shared by the receiving ranks of one server start
 
-_POLL_S = 0.02  # how often a waiter looks at the store; a TCP round trip each
+_POLL_S = 0.005  # how often a waiter looks at the store: a TCP round trip each, against latency
 
 
 class EndpointError(ValueError):

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from asyncrl.weight_transfer.buckets import Shard, TransferError
+from asyncrl.weight_transfer.buckets import Shard, TransferError, count_differing
 from asyncrl.weight_transfer.channel import Channel, Rendezvous
 from asyncrl.weight_transfer.control import Registration, read_registration, wait_any_key
 from asyncrl.weight_transfer.sender import BucketSender, SendStats
@@ -85,8 +85,7 @@ def count_changed(old: list[Shard], new: list[Shard]) -> tuple[int, int]:
     changed = total = 0
     for a, b in zip(old, new, strict=True):
         assert a.key == b.key, "two snapshots of one rank walk the same shards"
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.values.element_size()]
-        changed += int((a.values.view(bits) != b.values.view(bits)).sum())
+        changed += count_differing(a.values, b.values)
         total += a.values.numel()
     return changed, total
 
@@ -197,7 +196,8 @@ class SendLoop:
         """Rank 0: the next job (a new registration first, then a submitted version) or None."""
         job = self._next_join() or self._next_publish()
         if job is None:
-            time.sleep(_IDLE_S)
+            with self._cond:
+                self._cond.wait(_IDLE_S)  # a submit wakes it at once; registrations wait for the tick
             return None
         self.store.set(f"job/{job.index}", job.encode())
         return job

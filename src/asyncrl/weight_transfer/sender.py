@@ -46,6 +46,7 @@ class BucketSender:
         self._base: dict[str, torch.Tensor] | None = None  # shard key -> serving values last sent
         self._base_version: int | None = None
         self._behind: set[str] = set()  # channels whose last send failed: they get the next one dense
+        self._payload: torch.Tensor | None = None  # every bucket is packed here, sent, then overwritten
 
     def send(
         self,
@@ -87,11 +88,22 @@ class BucketSender:
             self._base, self._base_version = {s.key: s.values for s in shards}, version
         return results
 
+    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The payload memory, grown to the largest bucket so far (at most `bucket_bytes`)."""
+        if self._payload is None or self._payload.numel() < nbytes or self._payload.device != device:
+            self._payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._payload[:nbytes]
+
     def _send_to(self, channel: Channel, shards: list[Shard], version: int, as_delta: bool) -> SendStats:
         base, base_version = (self._base, self._base_version) if as_delta else (None, None)
         num_buckets = num_bytes = num_changed = 0
         for header, payload in pack_buckets(
-            shards, bucket_bytes=self.bucket_bytes, version=version, base=base, base_version=base_version
+            shards,
+            bucket_bytes=self.bucket_bytes,
+            version=version,
+            base=base,
+            base_version=base_version,
+            buffer=self._buffer,
         ):
             for dst in channel.receivers:
                 channel.send_bucket(header, payload, dst)

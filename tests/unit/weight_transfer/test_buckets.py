@@ -8,6 +8,7 @@ import torch
 
 from asyncrl.model.fp8 import AMAX_FLOOR, FP8_MAX, quantize_weight
 from asyncrl.weight_transfer import Assembly, BucketHeader, Rendezvous, Shard, TransferError, pack_buckets
+from asyncrl.weight_transfer.buckets import count_differing
 from asyncrl.weight_transfer.shards import partial_amax, quantize_rows
 
 
@@ -87,6 +88,41 @@ def test_a_mostly_changed_piece_goes_dense():
     base = {s.key: s.values for s in _all_shards(old)}
     buckets = list(pack_buckets(_all_shards(new), bucket_bytes=1 << 16, version=2, base=base, base_version=1))
     assert all(p.num_changed is None for h, _ in buckets for p in h.pieces)
+
+
+def test_a_reused_dirty_buffer_gives_the_same_payloads():
+    """A sender packs every bucket into one memory: leftovers of the previous bucket (here 0xFF)
+    must not reach the wire, alignment padding included."""
+    w = _weights()
+    shards = _shards("a", w["a"][:, :3].contiguous(), 0, 3) + _all_shards(w)  # 3-element rows: padding
+    memory = torch.full((1 << 16,), 255, dtype=torch.uint8)
+    fresh = list(pack_buckets(shards, bucket_bytes=100, version=1))
+    reused = [
+        (h, p.clone())
+        for h, p in pack_buckets(shards, bucket_bytes=100, version=1, buffer=lambda n, _: memory[:n])
+    ]
+    assert any(p.at % 8 == 0 and p.at > 0 and p.nbytes % 8 for h, _ in fresh for p in h.pieces)
+    assert [h for h, _ in reused] == [h for h, _ in fresh]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(reused, fresh))
+
+
+def test_delta_and_counts_across_comparison_chunks():
+    """A piece longer than the comparison's chunk: positions past the first chunk are found and
+    placed, and count_differing agrees with the delta's count."""
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(3 << 20, generator=g).bfloat16()
+    new = old.clone()
+    changed = torch.tensor([0, (1 << 20) - 1, 1 << 20, (2 << 20) + 5, (3 << 20) - 1])
+    new[changed] += 1.0
+    shard = dict(name="w", shape=(3 << 20,), offset=(0,), local_shape=(3 << 20,))
+    base = {Shard(**shard, values=old).key: old}
+    buckets = list(
+        pack_buckets([Shard(**shard, values=new)], bucket_bytes=1 << 30, version=2, base=base, base_version=1)
+    )
+    (piece,) = buckets[0][0].pieces
+    assert piece.num_changed == 5 and count_differing(old, new) == 5
+    got = _assemble(buckets, {"w": (3 << 20,)}, base={"w": old})
+    assert _bits_equal(got["w"], new)
 
 
 def test_a_missing_shard_or_a_wrong_shape_is_refused():
