@@ -26,6 +26,7 @@ Channel ranks 0..W-1 are the trainer's ranks, W..W+R-1 the server's receiving ra
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -156,11 +157,13 @@ def host_store(port: int, *, num_senders: int, timeout_s: float = 300.0) -> dist
 
 
 def connect_store(
-    host: str, port: int, *, timeout_s: float, attempt_s: float = 10.0, should_stop=lambda: False
+    host: str, port: int, *, timeout_s: float, attempt_s: float = 2.0, should_stop=lambda: False
 ) -> dist.TCPStore:
-    """A client of the run's store; retries (logging) until it answers, `timeout_s` or `should_stop()`."""
+    """A client of the run's store; retries until it answers, `timeout_s` or `should_stop()` (checked
+    between attempts of `attempt_s`, so a stop takes effect within one attempt). Logs the first
+    retry and then one in 20."""
     deadline = time.monotonic() + timeout_s
-    while True:
+    for attempt in itertools.count():
         try:
             return dist.TCPStore(
                 host,
@@ -171,8 +174,10 @@ def connect_store(
         except (RuntimeError, dist.DistError) as e:
             if time.monotonic() >= deadline or should_stop():
                 raise TransferError(f"the weights store at {host}:{port} did not answer: {e}") from e
-            log.info("weights store at %s:%d not up yet (%s); retrying", host, port, e)
+            if attempt % 20 == 0:
+                log.info("weights store at %s:%d not up yet (%s); retrying", host, port, e)
             time.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 def read_registration(store: dist.Store, index: int) -> Registration:

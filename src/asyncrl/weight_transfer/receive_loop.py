@@ -102,11 +102,15 @@ class ReceiveLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop the thread (a transfer under way ends at its deadline)."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and wait up to `timeout_s` for it to end (a transfer under way ends at its
+        deadline). A thread left running in a process that later forks can leave the child holding a
+        lock of torch.distributed that no thread of the child will release."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
     def wait_staged(self, min_version: int, timeout_s: float) -> Staged:
         """The newest staged version once it is >= `min_version`; StagingTimeout after `timeout_s`."""
