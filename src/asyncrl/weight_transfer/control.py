@@ -157,7 +157,7 @@ def host_store(port: int, *, num_senders: int, timeout_s: float = 300.0) -> dist
 
 
 def connect_store(
-    host: str, port: int, *, timeout_s: float, attempt_s: float = 2.0, should_stop=lambda: False
+    host: str, port: int, *, timeout_s: float, attempt_s: float = 1.0, should_stop=lambda: False
 ) -> dist.TCPStore:
     """A client of the run's store; retries until it answers, `timeout_s` or `should_stop()` (checked
     between attempts of `attempt_s`, so a stop takes effect within one attempt). Logs the first
