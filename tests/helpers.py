@@ -67,3 +67,9 @@ def torchrun_trainer(cfg: Path, nproc: int, *extra: str, timeout: float = 300) -
     ]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def pid_of(pattern: str) -> int | None:
+    """The first process whose command line matches `pattern` (pgrep -f), if any."""
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    return int(out[0]) if out else None

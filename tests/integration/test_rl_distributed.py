@@ -21,25 +21,14 @@ import pytest
 
 from asyncrl.run_dir import weights_dir
 from asyncrl.tools.init_model import init_model
+from asyncrl.transport.metrics import read_metrics
 from asyncrl.transport.rollouts import read_batch
-from helpers import child_env, free_port_run
+from helpers import child_env, free_port_run, pid_of
 
 pytestmark = pytest.mark.long
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 24  # long enough for the killed server to restart (~10-20 s) and rejoin before the end
-
-
-def _records(run_dir: Path, role: str) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("role") == role]
-
-
-def _pid_of(pattern: str) -> int | None:
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-    return int(out[0]) if out else None
 
 
 def test_the_demo_runs_with_the_distributed_transport_through_a_server_restart(tmp_path):
@@ -72,11 +61,11 @@ def test_the_demo_runs_with_the_distributed_transport_through_a_server_restart(t
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     try:
         deadline = time.monotonic() + 300
-        while not _records(run_dir, "orchestrator"):
+        while not read_metrics(run_dir, "orchestrator"):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no batch written in time"
             time.sleep(0.2)
-        victim = _pid_of(f"inference @ {run_dir}/configs/inference-1.toml")
+        victim = pid_of(f"inference @ {run_dir}/configs/inference-1.toml")
         assert victim is not None
         subprocess.run(["kill", "-9", str(victim)], check=True)
         _, err = proc.communicate(timeout=400)
@@ -86,7 +75,7 @@ def test_the_demo_runs_with_the_distributed_transport_through_a_server_restart(t
             proc.wait(timeout=60)
     assert proc.returncode == 0, err[-3000:]
     assert "process 'inference-1' was killed by SIGKILL; restarting" in err
-    assert [r["step"] for r in _records(run_dir, "trainer")] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in read_metrics(run_dir, "trainer")] == list(range(1, STEPS + 1))
     trainer = (run_dir / "logs/trainer.log").read_text()
     assert all(f"weights v{step} sent" in trainer for step in range(1, STEPS + 1))
     manifest = json.loads(

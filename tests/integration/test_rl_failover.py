@@ -7,32 +7,19 @@ tests/unit/orchestrator/test_dispatcher.py.)
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from asyncrl.tools.init_model import init_model
+from asyncrl.transport.metrics import read_metrics
 from asyncrl.transport.rollouts import read_batch
-from helpers import free_port_run
+from helpers import free_port_run, pid_of
 
 pytestmark = pytest.mark.slow
-
-
-def _orchestrator_records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("role") == "orchestrator"]
-
-
-def _pid_of(pattern: str) -> int | None:
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-    return int(out[0]) if out else None
 
 
 def test_killing_one_of_two_servers_mid_run(tmp_path):
@@ -79,11 +66,11 @@ def test_killing_one_of_two_servers_mid_run(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
-        while not _orchestrator_records(run_dir):
+        while not read_metrics(run_dir, "orchestrator"):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no batch written in time"
             time.sleep(0.2)
-        victim = _pid_of(f"inference @ {run_dir}/configs/inference-0.toml")
+        victim = pid_of(f"inference @ {run_dir}/configs/inference-0.toml")
         assert victim is not None
         subprocess.run(["kill", "-9", str(victim)], check=True)
         _, err = proc.communicate(timeout=300)
@@ -93,9 +80,9 @@ def test_killing_one_of_two_servers_mid_run(tmp_path):
             proc.wait(timeout=60)
     assert proc.returncode == 0, err[-3000:]
     assert "process 'inference-0' was killed by SIGKILL; restarting (1/3)" in err
-    records = _orchestrator_records(run_dir)
+    records = read_metrics(run_dir, "orchestrator")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     batches = [read_batch(run_dir, s, timeout_s=1) for s in range(1, 6)]
     versions = {int(v) for b in batches for s in b.samples for v in s.policy_versions[s.loss_mask]}
     assert max(versions) >= 1, "weights must have been updated in flight"
-    assert _pid_of(f"{run_dir}/configs/") is None, "no process of this run may outlive the launcher"
+    assert pid_of(f"{run_dir}/configs/") is None, "no process of this run may outlive the launcher"

@@ -19,7 +19,7 @@ from vllm_helpers import HAS_VLLM, NO_VLLM, REPO, VLLM_PYTHON
 from asyncrl.run_dir import log_file
 from asyncrl.tools.init_model import init_model
 from asyncrl.transport.rollouts import read_batch
-from helpers import child_env, free_port
+from helpers import child_env, free_port, pid_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not HAS_VLLM, reason=NO_VLLM)]
 
@@ -110,10 +110,9 @@ def test_reverse_text_rl_run_with_vllm_receiving_over_the_weights_channel_throug
             assert proc.poll() is None, err.read_text()[-3000:]
             assert time.monotonic() < deadline, "no batch written in time"
             time.sleep(0.5)
-        victim = subprocess.run(
-            ["pgrep", "-f", f"api_server .*--port {port} "], capture_output=True, text=True
-        )
-        subprocess.run(["kill", "-9", victim.stdout.split()[0]], check=True)
+        victim = pid_of(f"api_server .*--port {port} ")
+        assert victim is not None
+        subprocess.run(["kill", "-9", str(victim)], check=True)
         proc.wait(timeout=900)
     finally:
         if proc.poll() is None:
