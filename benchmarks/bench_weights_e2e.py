@@ -176,15 +176,19 @@ def _mb(run: Path, version: int, mode: str) -> float:
     return json.loads((path / "manifest.json").read_text())["num_bytes"] / 1e6
 
 
+def _ratio(files: dict | None, row: dict) -> str:
+    return "-" if files is None else f"{files['wall_s'] / row['wall_s']:.1f}x"
+
+
 def _table(preset: str, rows: list[dict]) -> str:
-    files = next(r for r in rows if r["mode"] == "files")
+    files = next((r for r in rows if r["mode"] == "files"), None)
     out = [
         "| model | mode | update wall s | files / this | server pause ms | server load s | MB per version |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
-            f"| {preset} | {r['mode']} | {r['wall_s']:.2f} | {files['wall_s'] / r['wall_s']:.1f}x | "
+            f"| {preset} | {r['mode']} | {r['wall_s']:.2f} | {_ratio(files, r)} | "
             f"{r['paused_s'] * 1e3:.1f} | {r['load_s']:.2f} | {r['mb']:.1f} |"
         )
     return "\n".join(out)
@@ -195,11 +199,14 @@ def main() -> None:
     ap.add_argument("--model", default="moe-50m")
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--step-rel", type=float, default=1e-4)
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--write", action="store_true")
     a = ap.parse_args()
+    if a.write and "files" not in a.modes:
+        ap.error("--write needs the files mode: the table's ratios are to it")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_mode(m, a.model, a.versions, a.step_rel, Path(tmp)) for m in MODES]
+        rows = [run_mode(m, a.model, a.versions, a.step_rel, Path(tmp)) for m in a.modes]
     table = _table(a.model, rows)
     print(table)
     if a.write:

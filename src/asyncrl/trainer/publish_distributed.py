@@ -43,6 +43,7 @@ from asyncrl.transport.weights import TRANSFER_MANIFEST
 from asyncrl.weight_transfer import (
     BucketSender,
     SendLoop,
+    Shard,
     VersionReport,
     WeightsEndpoint,
     connect_store,
@@ -77,6 +78,9 @@ class DistributedWeightPublisher:
         self._files = FilesystemWeightPublisher(self.run_dir, tokenizer_dir, cfg, info)
         self._on_disk: set[int] = set()  # versions whose publication is files
         self._pending: int | None = None
+        # the last two snapshots: once version v is out, v - 1's is read by nothing (the send thread
+        # holds v's), and v + 1's snapshot is taken into its memory
+        self._recent: list[list[Shard]] = [list(iter_shards(model, self.fmt))]
         endpoint = WeightsEndpoint.parse(weights.endpoint, "trainer")
         if info.is_main:
             store = host_store(endpoint.port, num_senders=info.world_size)
@@ -88,7 +92,7 @@ class DistributedWeightPublisher:
             world_size=info.world_size,
             sender=BucketSender(bucket_bytes=weights.bucket_bytes, delta=weights.delta),
             timeout_s=weights.timeout_s,
-            initial=(start_step, list(iter_shards(model, self.fmt))),
+            initial=(start_step, self._recent[-1]),
             on_version=self._commit if info.is_main else None,
             device=info.device,
         )
@@ -96,7 +100,9 @@ class DistributedWeightPublisher:
 
     def publish(self, model: Transformer, step: int, *, to_disk: bool = False) -> None:
         self.wait()
-        shards = list(iter_shards(model, self.fmt))  # collective with FP8: on the main thread
+        spare = self._recent[0] if len(self._recent) == 2 else []
+        shards = list(iter_shards(model, self.fmt, into=spare))  # collective with FP8: on the main thread
+        self._recent = [self._recent[-1], shards]
         if to_disk:
             self._on_disk.add(step)
             self._files.publish(model, step)

@@ -264,12 +264,15 @@ class SendLoop:
         changed = None
         if job.version is not None:
             shards = self._shards_of(job)
-            if job.publish and self._current is not None and self._current[0] != job.version:
-                changed = count_changed(self._current[1], shards)
+            previous = self._current
             self._current = (job.version, shards)
             channels = {n: self._channels[n] for n in job.send if n in self._channels}
+            self.sender.compare(shards, job.version)
             self._announce(channels)
             stats = self.sender.send_shards(shards, job.version, channels, dense=job.dense)
+            if job.publish and previous is not None and previous[0] != job.version:
+                # a delta sender compared the two versions already; count them only otherwise
+                changed = self.sender.last_changed or count_changed(previous[1], shards)
         for name, s in stats.items():
             if isinstance(s, TransferError):
                 errors[name] = str(s)

@@ -22,7 +22,7 @@ import torch
 
 from asyncrl.model import Transformer
 from asyncrl.model.serving import ServingFormat
-from asyncrl.weight_transfer.buckets import Shard, TransferError, pack_buckets
+from asyncrl.weight_transfer.buckets import Shard, TransferError, differing, pack_buckets
 from asyncrl.weight_transfer.channel import Channel
 from asyncrl.weight_transfer.shards import iter_shards
 
@@ -47,6 +47,11 @@ class BucketSender:
         self._base_version: int | None = None
         self._behind: set[str] = set()  # channels whose last send failed: they get the next one dense
         self._payload: torch.Tensor | None = None  # every bucket is packed here, sent, then overwritten
+        self._changes: dict[str, torch.Tensor] | None = None  # shard key -> differing positions, this send
+        # (elements whose serving bits changed since the base, elements) of the last send that compared
+        # them: delta senders compare once per version, for every channel and for the report
+        self.last_changed: tuple[int, int] | None = None
+        self._compared: tuple[int, int] | None = None  # (version, id of its shard list) compared last
 
     def send(
         self,
@@ -74,6 +79,8 @@ class BucketSender:
         """`send` of a snapshot taken before (`iter_shards`): a background thread sends it while
         the trainer's own collectives go on."""
         results: dict[str, SendStats | TransferError] = {}
+        if self._compared != (version, id(shards)):
+            self.compare(shards, version)
         for name, channel in channels.items():
             as_delta = (
                 self.delta and self._base is not None and name not in dense and name not in self._behind
@@ -86,7 +93,20 @@ class BucketSender:
                 self._behind.add(name)
         if self.delta:
             self._base, self._base_version = {s.key: s.values for s in shards}, version
+        self._compared = None
         return results
+
+    def compare(self, shards: list[Shard], version: int) -> None:
+        """With `delta`, find where `shards` differ from the values last sent, once for every
+        channel (`send_shards` does it when not done before; the send loop does it first, so that
+        no receiver waits through it with a transfer announced)."""
+        self._changes, self.last_changed, self._compared = None, None, (version, id(shards))
+        if self.delta and self._base is not None and self._base_version != version:
+            self._changes = {
+                s.key: differing(s.values, self._base[s.key]) for s in shards if s.key in self._base
+            }
+            total = sum(s.values.numel() for s in shards)
+            self.last_changed = (sum(len(c) for c in self._changes.values()), total)
 
     def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """The payload memory, grown to the largest bucket so far (at most `bucket_bytes`)."""
@@ -104,6 +124,7 @@ class BucketSender:
             base=base,
             base_version=base_version,
             buffer=self._buffer,
+            changes=self._changes if as_delta else None,
         ):
             for dst in channel.receivers:
                 channel.send_bucket(header, payload, dst)

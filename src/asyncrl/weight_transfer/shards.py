@@ -20,7 +20,7 @@ collective when FP8 is on: every rank must exhaust the iterator, entries in the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from asyncrl.model import Transformer
 from asyncrl.model.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
 from asyncrl.model.hf import is_hf_tensor, to_hf_tensors
 from asyncrl.model.serving import SCALE_SUFFIX, ServingFormat, to_serving
-from asyncrl.weight_transfer.buckets import Shard
+from asyncrl.weight_transfer.buckets import Shard, shard_key
 
 __all__ = ["iter_shards", "published_shapes"]
 
@@ -48,10 +48,14 @@ def published_shapes(model: Transformer, fmt: ServingFormat) -> dict[str, tuple[
     return shapes
 
 
-def iter_shards(model: Transformer, fmt: ServingFormat) -> Iterator[Shard]:
-    """This rank's shards of `model`'s published tensors in `fmt`, in new storage (a snapshot that
-    later in-place optimizer steps do not change)."""
+def iter_shards(model: Transformer, fmt: ServingFormat, *, into: Iterable[Shard] = ()) -> Iterator[Shard]:
+    """This rank's shards of `model`'s published tensors in `fmt`, in storage of their own (a
+    snapshot that later in-place optimizer steps do not change). `into`: an earlier snapshot of the
+    same model that nothing reads any more; its memory is written over where a shard matches (not
+    for FP8 weights), which spares the page faults of fresh memory, the larger part of a snapshot's
+    cost on a CPU."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    spare = {s.key: s.values for s in into}
     for name, value in model.state_dict().items():  # checkpoint wrappers drop their prefix here
         if not is_hf_tensor(name, model.args):
             continue
@@ -63,9 +67,16 @@ def iter_shards(model: Transformer, fmt: ServingFormat) -> Iterator[Shard]:
                 yield _shard(name + SCALE_SUFFIX, scale.shape, (0,) * scale.dim(), scale.shape, scale)
             local = q
         else:
-            local = local.detach().to(fmt.dtype, copy=True)
+            local = _copy(local.detach(), fmt.dtype, spare.get(shard_key(name, offset)))
         if sends and local.numel():  # an uneven split can leave a rank without rows
             yield _shard(name, shape, offset, local_shape, local)
+
+
+def _copy(local: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """`local` cast to `dtype` in new storage, or in `out` (flat) where it fits."""
+    if out is None or out.dtype != dtype or out.numel() != local.numel() or out.device != local.device:
+        return local.to(dtype, copy=True)
+    return out.view(local.shape).copy_(local)
 
 
 def _local(value: torch.Tensor, rank: int) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], bool]:

@@ -8,7 +8,7 @@ import torch
 
 from asyncrl.model.fp8 import AMAX_FLOOR, FP8_MAX, quantize_weight
 from asyncrl.weight_transfer import Assembly, BucketHeader, Rendezvous, Shard, TransferError, pack_buckets
-from asyncrl.weight_transfer.buckets import count_differing
+from asyncrl.weight_transfer.buckets import count_differing, differing
 from asyncrl.weight_transfer.shards import partial_amax, quantize_rows
 
 
@@ -169,3 +169,25 @@ def test_fp8_rows_quantised_apart_are_the_whole_weights_blocks():
 def test_a_channel_needs_senders_and_a_receiver():
     with pytest.raises(ValueError, match="num_senders=2, world_size=2"):
         Rendezvous(host="127.0.0.1", port=1, num_senders=2, world_size=2)
+
+
+def test_delta_pieces_across_buckets_from_precomputed_positions():
+    """Positions found once per shard (`differing`, as a sender does for every channel) give the
+    same buckets as the comparison inside `pack_buckets`, with shards split over small buckets:
+    each piece takes its own range of the shard's positions."""
+    old = _weights()
+    new = {n: t.clone() for n, t in old.items()}
+    new["a"].view(-1)[[0, 79, 80, 81, 159, 239]] += 1.0
+    new["b"].view(-1)[[1, 2, 200]] -= 1.0
+    shards = _all_shards(new)
+    base = {s.key: s.values for s in _all_shards(old)}
+    changes = {s.key: differing(s.values, base[s.key]) for s in shards}
+    assert sum(len(c) for c in changes.values()) == 9
+    inside = list(pack_buckets(shards, bucket_bytes=96, version=2, base=base, base_version=1))
+    given = list(pack_buckets(shards, bucket_bytes=96, version=2, base=base, base_version=1, changes=changes))
+    assert sum(len(h.pieces) for h, _ in inside) > len(shards)  # shards split into several pieces
+    assert [h for h, _ in given] == [h for h, _ in inside]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(given, inside))
+    assert any(p.num_changed for h, _ in given for p in h.pieces)
+    got = _assemble(given, {n: tuple(t.shape) for n, t in new.items()}, base=old)
+    assert all(_bits_equal(got[n], new[n]) for n in new)

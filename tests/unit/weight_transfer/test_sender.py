@@ -1,0 +1,83 @@
+"""The trainer's side in one process: snapshots into spare memory, and a delta sender that compares
+each version once, whatever the number of channels."""
+
+from __future__ import annotations
+
+import torch
+
+import asyncrl.weight_transfer.sender as sender_module
+from asyncrl.model import Transformer, preset_args
+from asyncrl.model.serving import serving_format
+from asyncrl.weight_transfer import BucketSender, iter_shards
+
+
+class _Channel:
+    """One receiving rank that takes every bucket."""
+
+    receivers = range(1, 2)
+
+    def __init__(self) -> None:
+        self.buckets = []
+
+    def send_bucket(self, header, payload, dst) -> None:
+        self.buckets.append((header, payload.clone()))
+
+    def recv_ack(self, src) -> bool:
+        return True
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(preset_args("tiny-moe"))
+
+
+def _nudge(model: Transformer, rows: int) -> None:
+    """Move the first `rows` rows of every 2-d weight far enough to change their bf16 values."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p[:rows] += 1.0
+
+
+def _bits(shard) -> bytes:
+    return shard.values.view(torch.int16).numpy().tobytes()
+
+
+def _differ(a, b) -> int:
+    return int((a.values.view(torch.int16) != b.values.view(torch.int16)).sum())
+
+
+def test_a_snapshot_into_spare_memory_is_the_fresh_snapshot_in_that_memory():
+    model = _model()
+    fmt = serving_format(model, torch.bfloat16)
+    spare = list(iter_shards(model, fmt))
+    _nudge(model, 1)
+    fresh = list(iter_shards(model, fmt))
+    reused = list(iter_shards(model, fmt, into=spare))
+    assert [s.key for s in reused] == [s.key for s in fresh]
+    assert all(_bits(a) == _bits(b) for a, b in zip(reused, fresh))
+    assert [s.values.data_ptr() for s in reused] == [s.values.data_ptr() for s in spare]
+    _nudge(model, 1)  # the optimizer's next step does not reach the snapshot
+    assert all(torch.equal(a.values, b.values) for a, b in zip(reused, fresh))
+
+
+def test_a_delta_sender_compares_once_for_all_channels_and_counts_what_changed(monkeypatch):
+    calls = []
+    real = sender_module.differing
+    monkeypatch.setattr(sender_module, "differing", lambda a, b: calls.append(1) or real(a, b))
+    model = _model()
+    fmt = serving_format(model, torch.bfloat16)
+    sender = BucketSender(bucket_bytes=1 << 20, delta=True)
+    first = list(iter_shards(model, fmt))
+    sender.send_shards(first, 0, {"a": _Channel(), "b": _Channel()})
+    assert not calls and sender.last_changed is None  # nothing to compare with yet
+    _nudge(model, 1)
+    second = list(iter_shards(model, fmt))
+    channels = {"a": _Channel(), "b": _Channel()}
+    stats = sender.send_shards(second, 1, channels)
+    assert len(calls) == len(second)  # one comparison per shard, not one per shard and channel
+    changed = sum(_differ(a, b) for a, b in zip(first, second))
+    assert sender.last_changed == (changed, sum(s.values.numel() for s in second))
+    assert 0 < changed < sender.last_changed[1]
+    assert stats["a"].num_changed == stats["b"].num_changed == changed
+    assert [h for h, _ in channels["a"].buckets] == [h for h, _ in channels["b"].buckets]
