@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -120,13 +121,21 @@ class Channel:
         if payload.numel():
             self._send(payload, dst)
 
-    def recv_bucket(self, src: int, deadline: float | None = None) -> tuple[BucketHeader, torch.Tensor]:
+    def recv_bucket(
+        self,
+        src: int,
+        deadline: float | None = None,
+        buffer: Callable[[int], torch.Tensor] | None = None,
+    ) -> tuple[BucketHeader, torch.Tensor]:
         """The next bucket from `src`; TransferError past the channel's timeout or `deadline`
-        (`time.monotonic()`), whichever comes first."""
+        (`time.monotonic()`), whichever comes first. `buffer(n)` gives the uint8 [n] host memory
+        the payload lands in (default: new memory; a receiver that is done with each payload before
+        the next reuses one, and spares the page faults of fresh memory)."""
         length = self._recv(torch.empty(1, dtype=torch.int64), src, deadline)
         data = self._recv(torch.empty(int(length[0]), dtype=torch.uint8), src, deadline)
         header = BucketHeader.decode(data.numpy().tobytes())
-        payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
+        n = header.payload_bytes
+        payload = torch.empty(n, dtype=torch.uint8) if buffer is None else buffer(n)
         if header.payload_bytes:
             payload = self._recv(payload, src, deadline)
         return header, payload

@@ -57,6 +57,7 @@ class BucketReceiver:
         self.version: int | None = None  # the version held, once one was received
         self._held: dict[str, torch.Tensor] = {}  # its tensors, the base of delta pieces
         self.last_bytes = 0  # payload bytes of the last transfer, per receiving rank
+        self._payload = torch.empty(0, dtype=torch.uint8)  # every bucket lands here; pieces are copied out
 
     @property
     def held(self) -> Mapping[str, torch.Tensor]:
@@ -72,7 +73,8 @@ class BucketReceiver:
         self.last_bytes = 0
         for src in self.channel.senders:
             while True:
-                header, payload = self.channel.recv_bucket(src, deadline)  # a broken stream raises here
+                # a broken stream raises here
+                header, payload = self.channel.recv_bucket(src, deadline, buffer=self._buffer)
                 self.last_bytes += header.payload_bytes
                 versions.add(header.version)
                 if header.last:
@@ -92,6 +94,11 @@ class BucketReceiver:
         assert state is not None
         self._held, self.version = state, versions.pop()
         return self.version, state
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self._payload.numel() < nbytes:
+            self._payload = torch.empty(nbytes, dtype=torch.uint8)
+        return self._payload[:nbytes]
 
     def _add(self, assembly: Assembly, header: BucketHeader, payload: torch.Tensor) -> TransferError | None:
         if header.base_version is not None and header.base_version != self.version:

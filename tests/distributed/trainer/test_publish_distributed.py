@@ -123,8 +123,8 @@ def _flaky(ports: dict, model_dir: Path, out: Path) -> None:
     """Takes v0 (on joining) and v1, then dies after the first bucket of v2."""
     real = Channel.recv_bucket
 
-    def recv_bucket(self, src, deadline=None):
-        header, payload = real(self, src, deadline)
+    def recv_bucket(self, src, deadline=None, buffer=None):
+        header, payload = real(self, src, deadline, buffer)
         if header.version == 2:
             (out / "flaky.died").write_text("")
             os._exit(0)

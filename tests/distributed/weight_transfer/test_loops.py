@@ -129,8 +129,8 @@ def test_a_transfer_that_breaks_leaves_that_server_behind_and_it_catches_up_on_a
     real = Channel.recv_bucket
     broken = []
 
-    def recv_bucket(self, src, deadline=None):
-        header, payload = real(self, src, deadline)
+    def recv_bucket(self, src, deadline=None, buffer=None):
+        header, payload = real(self, src, deadline, buffer)
         if self.rdv.name == "ch/b/1" and header.version == 1 and not broken:
             broken.append(header.version)
             raise TransferError("the stream broke (test)")
