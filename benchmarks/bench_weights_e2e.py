@@ -127,7 +127,9 @@ class _Server:
         self.proc.wait(timeout=60)
 
 
-def run_mode(mode: str, preset: str, versions: int, step_rel: float, tmp: Path) -> dict:
+def run_mode(
+    mode: str, preset: str, versions: int, step_rel: float, tmp: Path, bucket_bytes: int = 256 << 20
+) -> dict:
     base = tmp / f"base-{mode}"
     init_model(preset, base, seed=0)
     model = from_pretrained(base)
@@ -138,7 +140,9 @@ def run_mode(mode: str, preset: str, versions: int, step_rel: float, tmp: Path) 
     if mode == "files":
         publisher = FilesystemWeightPublisher(run, base, cfg, info)
     else:
-        weights = DistributedWeightsConfig(endpoint=f"127.0.0.1:{store_port}", delta=mode == "delta")
+        weights = DistributedWeightsConfig(
+            endpoint=f"127.0.0.1:{store_port}", delta=mode == "delta", bucket_bytes=bucket_bytes
+        )
         publisher = DistributedWeightPublisher(run, base, cfg, weights, info, model, 0)
     server = _Server(base, None if mode == "files" else store_port, tmp / f"server-{mode}.log")
     rows = []
@@ -199,6 +203,7 @@ def main() -> None:
     ap.add_argument("--model", default="moe-50m")
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--step-rel", type=float, default=1e-4)
+    ap.add_argument("--bucket-mb", type=int, default=256, help="[weights] bucket_bytes, in MiB")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--write", action="store_true")
     a = ap.parse_args()
@@ -206,7 +211,7 @@ def main() -> None:
         ap.error("--write needs the files mode: the table's ratios are to it")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_mode(m, a.model, a.versions, a.step_rel, Path(tmp)) for m in a.modes]
+        rows = [run_mode(m, a.model, a.versions, a.step_rel, Path(tmp), a.bucket_mb << 20) for m in a.modes]
     table = _table(a.model, rows)
     print(table)
     if a.write:
@@ -223,7 +228,7 @@ def main() -> None:
             f"Machine: {platform.machine()}, {os.cpu_count()} cores, shared (1-min load average "
             f"{load:.1f} at the end), torch {torch.__version__}.\n"
             f"Command: `python benchmarks/bench_weights_e2e.py --model {a.model} --versions {a.versions} "
-            "--write`\n\n" + table + "\n"
+            f"--bucket-mb {a.bucket_mb} --write`\n\n" + table + "\n"
         )
         write_section("## Weight transfer (embedded server)", body)
 

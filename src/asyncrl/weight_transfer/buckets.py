@@ -193,10 +193,13 @@ def pack_buckets(
         )
     pieces: list[Piece] = []
     parts: list[torch.Tensor] = []
-    used = 0
+    # payload bytes, and the bytes the bucket's pieces take dense: a bucket covers at most
+    # `bucket_bytes` of dense values even when its deltas are small, so that a delta stream comes
+    # in as many buckets as a dense one and the receiver places one while the next is packed
+    used = covered = 0
 
     def flush() -> tuple[BucketHeader, torch.Tensor]:
-        nonlocal pieces, parts, used
+        nonlocal pieces, parts, used, covered
         device = parts[0].device if parts else torch.device("cpu")
         payload = (
             torch.empty(used, dtype=torch.uint8, device=device) if buffer is None else buffer(used, device)
@@ -209,7 +212,7 @@ def pack_buckets(
         header = BucketHeader(
             version=version, base_version=base_version, pieces=tuple(pieces), payload_bytes=used
         )
-        pieces, parts, used = [], [], 0
+        pieces, parts, used, covered = [], [], 0, 0
         return header, payload
 
     for shard in shards:
@@ -220,10 +223,11 @@ def pack_buckets(
             changed = differing(shard.values, base[shard.key]) if known is None else known
         start = 0
         while start < shard.values.numel():
-            if _align(used) + itemsize > bucket_bytes:
+            if _align(covered) + itemsize > bucket_bytes:
                 yield flush()
-            used = _align(used)
-            count = min(shard.values.numel() - start, (bucket_bytes - used) // itemsize)
+            used, covered = _align(used), _align(covered)
+            count = min(shard.values.numel() - start, (bucket_bytes - covered) // itemsize)
+            covered += count * itemsize
             new = shard.values[start : start + count]
             encoded, num_changed = _encode(new, changed, start)
             blob = torch.cat([_as_bytes(t) for t in encoded]) if len(encoded) > 1 else _as_bytes(encoded[0])

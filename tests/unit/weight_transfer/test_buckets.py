@@ -186,6 +186,12 @@ def test_delta_pieces_across_buckets_from_precomputed_positions():
     inside = list(pack_buckets(shards, bucket_bytes=96, version=2, base=base, base_version=1))
     given = list(pack_buckets(shards, bucket_bytes=96, version=2, base=base, base_version=1, changes=changes))
     assert sum(len(h.pieces) for h, _ in inside) > len(shards)  # shards split into several pieces
+    # a bucket covers as many values as a dense one, so the receiver can place one as the next comes
+    dense = list(pack_buckets(shards, bucket_bytes=96, version=2))
+    assert len(inside) == len(dense) > 4
+    assert [[(p.name, p.start, p.count) for p in h.pieces] for h, _ in inside] == [
+        [(p.name, p.start, p.count) for p in h.pieces] for h, _ in dense
+    ]
     assert [h for h, _ in given] == [h for h, _ in inside]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(given, inside))
     assert any(p.num_changed for h, _ in given for p in h.pieces)
