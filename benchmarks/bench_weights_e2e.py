@@ -25,7 +25,7 @@ by every server; distributed: the payload sent, over all trainer ranks and serve
 the embedded server's own count (generation stopped for the swap, between two engine steps), or
 for vLLM the client's, from `/pause?mode=keep` to `/resume` answering (vLLM schedules no step in
 between; running requests keep their KV). Results go to BENCHMARKS.md under
-"## Weight transfer (end to end)" (embedded) or "## Weight transfer (end to end, vLLM)" with --write.
+"## Weight transfer (end to end, embedded servers)" or "... (end to end, vLLM)" with --write.
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ from report import write_section
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 MODES = ("files", "dense", "delta")
-TITLES = {"embedded": "## Weight transfer (end to end)", "vllm": "## Weight transfer (end to end, vLLM)"}
+TITLES = {
+    "embedded": "## Weight transfer (end to end, embedded servers)",
+    "vllm": "## Weight transfer (end to end, vLLM)",
+}
 _TIMEOUT_S = 900.0  # one version, a model's load or a server's start on a shared 2-core machine
 
 
@@ -205,11 +208,14 @@ class _Server:
                 argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ | env, start_new_session=True
             )
         self.http = httpx.Client(base_url=self.url, timeout=_TIMEOUT_S)
-        self._stop = threading.Event()
+        self._stop, self._warm = threading.Event(), threading.Event()
         self._wait_ready(log)
         self._load = [threading.Thread(target=self._generate, daemon=True) for _ in range(4)]
         for t in self._load:
             t.start()
+        # vLLM's first steps are slow (kernels set up on first use): measure from a warm server
+        if not self._warm.wait(_TIMEOUT_S):
+            raise TimeoutError(f"no request finished on the server; see {log}")
 
     def _wait_ready(self, log: Path) -> None:
         deadline = time.monotonic() + _TIMEOUT_S
@@ -230,7 +236,8 @@ class _Server:
             path, body = "/inference/v1/generate", to_vllm_generate(request)
         while not self._stop.is_set():
             try:
-                self.http.post(path, json=body)
+                self.http.post(path, json=body).raise_for_status()
+                self._warm.set()
             except httpx.HTTPError:
                 if self._stop.is_set():
                     return
@@ -240,7 +247,8 @@ class _Server:
         self._stop.set()
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=60)
+            # vLLM's HTTP server, its engine gone, waits for the requests still open on it
+            self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
@@ -398,20 +406,22 @@ def main() -> None:
     torch.set_num_threads(1)
     start, rows = time.monotonic(), []
     with tempfile.TemporaryDirectory() as tmp:
-        for model in a.model:
-            for world_size in a.world_size:
-                for mode in a.modes:
-                    case = {"model": model, "backend": a.backend, "servers": a.servers}
-                    rows.append(
-                        run_case(
-                            case | {"world_size": world_size, "mode": mode}, a.versions, a.step_rel, Path(tmp)
-                        )
-                    )
-                    print(_table(rows).splitlines()[-1], flush=True)
-    table = _table(rows)
-    print(table)
-    if a.write:
-        write_section(TITLES[a.backend], _section(a, table, (time.monotonic() - start) / 60))
+        for case in _cases(a):
+            rows.append(run_case(case, a.versions, a.step_rel, Path(tmp)))
+            print(_table(rows).splitlines()[-1], flush=True)
+            if a.write:  # after each case: a long matrix stopped midway keeps what it measured
+                write_section(TITLES[a.backend], _section(a, _table(rows), (time.monotonic() - start) / 60))
+    print(_table(rows))
+
+
+def _cases(a: argparse.Namespace) -> list[dict]:
+    common = {"backend": a.backend, "servers": a.servers}
+    return [
+        common | {"model": model, "world_size": world_size, "mode": mode}
+        for model in a.model
+        for world_size in a.world_size
+        for mode in a.modes
+    ]
 
 
 if __name__ == "__main__":
