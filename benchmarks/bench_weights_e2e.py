@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import queue
+import shlex
 import signal
 import socket
 import statistics
@@ -347,15 +348,9 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _command(a: argparse.Namespace) -> str:
-    parts = ["python benchmarks/bench_weights_e2e.py", "--model", *a.model]
-    if a.backend != "embedded":
-        parts += ["--backend", a.backend]
-    parts += ["--servers", str(a.servers), "--world-size", *map(str, a.world_size)]
-    parts += ["--versions", str(a.versions)]
-    if a.step_rel != 1e-4:
-        parts += ["--step-rel", f"{a.step_rel:g}"]
-    return " ".join([*parts, "--write"])
+def _command() -> str:
+    """The command line as it was typed (the table is only what those options measured)."""
+    return shlex.join(["python", "benchmarks/bench_weights_e2e.py", *sys.argv[1:]])
 
 
 def _section(a: argparse.Namespace, table: str, minutes: float) -> str:
@@ -384,7 +379,7 @@ def _section(a: argparse.Namespace, table: str, minutes: float) -> str:
         "payload sent over all trainer ranks and servers.\n"
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, shared (1-min load average "
         f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}; {minutes:.0f} min in all.\n"
-        f"Command: `{_command(a)}`\n\n" + table + "\n"
+        f"Command: `{_command()}`\n\n" + table + "\n"
     )
 
 
