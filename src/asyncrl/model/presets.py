@@ -63,6 +63,26 @@ PRESETS: dict[str, ModelArgs] = {
         rope_theta=100000.0,
         **_IDS,
     ),
+    # Qwen3-MoE-shaped, ~0.49B parameters (~0.09B active): 12 MoE layers of 16 experts, top-2, for
+    # end-to-end weight-transfer benchmarks on CPU (vLLM's CPU build serves it; glm5-350m's sparse
+    # attention it cannot).
+    "moe-500m": ModelArgs(
+        model_type="qwen3_moe",
+        vocab_size=_VOCAB,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=16,
+        num_experts_per_tok=2,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        **_IDS,
+    ),
     # DeepSeek-V3 / Kimi-K2 family: MLA (latent 64 + rope 16), 8 experts in 4 groups (2 kept), top-2,
     # one shared expert, the first layer dense.
     "tiny-dsv3": ModelArgs(

@@ -20,6 +20,7 @@ def test_tiny_moe_preset_size():
     assert a.num_experts == 8 and a.num_experts_per_tok == 2
     assert 40e6 <= PRESETS["moe-50m"].num_params() <= 60e6
     assert 0.3e9 <= PRESETS["glm5-350m"].num_params() <= 0.5e9  # GLM-5-shaped, for scale-out benchmarks
+    assert 0.45e9 <= PRESETS["moe-500m"].num_params() <= 0.55e9  # Qwen3-MoE-shaped, for weight transfer
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "tiny-dsv3", "tiny-glm5", "tiny-glm4moe"])
