@@ -6,13 +6,13 @@
 Both implementations get the same weights and inputs in one process, in fp32 and in bf16: the four
 (implementation, dtype) runs of a row alternate step by step after a warm-up, and each gets the
 median of its steps (--steps in fp32, --bf16-steps in bf16: by default as many on a CPU with native
-bf16 kernels, 1 elsewhere, where transformers' bf16 runs torch's reference loops). The main shape
-is the issue-17 one: a ~57M Qwen3-MoE (16 experts top-2, d512, 8 layers, ~13M active) on 4 x 512
-tokens. The table prints tokens/s, the ratio ours / transformers, bf16 / fp32 for each, and MFU
-against the matmul peak measured at the start of the run in each dtype (through
-`asyncrl.model.compute`, the path our matmuls take; torch's plain bf16 matmul peak is printed too,
-since it is what transformers gets), then where each step's time goes (torch.profiler, by op).
-Results replace the "## Model (ISA)" section of BENCHMARKS.md for this CPU's ISA
+bf16 kernels, 1 elsewhere, where transformers' bf16 runs torch's reference loops). The main shape is
+the issue-17 one: a ~57M Qwen3-MoE (16 experts top-2, d512, 8 layers, ~13M active) on 4 x 512
+tokens. The table prints tokens per second of process CPU time, the ratio ours / transformers, bf16
+/ fp32 for each, and MFU against the matmul peak measured before each row in each dtype (best kept)
+(through `asyncrl.model.compute`, the path our matmuls take; torch's plain bf16 matmul peak is
+printed too, since it is what transformers gets), then where each step's time goes (torch.profiler,
+by op). Results replace the "## Model (ISA)" section of BENCHMARKS.md for this CPU's ISA
 (`asyncrl.model.compute.cpu_kernels()`): one section per kind of CPU.
 """
 
@@ -35,26 +35,27 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from asyncrl.model import Transformer, preset_args, to_hf_state_dict
 from asyncrl.model.args import ModelArgs
-from asyncrl.model.compute import cpu_kernels
+from asyncrl.model.compute import cpu_kernels, linear
 from asyncrl.model.moe import MoE
-from asyncrl.trainer.metrics import flops_per_token, measure_matmul_peak
+from asyncrl.trainer.metrics import flops_per_token
 from report import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _time_interleaved(runs: list[tuple[Callable[[], None], int]]) -> list[float]:
-    """Median seconds per call of each (function, steps), the functions alternating call by call so
-    that machine noise hits them alike (one that has had its steps drops out)."""
+    """Median CPU seconds per call of each (function, steps), the functions alternating call by call
+    so that machine noise hits them alike (one that has had its steps drops out). CPU time, not wall
+    time: on one thread it is what a step costs, whatever else a shared machine runs meanwhile."""
     for fn, _ in runs:
         fn()  # warm-up
     times: list[list[float]] = [[] for _ in runs]
     for step in range(max(steps for _, steps in runs)):
         for (fn, steps), ts in zip(runs, times, strict=True):
             if step < steps:
-                start = time.perf_counter()
+                start = time.process_time()
                 fn()
-                ts.append(time.perf_counter() - start)
+                ts.append(time.process_time() - start)
     return [statistics.median(ts) for ts in times]
 
 
@@ -159,9 +160,8 @@ MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_grouped_mm")
 
 
 def profile_shares(name: str, batch: int, seq: int, dtype: torch.dtype) -> dict[str, dict[str, float]]:
-    """Share of a fwd+bwd's self CPU time by op family, and its total seconds, for asyncrl and for
-    transformers (the two alternate; the least time per op over 3 profiled steps, so that a busy
-    moment counts less)."""
+    """Share of a fwd+bwd's self CPU time by op family, for asyncrl and for transformers (the two
+    alternate; the least time per op over 3 profiled steps, so that a busy moment counts less)."""
     from torch.profiler import ProfilerActivity, profile
 
     ours, hf, ids = paired_models(SHAPES[name], hf_model_from_ours, batch, seq)
@@ -179,12 +179,7 @@ def profile_shares(name: str, batch: int, seq: int, dtype: torch.dtype) -> dict[
         total = sum(self_us.values())
         mm = sum(v for k, v in self_us.items() if k in MATMUL_OPS)
         attn = sum(v for k, v in self_us.items() if "scaled_dot_product" in k)
-        shares[who] = {
-            "matmul": mm / total,
-            "attention": attn / total,
-            "other": 1 - (mm + attn) / total,
-            "seconds": total / 1e6,
-        }
+        shares[who] = {"matmul": mm / total, "attention": attn / total, "other": 1 - (mm + attn) / total}
     return shares
 
 
@@ -201,13 +196,18 @@ def _row(
     }
 
 
-def _native_peak(dtype: torch.dtype, size: int = 1024) -> float:
-    """torch's plain `a @ b` FLOP/s in `dtype` (what transformers' matmuls get on this CPU)."""
+def _matmul_peak(dtype: torch.dtype, plain: bool = False, size: int = 1024, seconds: float = 0.5) -> float:
+    """FLOP/s of a size^3 matmul per CPU second: through `asyncrl.model.compute.linear` (the path our
+    matmuls take: fp32 on bf16 values where the CPU has no bf16 kernels), or torch's plain matmul
+    (`plain`: what transformers gets)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b
-    start = time.perf_counter()
-    a @ b
-    return 2.0 * size**3 / (time.perf_counter() - start)
+    matmul = (lambda: a @ b.T) if plain else (lambda: linear(a, b))
+    matmul()
+    iters, start = 0, time.process_time()
+    while iters < 2 or time.process_time() - start < seconds:
+        matmul()
+        iters += 1
+    return 2.0 * size**3 * iters / (time.process_time() - start)
 
 
 def main() -> None:
@@ -237,8 +237,8 @@ def main() -> None:
         (bench_model, ("tiny-moe", 8, 512, steps)),
         (bench_model, ("moe-57m-16e", 4, 512, steps)),
     ):
-        peaks = {d: max(p, measure_matmul_peak(torch.device("cpu"), d)) for d, p in peaks.items()}
-        native_bf16 = max(native_bf16, _native_peak(bf16))
+        peaks = {d: max(p, _matmul_peak(d)) for d, p in peaks.items()}
+        native_bf16 = max(native_bf16, _matmul_peak(bf16, plain=True, seconds=0.1))
         rows += bench(*args)
         print(*rows[-2:], sep="\n", flush=True)
     shares = {dtype: profile_shares("moe-57m-16e", 4, 512, dtype) for dtype in (fp32, bf16)}
@@ -295,8 +295,8 @@ def _summary(
     rows: list[dict], shares: dict, peaks: dict[torch.dtype, float], native_bf16: float
 ) -> list[str]:
     """bf16 / fp32 and the issue-30 goals on the moe-57m-16e model, and how far a perfect matmul
-    would take asyncrl's bf16 step: every matmul FLOP at the measured bf16 peak, the rest of its
-    profiled time unchanged, against transformers' profiled step."""
+    would take asyncrl's bf16 step: every matmul FLOP at the measured bf16 peak, the rest of the
+    timed step (its profiled share) unchanged."""
     f32, b16 = (
         next(r for r in rows if r["what"] == "whole model (moe-57m-16e)" and r["dtype"] == dtype)
         for dtype in (torch.float32, torch.bfloat16)
@@ -304,18 +304,17 @@ def _summary(
     vs_hf, vs_fp32, hf_bf16_fp32 = b16["ours"] / b16["hf"], b16["ours"] / f32["ours"], b16["hf"] / f32["hf"]
     args57 = SHAPES["moe-57m-16e"]
     matmul_flops = flops_per_token(args57, 256.5) - _attention_flops(args57, 256.5)
-    ours, hf = shares[torch.bfloat16]["asyncrl"], shares[torch.bfloat16]["transformers"]
-    ideal = ours["seconds"] * (1 - ours["matmul"]) + b16["tokens"] * matmul_flops / peaks[torch.bfloat16]
+    step, matmul_share = b16["tokens"] / b16["ours"], shares[torch.bfloat16]["asyncrl"]["matmul"]
+    ideal = step * (1 - matmul_share) + b16["tokens"] * matmul_flops / peaks[torch.bfloat16]
     return [
         "",
         f"bf16 / fp32 on the moe-57m-16e model: asyncrl {vs_fp32:.2f}x, transformers {hf_bf16_fp32:.2f}x. "
         f"Goals: asyncrl bf16 >= 1.3x transformers bf16 {_holds(vs_hf >= 1.3)} ({vs_hf:.2f}x); "
         f"asyncrl bf16 >= asyncrl fp32 {_holds(vs_fp32 >= 1.0)} ({vs_fp32:.2f}x).",
-        f"Profiled bf16 steps: asyncrl {ours['seconds']:.2f} s ({ours['seconds'] * ours['matmul']:.2f} s "
-        f"in matmuls), transformers {hf['seconds']:.2f} s. With every matmul FLOP of asyncrl's step at "
-        f"the bf16 peak below and the rest unchanged it would take {ideal:.2f} s: "
-        f"{hf['seconds'] / ideal:.2f}x transformers.",
-        f"Matmul peak (best of 3 measurements in this run, 1024^2, through asyncrl.model.compute): "
+        f"asyncrl's bf16 step takes {step:.2f} s, {step * matmul_share:.2f} s of it in matmuls (profiled "
+        f"share). With every matmul FLOP at the bf16 peak below and the rest unchanged it would take "
+        f"{ideal:.2f} s: {b16['tokens'] / b16['hf'] / ideal:.2f}x transformers.",
+        f"Matmul peak per CPU second (best of 3 in this run, 1024^2, through asyncrl.model.compute): "
         f"fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s; "
         f"torch's plain bf16 matmul: {native_bf16 / 1e9:.2f} GFLOP/s.",
     ]
@@ -334,7 +333,8 @@ def _header(a: argparse.Namespace, kernels) -> str:
     return (
         f"Forward+backward, same weights and inputs, one run: asyncrl and transformers in fp32 and in "
         f"bf16 alternate step by step (median of {a.steps} fp32 / {a.bf16_steps} bf16 steps after a "
-        f"warm-up).\n"
+        f"warm-up). Times and peaks are process CPU time, which other jobs on a shared machine move "
+        f"far less than wall time (they still share caches and memory bandwidth).\n"
         f"Machine: {_cpu_model()}, {torch.get_num_threads()} thread(s) (OMP_NUM_THREADS="
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}); {kernels.describe()}; CPU flags: {_cpu_flags()}; "
         f"torch {torch.__version__}; shared with other jobs.\n"
