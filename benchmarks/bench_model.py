@@ -1,50 +1,62 @@
 """Forward+backward throughput of asyncrl's MoE block and whole model against transformers' Qwen3-MoE.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_model.py \
-        [--steps 3] [--bf16-steps 1] [--no-write]
+        [--steps 3] [--bf16-steps N] [--no-write]
 
-Both implementations get the same weights and inputs in one process, in fp32 and in bf16 (timings
-interleaved, median of --steps after a warm-up). The main shape is the issue-17 one: a ~57M
-Qwen3-MoE (16 experts top-2, d512, 8 layers, ~13M active) on 4 x 512 tokens. The table prints
-tokens/s, the ratio ours / transformers, bf16 / fp32 for each, and MFU against the matmul peak
-measured at the start of the run in each dtype (through `asyncrl.model.compute`, the path our
-matmuls take; torch's plain bf16 matmul peak is printed too, since it is what transformers gets).
-Results replace the "## Model" section of BENCHMARKS.md.
+Both implementations get the same weights and inputs in one process, in fp32 and in bf16: the four
+(implementation, dtype) runs of a row alternate step by step after a warm-up, and each gets the
+median of its steps (--steps in fp32, --bf16-steps in bf16: by default as many on a CPU with native
+bf16 kernels, 1 elsewhere, where transformers' bf16 runs torch's reference loops). The main shape is
+the issue-17 one: a ~57M Qwen3-MoE (16 experts top-2, d512, 8 layers, ~13M active) on 4 x 512
+tokens. The table prints tokens per second of process CPU time, the ratio ours / transformers, bf16
+/ fp32 for each, and MFU against the matmul peak measured before each row in each dtype (best kept)
+(through `asyncrl.model.compute`, the path our matmuls take; torch's plain bf16 matmul peak is
+printed too, since it is what transformers gets), then where each step's time goes (torch.profiler,
+by op). Results replace the "## Model (ISA)" section of BENCHMARKS.md for this CPU's ISA
+(`asyncrl.model.compute.cpu_kernels()`): one section per kind of CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from asyncrl.model import Transformer, preset_args, to_hf_state_dict
 from asyncrl.model.args import ModelArgs
+from asyncrl.model.compute import cpu_kernels, linear
 from asyncrl.model.moe import MoE
-from asyncrl.trainer.metrics import flops_per_token, measure_matmul_peak
+from asyncrl.trainer.metrics import flops_per_token
 from report import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _time_pair(fn_a, fn_b, steps: int) -> tuple[float, float]:
-    """Median seconds per call of two functions, interleaved so that machine noise hits both alike."""
-    fn_a(), fn_b()  # warm-up
-    times_a, times_b = [], []
-    for _ in range(steps):
-        for fn, times in ((fn_a, times_a), (fn_b, times_b)):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times_a), statistics.median(times_b)
+def _time_interleaved(runs: list[tuple[Callable[[], None], int]]) -> list[float]:
+    """Median CPU seconds per call of each (function, steps), the functions alternating call by call
+    so that machine noise hits them alike (one that has had its steps drops out). CPU time, not wall
+    time: on one thread it is what a step costs, whatever else a shared machine runs meanwhile."""
+    for fn, _ in runs:
+        fn()  # warm-up
+    times: list[list[float]] = [[] for _ in runs]
+    for step in range(max(steps for _, steps in runs)):
+        for (fn, steps), ts in zip(runs, times, strict=True):
+            if step < steps:
+                start = time.process_time()
+                fn()
+                ts.append(time.process_time() - start)
+    return [statistics.median(ts) for ts in times]
 
 
 def _fwd_bwd(module, x, **kw):
@@ -83,7 +95,8 @@ SHAPES: dict[str, ModelArgs] = {
 }
 
 
-def bench_block(name: str, tokens: int, steps: int, dtype: torch.dtype) -> dict:
+def bench_block(name: str, tokens: int, steps: dict[torch.dtype, int]) -> list[dict]:
+    """MoE block rows, one per dtype in `steps` (dtype -> timed steps)."""
     args = SHAPES[name]
     ours = MoE(args)
     torch.nn.init.normal_(ours.gate.weight, std=0.5)
@@ -99,11 +112,23 @@ def bench_block(name: str, tokens: int, steps: int, dtype: torch.dtype) -> dict:
     x = torch.randn(1, tokens, args.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(x).out_BTD - hf(x)).abs().max() < 1e-4
-    ours.to(dtype), hf.to(dtype)
-    x = x.to(dtype)
-    t_ours, t_hf = _time_pair(_fwd_bwd(ours, x), _fwd_bwd(hf, x), steps)
     flops = 6 * 3 * args.hidden_size * args.moe_intermediate_size * args.num_experts_per_tok
-    return _row(f"MoE block ({name})", dtype, tokens, t_ours, t_hf, flops)
+    return _rows(f"MoE block ({name})", tokens, flops, ours, hf, x, steps)
+
+
+def _rows(
+    what: str, tokens: int, flops: float, ours: nn.Module, hf: nn.Module, x: torch.Tensor, steps: dict
+) -> list[dict]:
+    """Time fwd+bwd of copies of `ours` and `hf` in each dtype of `steps`, all interleaved."""
+    runs, dtypes = [], list(steps)
+    for dtype in dtypes:
+        x_d = x.to(dtype) if x.is_floating_point() else x
+        for module in (ours, hf):
+            runs.append((_fwd_bwd(copy.deepcopy(module).to(dtype), x_d), steps[dtype]))
+    times = _time_interleaved(runs)
+    return [
+        _row(what, dtype, tokens, times[2 * i], times[2 * i + 1], flops) for i, dtype in enumerate(dtypes)
+    ]
 
 
 def paired_models(
@@ -124,34 +149,35 @@ def paired_models(
     return ours, hf, ids
 
 
-def bench_model(name: str, batch: int, seq: int, steps: int, dtype: torch.dtype) -> dict:
+def bench_model(name: str, batch: int, seq: int, steps: dict[torch.dtype, int]) -> list[dict]:
+    """Whole-model rows, one per dtype in `steps` (dtype -> timed steps)."""
     ours, hf, ids = paired_models(SHAPES[name], hf_model_from_ours, batch, seq)
-    ours.to(dtype), hf.to(dtype)
-    t_ours, t_hf = _time_pair(_fwd_bwd(ours, ids), _fwd_bwd(hf, ids), steps)
     flops = flops_per_token(ours.args, mean_context=(seq + 1) / 2)
-    return _row(f"whole model ({name})", dtype, batch * seq, t_ours, t_hf, flops)
+    return _rows(f"whole model ({name})", batch * seq, flops, ours, hf, ids, steps)
 
 
-def profile_shares(name: str, batch: int, seq: int) -> dict[str, dict[str, float]]:
-    """Share of one fp32 fwd+bwd's self CPU time by op family, for asyncrl and for transformers."""
+MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_grouped_mm")
+
+
+def profile_shares(name: str, batch: int, seq: int, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """Share of a fwd+bwd's self CPU time by op family, for asyncrl and for transformers (the two
+    alternate; the least time per op over 3 profiled steps, so that a busy moment counts less)."""
     from torch.profiler import ProfilerActivity, profile
 
-    ours = Transformer(SHAPES[name])
-    ours.init_weights(seed=0)
-    with torch.no_grad():
-        for layer in ours.layers:
-            layer.mlp.gate.weight.normal_(std=0.5)
-    hf = hf_model_from_ours(ours)
-    ids = torch.randint(0, ours.args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-    shares = {}
-    for who, module in (("asyncrl", ours), ("transformers", hf)):
-        run = _fwd_bwd(module, ids)
-        run()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+    ours, hf, ids = paired_models(SHAPES[name], hf_model_from_ours, batch, seq)
+    runs = {"asyncrl": _fwd_bwd(ours.to(dtype), ids), "transformers": _fwd_bwd(hf.to(dtype), ids)}
+    best: dict[str, dict[str, float]] = {who: {} for who in runs}
+    for _ in range(3):
+        for who, run in runs.items():
             run()
-        self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                run()
+            for e in prof.key_averages():
+                best[who][e.key] = min(best[who].get(e.key, float("inf")), e.self_cpu_time_total)
+    shares = {}
+    for who, self_us in best.items():
         total = sum(self_us.values())
-        mm = sum(v for k, v in self_us.items() if k in ("aten::mm", "aten::bmm", "aten::addmm"))
+        mm = sum(v for k, v in self_us.items() if k in MATMUL_OPS)
         attn = sum(v for k, v in self_us.items() if "scaled_dot_product" in k)
         shares[who] = {"matmul": mm / total, "attention": attn / total, "other": 1 - (mm + attn) / total}
     return shares
@@ -170,39 +196,65 @@ def _row(
     }
 
 
-def _native_peak(dtype: torch.dtype, size: int = 1024) -> float:
-    """torch's plain `a @ b` FLOP/s in `dtype` (what transformers' matmuls get on this CPU)."""
+def _matmul_peak(dtype: torch.dtype, plain: bool = False, size: int = 1024, seconds: float = 0.5) -> float:
+    """FLOP/s of a size^3 matmul per CPU second: through `asyncrl.model.compute.linear` (the path our
+    matmuls take: fp32 on bf16 values where the CPU has no bf16 kernels), or torch's plain matmul
+    (`plain`: what transformers gets)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b
-    start = time.perf_counter()
-    a @ b
-    return 2.0 * size**3 / (time.perf_counter() - start)
+    matmul = (lambda: a @ b.T) if plain else (lambda: linear(a, b))
+    matmul()
+    iters, start = 0, time.process_time()
+    while iters < 2 or time.process_time() - start < seconds:
+        matmul()
+        iters += 1
+    return 2.0 * size**3 * iters / (time.process_time() - start)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3, help="timed fp32 steps (after a warm-up)")
     p.add_argument(
-        "--bf16-steps", type=int, default=1, help="timed bf16 steps (transformers' bf16 is slow here)"
+        "--bf16-steps",
+        type=int,
+        default=None,
+        help="timed bf16 steps (default: --steps on a CPU with native bf16, else 1: transformers' bf16 "
+        "runs reference loops there)",
     )
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args()
+    kernels = cpu_kernels()
+    if a.bf16_steps is None:
+        a.bf16_steps = a.steps if kernels.native_bf16 else 1
     torch.manual_seed(0)
     fp32, bf16 = torch.float32, torch.bfloat16
+    steps = {fp32: a.steps, bf16: a.bf16_steps}
     # The peak is re-measured before each row and the best kept: one short measurement on a shared
     # machine can land in a busy moment and inflate MFU.
     peaks, native_bf16 = {fp32: 0.0, bf16: 0.0}, 0.0
     rows = []
     for bench, args in (
-        (bench_block, ("moe-57m-16e", 4096, a.steps, fp32)),
-        (bench_model, ("tiny-moe", 8, 512, a.steps, fp32)),
-        (bench_model, ("moe-57m-16e", 4, 512, a.steps, fp32)),
-        (bench_model, ("moe-57m-16e", 4, 512, a.bf16_steps, bf16)),
+        (bench_block, ("moe-57m-16e", 4096, steps)),
+        (bench_model, ("tiny-moe", 8, 512, steps)),
+        (bench_model, ("moe-57m-16e", 4, 512, steps)),
     ):
-        peaks = {d: max(p, measure_matmul_peak(torch.device("cpu"), d)) for d, p in peaks.items()}
-        native_bf16 = max(native_bf16, _native_peak(bf16))
-        rows.append(bench(*args))
-        print(rows[-1], flush=True)
+        peaks = {d: max(p, _matmul_peak(d)) for d, p in peaks.items()}
+        native_bf16 = max(native_bf16, _matmul_peak(bf16, plain=True, seconds=0.1))
+        rows += bench(*args)
+        print(*rows[-2:], sep="\n", flush=True)
+    shares = {dtype: profile_shares("moe-57m-16e", 4, 512, dtype) for dtype in (fp32, bf16)}
+    table = "\n".join(
+        _results_table(rows, peaks)
+        + _profile_table(shares)
+        + _summary(rows, shares, peaks, native_bf16)
+        + ["", READING]
+    )
+    print(table)
+    if not a.no_write:
+        title = f"## Model ({kernels.isa})"
+        write_section(title, f"{title}\n\n{_header(a, kernels)}\n\n{table}\n")
+
+
+def _results_table(rows: list[dict], peaks: dict[torch.dtype, float]) -> list[str]:
     lines = [
         "| benchmark | dtype | tokens/step | asyncrl tok/s | transformers tok/s | ours / transformers "
         "| asyncrl MFU | transformers MFU |",
@@ -215,59 +267,113 @@ def main() -> None:
             f"| {r['what']} | {_name(r['dtype'])} | {r['tokens']} | {r['ours']:.0f} | {r['hf']:.0f} | "
             f"{r['ours'] / r['hf']:.2f}x | {mfu_ours:.1%} | {mfu_hf:.1%} |"
         )
-    shares = profile_shares("moe-57m-16e", 4, 512)
-    lines += [
-        "",
-        "Where a fp32 fwd+bwd of the moe-57m-16e model spends its time "
-        "(torch.profiler, self CPU time, one step):",
-        "",
-        "| | matmul (mm) | attention (SDPA fwd+bwd) | everything else |",
-        "|---|---|---|---|",
-        *(
-            f"| {who} | {v['matmul']:.0%} | {v['attention']:.0%} | {v['other']:.0%} |"
-            for who, v in shares.items()
-        ),
-    ]
+    return lines
+
+
+def _profile_table(shares: dict[torch.dtype, dict[str, dict[str, float]]]) -> list[str]:
     args57 = SHAPES["moe-57m-16e"]
-    attn_flops = 12 * args57.num_hidden_layers * args57.num_attention_heads * args57.head_dim * 256.5
-    lines += [
+    attn_flops = _attention_flops(args57, 256.5)
+    return [
+        "",
+        "Where a fwd+bwd of the moe-57m-16e model spends its time (torch.profiler, self CPU time, the "
+        "least per op over 3 profiled steps):",
+        "",
+        "| | dtype | matmul (mm, grouped_mm) | attention (SDPA fwd+bwd) | everything else |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {who} | {_name(dtype)} | {v['matmul']:.0%} | {v['attention']:.0%} | {v['other']:.0%} |"
+            for dtype, by_who in shares.items()
+            for who, v in by_who.items()
+        ),
         "",
         f"Causal attention is {attn_flops / flops_per_token(args57, 256.5):.0%} of this model's FLOPs at 512 "
         "tokens per row (asyncrl.trainer.metrics.flops_per_token).",
     ]
-    f32, b16 = rows[2], rows[3]
-    summary = (
-        f"bf16 / fp32 on the moe-57m-16e model: asyncrl {b16['ours'] / f32['ours']:.2f}x, "
-        f"transformers {b16['hf'] / f32['hf']:.2f}x.\n"
-        f"Matmul peak (best of 4 measurements in this run, 1024^2, through asyncrl.model.compute): "
-        f"fp32 {peaks[fp32] / 1e9:.1f} GFLOP/s, bf16 {peaks[bf16] / 1e9:.1f} GFLOP/s; "
-        f"torch's plain bf16 matmul: {native_bf16 / 1e9:.2f} GFLOP/s."
+
+
+def _summary(
+    rows: list[dict], shares: dict, peaks: dict[torch.dtype, float], native_bf16: float
+) -> list[str]:
+    """bf16 / fp32 and the issue-30 goals on the moe-57m-16e model, and how far a perfect matmul
+    would take asyncrl's bf16 step: every matmul FLOP at the measured bf16 peak, the rest of the
+    timed step (its profiled share) unchanged."""
+    f32, b16 = (
+        next(r for r in rows if r["what"] == "whole model (moe-57m-16e)" and r["dtype"] == dtype)
+        for dtype in (torch.float32, torch.bfloat16)
     )
-    table = "\n".join(lines) + "\n\n" + summary + "\n\n" + READING
-    print(table)
-    if a.no_write:
-        return
-    header = (
-        f"## Model\n\nForward+backward, same weights and inputs, one run (median of {a.steps} fp32 / "
-        f"{a.bf16_steps} bf16 interleaved steps after a warm-up).\n"
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} thread(s) (OMP_NUM_THREADS="
-        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}), CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}; shared with other jobs.\n"
+    vs_hf, vs_fp32, hf_bf16_fp32 = b16["ours"] / b16["hf"], b16["ours"] / f32["ours"], b16["hf"] / f32["hf"]
+    args57 = SHAPES["moe-57m-16e"]
+    matmul_flops = flops_per_token(args57, 256.5) - _attention_flops(args57, 256.5)
+    step, matmul_share = b16["tokens"] / b16["ours"], shares[torch.bfloat16]["asyncrl"]["matmul"]
+    ideal = step * (1 - matmul_share) + b16["tokens"] * matmul_flops / peaks[torch.bfloat16]
+    return [
+        "",
+        f"bf16 / fp32 on the moe-57m-16e model: asyncrl {vs_fp32:.2f}x, transformers {hf_bf16_fp32:.2f}x. "
+        f"Goals: asyncrl bf16 >= 1.3x transformers bf16 {_holds(vs_hf >= 1.3)} ({vs_hf:.2f}x); "
+        f"asyncrl bf16 >= asyncrl fp32 {_holds(vs_fp32 >= 1.0)} ({vs_fp32:.2f}x).",
+        f"asyncrl's bf16 step takes {step:.2f} s, {step * matmul_share:.2f} s of it in matmuls (profiled "
+        f"share). With every matmul FLOP at the bf16 peak below and the rest unchanged it would take "
+        f"{ideal:.2f} s: {b16['tokens'] / b16['hf'] / ideal:.2f}x transformers.",
+        f"Matmul peak per CPU second (best of 3 in this run, 1024^2, through asyncrl.model.compute): "
+        f"fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s; "
+        f"torch's plain bf16 matmul: {native_bf16 / 1e9:.2f} GFLOP/s.",
+    ]
+
+
+def _attention_flops(args: ModelArgs, mean_context: float) -> float:
+    """Causal attention's share of `flops_per_token` (its 12 * layers * heads * head_dim * context)."""
+    return 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim * mean_context
+
+
+def _holds(ok: bool) -> str:
+    return "holds" if ok else "does not hold"
+
+
+def _header(a: argparse.Namespace, kernels) -> str:
+    return (
+        f"Forward+backward, same weights and inputs, one run: asyncrl and transformers in fp32 and in "
+        f"bf16 alternate step by step (median of {a.steps} fp32 / {a.bf16_steps} bf16 steps after a "
+        f"warm-up). Times and peaks are process CPU time, which other jobs on a shared machine move "
+        f"far less than wall time (they still share caches and memory bandwidth).\n"
+        f"Machine: {_cpu_model()}, {torch.get_num_threads()} thread(s) (OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}); torch CPU capability {kernels.isa}, oneDNN bf16 "
+        f"kernels: {'yes' if kernels.native_bf16 else 'no'}; CPU flags: {_cpu_flags()}; "
+        f"torch {torch.__version__}; shared with other jobs.\n"
         f"Command: `OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_model.py --steps {a.steps} "
-        f"--bf16-steps {a.bf16_steps}`\n\n"
+        f"--bf16-steps {a.bf16_steps}`"
     )
-    write_section("## Model", header + table + "\n")
+
+
+def _cpuinfo(key: str) -> str:
+    """The first /proc/cpuinfo value of `key` ("" where there is none)."""
+    path = Path("/proc/cpuinfo")
+    lines = path.read_text().splitlines() if path.exists() else []
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.split(":")[0].strip() == key), "")
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.machine()
+
+
+def _cpu_flags() -> str:
+    """The matmul-relevant flags of /proc/cpuinfo, each marked present or absent."""
+    flags = set(_cpuinfo("flags").split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+    return " ".join(f"{f}{'' if f in flags else ' (no)'}" for f in wanted) if flags else "unknown"
 
 
 READING = """\
-Reading: both implementations spend most of a step in the same kernels, MKL's matmuls and
-torch's CPU flash attention (profile table), so in fp32 removing Python and copy overhead brings
-asyncrl to parity, not past it; going further needs faster kernels than those transformers uses
-too, above all attention, whose share of the time is about twice its share of the FLOPs. The bf16
-rows depend on the CPU: without AVX-512 BF16 / AMX, torch's bf16 matmul is a reference loop (its
-peak is printed above), which transformers runs into; asyncrl computes bf16 matmuls, attention and
-experts in fp32 on bf16 values there (docs/trainer.md, "bf16 on CPU"), so its bf16 runs at about
-its fp32 speed less the casts. On a CPU with native bf16 kernels both use torch's own."""
+Reading: both implementations spend most of a step in the same kernels, oneDNN/MKL matmuls and
+torch's CPU flash attention (profile table), so removing Python and copy overhead brings asyncrl
+to parity or a little past it, not further; going further needs faster kernels than those
+transformers uses too, above all attention, whose share of the time is about twice its share of
+the FLOPs in fp32, and more in bf16: with AVX-512 BF16 and no AMX, bf16 matmuls run ~2x faster
+than fp32 but torch's flash kernel no faster. The bf16 rows depend on the CPU: without AVX-512
+BF16 / AMX, torch's bf16 matmul is a reference loop (its peak is printed above), which
+transformers runs into; asyncrl computes bf16 matmuls, attention and experts in fp32 on bf16
+values there (docs/trainer.md, "bf16 on CPU"), so its bf16 runs at about its fp32 speed less the
+casts. On a CPU with native bf16 kernels both use torch's own, the MoE experts through torch's
+grouped GEMM."""
 
 
 def _name(dtype: torch.dtype) -> str:

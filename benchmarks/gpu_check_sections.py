@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.model import ModelArgs, Transformer
+from asyncrl.model.compute import cpu_upcast
 from asyncrl.model.fp8 import fp8_linear, quantize_activation, quantize_weight
 from asyncrl.model.moe import GroupedExperts, grouped_swiglu
 from asyncrl.trainer.logprobs import chunked_logprobs
@@ -280,8 +281,11 @@ def describe(name: str, args: ModelArgs) -> str:
 
 
 def _uses_grouped_mm(ctx: Ctx) -> bool:
-    """The condition under which asyncrl.model.moe.grouped_swiglu takes F.grouped_mm."""
-    return ctx.device.type == "cuda" and hasattr(F, "grouped_mm") and ctx.sizes.dtype == torch.bfloat16
+    """The condition under which asyncrl.model.moe.grouped_swiglu takes F.grouped_mm in training:
+    bf16 on CUDA, or on a CPU with native bf16 kernels."""
+    if not hasattr(F, "grouped_mm") or ctx.sizes.dtype != torch.bfloat16:
+        return False
+    return ctx.device.type == "cuda" or not cpu_upcast(torch.empty(0, dtype=torch.bfloat16))
 
 
 def _loop_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,12 @@ On a CPU with native bf16 (AVX-512 BF16, AMX) the choice is made per op from the
 capabilities, once (`cpu_kernels()`), because native is not always faster there:
 
 - linear: native.
-- the MoE experts' grouped GEMM: native on AMX, and for experts of at least `MIN_NATIVE_EXPERT`
-  weights per matrix elsewhere. Below that (tiny experts, a few rows each), oneDNN's per-call bf16
-  overhead exceeds the matmul, and the fp32 path on the kept fp32 weights is ~2x faster.
+- the MoE experts' grouped GEMM: native on AMX, under autograd (training), and for experts of at
+  least `MIN_NATIVE_EXPERT` weights per matrix elsewhere. Below that size without autograd (the
+  engine's steps: tiny experts, a few rows each), oneDNN's per-call bf16 overhead exceeds the matmul,
+  and the fp32 path on the kept fp32 weights is ~2x faster. Training runs torch's grouped GEMM in
+  bf16 instead (asyncrl.model.moe): it pays that overhead once per layer rather than once per
+  expert, and its forward+backward of 128 x 128 experts is ~1.7x faster than the fp32 path.
 - attention: native (torch's flash kernel reads the engine's strided K/V views as they are; an fp32
   path would copy them).
 
@@ -83,11 +86,12 @@ class CpuKernels:
     native_bf16: bool  # oneDNN has bf16 kernels (AVX-512 BF16 or AMX)
     amx: bool
 
-    def native_experts(self, weight_numel: int) -> bool:
-        return self.native_bf16 and (self.amx or weight_numel >= MIN_NATIVE_EXPERT)
+    def native_experts(self, weight_numel: int, *, autograd: bool = False) -> bool:
+        """Whether bf16 MoE experts of `weight_numel` weights per matrix run native kernels."""
+        return self.native_bf16 and (self.amx or autograd or weight_numel >= MIN_NATIVE_EXPERT)
 
     def describe(self) -> str:
-        """One line: the ISA and where bf16 ops go native or through fp32."""
+        """One line: the ISA and where the engine's bf16 ops go native or through fp32."""
         if not self.native_bf16:
             return f"CPU {self.isa}: no native bf16, bf16 matmuls and attention computed in fp32"
         experts = "native" if self.amx else f"native from {MIN_NATIVE_EXPERT} weights per expert, else fp32"
@@ -118,7 +122,8 @@ def set_cpu_upcast(value: bool | None) -> None:
 
 def cpu_upcast(x: torch.Tensor, expert_numel: int | None = None) -> bool:
     """Whether ops on `x` take the fp32 path: a bf16/fp16 CPU tensor without native kernels, or
-    (given `expert_numel`, the size of one expert matrix) MoE experts too small for them."""
+    (given `expert_numel`, the size of one expert matrix) MoE experts too small for them outside
+    autograd."""
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if _FORCED is not None:
@@ -128,7 +133,7 @@ def cpu_upcast(x: torch.Tensor, expert_numel: int | None = None) -> bool:
     return (
         expert_numel is not None
         and x.dtype == torch.bfloat16
-        and not cpu_kernels().native_experts(expert_numel)
+        and not cpu_kernels().native_experts(expert_numel, autograd=torch.is_grad_enabled())
     )
 
 

@@ -136,7 +136,7 @@ def grouped_swiglu(
         gate = F.grouped_mm(x_sorted, gate_EID.transpose(1, 2), offs=offs)
         up = F.grouped_mm(x_sorted, up_EID.transpose(1, 2), offs=offs)
         return F.grouped_mm(F.silu(gate) * up, down_EDI.transpose(1, 2), offs=offs)
-    # Otherwise (CPU training, hooked): one matmul per expert over its contiguous slice. The
+    # Otherwise (CPU training outside native bf16, hooked): one matmul per expert over its slice. The
     # weights are split with unbind, not indexed per expert: the backward of `w[e]` zero-fills a
     # whole [E, ...] gradient for every expert and adds them up (E times the weight's size per
     # step; over half of a CPU fwd+bwd), whereas unbind's backward stacks the E slices once.
@@ -198,15 +198,19 @@ def _mm_t(x_NK: torch.Tensor, w_OK: torch.Tensor) -> torch.Tensor:
 
 
 def _use_grouped_mm(x_ND: torch.Tensor, gate_EID: torch.Tensor, down_EDI: torch.Tensor) -> bool:
-    """torch's grouped GEMM: on CUDA in bf16, and on CPU without autograd (the inference engine).
+    """torch's grouped GEMM: on CUDA in bf16; on CPU without autograd (the inference engine), and
+    in bf16 training on a CPU with native bf16 kernels.
 
     On CPU it gives the per-expert loop's results bit for bit (checked in tests) with 3 calls per
-    layer instead of 3 per expert, which matters when decoding a few tokens per expert; its CPU
-    backward is slower than the loop's, so training keeps the loop. It needs 16-byte-aligned rows.
+    layer instead of 3 per expert, which matters when decoding a few tokens per expert. Under
+    autograd in fp32 its forward+backward is no faster than the loop's, so fp32 training keeps the
+    loop; in native bf16 (AVX-512 BF16) oneDNN's cost per call makes the loop ~1.7x slower on
+    128 x 128 experts, and no faster from 256 x 512 on. It needs 16-byte-aligned rows.
     """
     if not hasattr(F, "grouped_mm"):
         return False
     if x_ND.is_cuda:
         return x_ND.dtype == torch.bfloat16
     row_bytes = (gate_EID.shape[1] * x_ND.element_size(), down_EDI.shape[1] * x_ND.element_size())
-    return not torch.is_grad_enabled() and all(b % 16 == 0 for b in row_bytes)
+    native_bf16 = x_ND.device.type == "cpu" and x_ND.dtype == torch.bfloat16 and not cpu_upcast(x_ND)
+    return (native_bf16 or not torch.is_grad_enabled()) and all(b % 16 == 0 for b in row_bytes)

@@ -138,8 +138,9 @@ def test_without_pydantic_engine_sections_fail_and_the_others_run(tmp_path):
 
 
 def test_grouped_vs_loop_check_runs_on_cpu(monkeypatch):
-    """On CPU both sides take the per-expert loop, so the check's plumbing (shapes, an empty expert,
-    the gradient comparison) runs here and must find no difference; on a GPU one side is grouped_mm."""
+    """The check's plumbing (shapes, an empty expert, the gradient comparison) runs here. On a CPU
+    with native bf16 one side is torch's grouped GEMM in bf16, which gives the per-expert loop's
+    bf16 results exactly (measured on AVX-512 BF16); without, the default side computes in fp32."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from gpu_check import TINY
     from gpu_check_sections import Ctx, _grouped_vs_loop

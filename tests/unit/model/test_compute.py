@@ -144,18 +144,22 @@ def avx512_bf16(monkeypatch):
     monkeypatch.setattr(compute, "cpu_kernels", lambda: kernels)
 
 
-def test_avx512_bf16_cpu_upcasts_only_small_experts(avx512_bf16):
+def test_avx512_bf16_cpu_upcasts_only_small_experts_outside_autograd(avx512_bf16):
     x = torch.zeros(2, dtype=torch.bfloat16)
-    assert cpu_upcast(x, expert_numel=128 * 128)
-    assert not cpu_upcast(x, expert_numel=448 * 512)
-    assert not cpu_upcast(x.float(), expert_numel=128 * 128)
+    with torch.inference_mode():  # the engine's steps
+        assert cpu_upcast(x, expert_numel=128 * 128)
+        assert not cpu_upcast(x, expert_numel=448 * 512)
+        assert not cpu_upcast(x.float(), expert_numel=128 * 128)
+    assert not cpu_upcast(x, expert_numel=128 * 128)  # training: torch's grouped GEMM in bf16
     assert not cpu_upcast(x)  # linear and attention native
 
 
 def test_cpu_kernels_decisions_and_startup_line():
     avx2 = compute.CpuKernels(isa="AVX2", native_bf16=False, amx=False)
     amx = compute.CpuKernels(isa="AVX512 AVX512_BF16 AMX", native_bf16=True, amx=True)
-    assert "no native bf16" in avx2.describe() and not avx2.native_experts(10**6)
+    avx512 = compute.CpuKernels(isa="AVX512 AVX512_BF16", native_bf16=True, amx=False)
+    assert "no native bf16" in avx2.describe() and not avx2.native_experts(10**6, autograd=True)
     assert amx.native_experts(16)
+    assert avx512.native_experts(16, autograd=True) and not avx512.native_experts(16)
     assert "AMX" in amx.describe() and amx.describe().endswith("MoE experts native")
     assert "CPU AVX" in compute.cpu_kernels().describe()  # this machine's line

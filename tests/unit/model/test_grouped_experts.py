@@ -1,9 +1,12 @@
-"""The grouped experts' paths (grouped GEMM without autograd, per-expert loop with it) agree."""
+"""The grouped experts' paths (grouped GEMM without autograd and in native bf16 training, per-expert
+loop otherwise) agree."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from asyncrl.model.compute import set_cpu_upcast
 from asyncrl.model.moe import _use_grouped_mm, grouped_swiglu
 
 
@@ -39,3 +42,36 @@ def test_unaligned_rows_fall_back_to_the_loop():
         assert not _use_grouped_mm(x, g, d)
         out = grouped_swiglu(x, counts, g, u, d)
     assert out.shape == (9, 6)
+
+
+@pytest.fixture
+def native_bf16():
+    """bf16 ops take torch's native kernels, as on a CPU with AVX-512 BF16 or AMX."""
+    set_cpu_upcast(False)
+    yield
+    set_cpu_upcast(None)
+
+
+def _fwd_bwd(x, counts, weights, dtype, linear=None):
+    x = x.to(dtype).requires_grad_()
+    params = [w.to(dtype).requires_grad_() for w in weights]
+    y = grouped_swiglu(x, counts, *params, linear=linear)
+    y.float().square().sum().backward()
+    return [t.float() for t in (y, x.grad, *(p.grad for p in params))]
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="torch lacks F.grouped_mm")
+def test_native_bf16_training_takes_the_grouped_gemm_close_to_fp32(native_bf16):
+    x, counts, weights = _inputs(N=45, D=64, hidden=32, E=5)
+    weights = [w * 0.1 for w in weights]
+    bf16_x = x.bfloat16().requires_grad_()
+    assert _use_grouped_mm(bf16_x, weights[0].bfloat16(), weights[2].bfloat16())
+    assert not _use_grouped_mm(x.requires_grad_(), weights[0], weights[2])  # fp32 training: the loop
+    grouped = _fwd_bwd(x.detach(), counts, weights, torch.bfloat16)
+    loop = _fwd_bwd(x.detach(), counts, weights, torch.bfloat16, linear=lambda a, w: a @ w.T)
+    ref = _fwd_bwd(x.detach(), counts, weights, torch.float32)
+    for name, g, lp, r in zip(("out", "x", "gate", "up", "down"), grouped, loop, ref, strict=True):
+        scale = r.abs().max()
+        assert (g - r).abs().max() / scale < 2e-2, name  # bf16 rounding of inputs and outputs only
+        assert (g - lp).abs().max() / scale < 1e-2, name
+    assert torch.equal(grouped[4][-1], torch.zeros_like(grouped[4][-1]))  # the expert with no tokens

@@ -1,4 +1,5 @@
-"""Trainer config parsing (files, dotted overrides, resume flags) and the learning-rate schedule."""
+"""Trainer config parsing (files, dotted overrides, resume flags), the optimizer and the learning-rate
+schedule."""
 
 from __future__ import annotations
 
@@ -6,16 +7,18 @@ import itertools
 import math
 
 import pytest
+import torch
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.trainer import (
+    OptimConfig,
     RLTrainerConfig,
     ScheduleConfig,
     SequenceLossConfig,
     TISLossConfig,
     TrustRegionLossConfig,
 )
-from asyncrl.trainer.optim import lr_factor
+from asyncrl.trainer.optim import build_optimizer, lr_factor
 
 
 def test_cli_overrides_and_resume_flags(tmp_path):
@@ -85,3 +88,27 @@ def test_warmup_then_cosine_schedule():
 def test_constant_schedule_after_warmup():
     cfg = ScheduleConfig(kind="constant", warmup_steps=2)
     assert [lr_factor(i, cfg, 10) for i in range(5)] == [0.5, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_the_optimizer_is_torchs_fused_adamw_and_steps_as_the_per_op_one():
+    gen = torch.Generator().manual_seed(0)
+    model, ref = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    ref.load_state_dict(model.state_dict())
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    opt = build_optimizer(model, cfg)
+    hyper = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
+    per_op = torch.optim.AdamW(ref.parameters(), **hyper, foreach=False)
+    assert opt.defaults["fused"]
+    for _ in range(3):
+        x = torch.randn(4, 16, generator=gen)
+        for m, o in ((model, opt), (ref, per_op)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    before = model.bfloat16().weight.detach().clone()  # bf16 parameters, as a bf16 CPU run trains them
+    opt = build_optimizer(model, cfg)
+    model(torch.randn(4, 16, generator=gen).bfloat16()).float().square().sum().backward()
+    opt.step()
+    assert model.weight.dtype == torch.bfloat16 and (model.weight - before).abs().max() > 5e-3
