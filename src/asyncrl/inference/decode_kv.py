@@ -45,17 +45,16 @@ class RowFill:
 class DecodePlan:
     """One step's use of the dense buffers, built once and read by every layer.
 
-    Decode sequence i (in the step's order) sits in row `rows_S[i]`; `order_R[r]` is the decode
-    sequence in row r. Its new key and value, head g, go to flat position `write_SG[i * G + g]`
-    of the layer's [R * G * C, Dh] view. Attention reads positions [0, width) of rows [0, R),
-    `mask_R11W` (None: nothing to mask) keeping each row's context.
+    Row r holds the step's decode sequence `order_R[r]` (an index into the step's decode
+    sequences, R = S of them); its new key and value, head g, go to flat position
+    `write_RG[r * G + g]` of the layer's [R * G * C, Dh] view. Attention reads positions
+    [0, width) of rows [0, R), `mask_R11W` (None: nothing to mask) keeping each row's context.
     """
 
     k_LRGCd: torch.Tensor
     v_LRGCd: torch.Tensor
-    rows_S: torch.Tensor  # long [S]
     order_R: torch.Tensor  # long [R]
-    write_SG: torch.Tensor  # long [S * G]
+    write_RG: torch.Tensor  # long [R * G]
     width: int
     mask_R11W: torch.Tensor | None  # bool [R, 1, 1, W]
     fills: tuple[RowFill, ...]
@@ -97,11 +96,11 @@ class DecodeKV:
         token) in step order; None when they do not fit the budget (gather this step)."""
         bs = self.block_size
         width = -(-max(n for _, n in decodes) // bs) * bs
+        self._release_others(decodes)
         if not self._reserve(len(decodes), width):
             self.release_all()
             self.num_fallbacks += 1
             return None
-        self._release_others(decodes)
         row_of = {id(req): r for r, (req, _) in enumerate(self.owners)}
         fills = []
         rows = []
@@ -127,17 +126,17 @@ class DecodeKV:
         length_R = [0] * len(rows)
         for i, r in enumerate(rows):
             order[r], length_R[r] = i, lengths[i]
-        writes = [(r * G + g) * cap + n - 1 for r, n in zip(rows, lengths) for g in range(G)]
+        length_R1 = torch.tensor(length_R, device=device)[:, None]
+        head_RG = torch.arange(len(rows) * G, device=device).view(-1, G)
+        first_RG = head_RG * cap  # where each (row, kv head) starts in the flat view
         mask_R11W = None
         if min(length_R) < width:
-            length_R1 = torch.tensor(length_R, device=device)[:, None]
             mask_R11W = (torch.arange(width, device=device)[None, :] < length_R1)[:, None, None, :]
         return DecodePlan(
             k_LRGCd=self.k_LRGCd,
             v_LRGCd=self.v_LRGCd,
-            rows_S=torch.tensor(rows, dtype=torch.long, device=device),
             order_R=torch.tensor(order, dtype=torch.long, device=device),
-            write_SG=torch.tensor(writes, dtype=torch.long, device=device),
+            write_RG=(first_RG + length_R1 - 1).flatten(),
             width=width,
             mask_R11W=mask_R11W,
             fills=tuple(fills),

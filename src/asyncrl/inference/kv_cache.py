@@ -157,8 +157,13 @@ class PagedAttention:
         self.dsa_selection: dict[tuple[int, int | str], torch.Tensor] = {}
         self.prefills = [(i, s) for i, s in enumerate(seqs) if s.q_len > 1]
         decodes = [s for s in seqs if s.q_len == 1]
+        # The decode queries' positions in the step's row, in the order decode attention takes them
+        # (the dense rows' order with a plan, the step's without).
         self.decode_rows_S: torch.Tensor | None = None
-        if decodes:
+        if decodes and decode_plan is not None:
+            q_start_S = torch.tensor([s.q_start for s in decodes], device=slots_N.device)
+            self.decode_rows_S = q_start_S[decode_plan.order_R]
+        elif decodes:
             device = slots_N.device
             self.decode_rows_S = torch.tensor([s.q_start for s in decodes], device=device)
             bs = cache.block_size
@@ -191,12 +196,12 @@ class PagedAttention:
             # One query per sequence: fold each kv group's query heads into the query axis
             # ([S, G, H/G, Dh]), which avoids expanding k/v to H heads.
             S, H = len(self.decode_rows_S), q_BHTd.shape[1]
-            flat = self.decode_blocks_SB.flatten()
             q_SGrd = q_BHTd[0][:, self.decode_rows_S].transpose(0, 1).reshape(S, G, H // G, Dh)
             if self.decode_plan is not None:
                 new_kv = (k_NF.index_select(0, self.decode_rows_S), v_NF.index_select(0, self.decode_rows_S))
                 o_SGrd = self._decode_dense(q_SGrd, new_kv, (k_NbF, v_NbF), layer_idx)
             else:
+                flat = self.decode_blocks_SB.flatten()
                 k_SGCd = k_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
                 v_SGCd = v_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
                 o_SGrd = sdpa(q_SGrd, k_SGCd, v_SGCd, attn_mask=self.decode_mask_S11C)
@@ -212,27 +217,27 @@ class PagedAttention:
 
     def _decode_dense(
         self,
-        q_SGrd: torch.Tensor,
+        q_RGrd: torch.Tensor,
         new_kv: tuple[torch.Tensor, torch.Tensor],
         paged_kv: tuple[torch.Tensor, torch.Tensor],
         layer_idx: int,
     ) -> torch.Tensor:
-        """[S, G, H/G, Dh]: the decode queries over their rows of the dense buffers, after filling
-        the rows new this step from the paged blocks and writing the new keys and values in place."""
+        """[R, G, H/G, Dh]: the decode queries (in row order) over their rows of the dense buffers,
+        after filling the rows new this step from the paged blocks and writing the new keys and
+        values in place."""
         plan, bs = self.decode_plan, self.cache.block_size
-        G, Dh = q_SGrd.shape[1], q_SGrd.shape[3]
-        for buf_LRGCd, new_SF, paged_NbF in zip((plan.k_LRGCd, plan.v_LRGCd), new_kv, paged_kv):
+        G, Dh = q_RGrd.shape[1], q_RGrd.shape[3]
+        for buf_LRGCd, new_RF, paged_NbF in zip((plan.k_LRGCd, plan.v_LRGCd), new_kv, paged_kv):
             buf_RGCd = buf_LRGCd[layer_idx]
             for fill in plan.fills:
                 n = fill.block_ids.numel() * bs
                 ctx_nGd = paged_NbF.index_select(0, fill.block_ids).view(n, G, Dh)
                 buf_RGCd[fill.row, :, :n].copy_(ctx_nGd.transpose(0, 1))
-            buf_RGCd.view(-1, Dh).index_copy_(0, plan.write_SG, new_SF.view(-1, Dh))
-        R, W = len(plan.rows_S), plan.width
+            buf_RGCd.view(-1, Dh).index_copy_(0, plan.write_RG, new_RF.view(-1, Dh))
+        R, W = len(plan.order_R), plan.width
         k_RGWd = plan.k_LRGCd[layer_idx, :R, :, :W]
         v_RGWd = plan.v_LRGCd[layer_idx, :R, :, :W]
-        o_RGrd = sdpa(q_SGrd.index_select(0, plan.order_R), k_RGWd, v_RGWd, attn_mask=plan.mask_R11W)
-        return o_RGrd.index_select(0, plan.rows_S)
+        return sdpa(q_RGrd, k_RGWd, v_RGWd, attn_mask=plan.mask_R11W)
 
     def attend_latent(
         self,
