@@ -35,7 +35,8 @@ __all__ = ["DecodeKV", "DecodePlan", "RowFill"]
 
 @dataclass(frozen=True, kw_only=True)
 class RowFill:
-    """Row `row` is new this step: copy its sequence's first `num_blocks` paged blocks into it."""
+    """Row `row` is new this step: copy its sequence's first `num_blocks` paged blocks into it and
+    zero the rest of the row (masked positions still meet a zero weight, and 0 * NaN is NaN)."""
 
     row: int
     block_ids: torch.Tensor  # long [num_blocks]
@@ -170,12 +171,14 @@ class DecodeKV:
             return False
         k, v = self._empty(new_rows, new_cap), self._empty(new_rows, new_cap)
         used = self.num_rows
-        k[:, :used, :, :cap].copy_(self.k_LRGCd[:, :used])
-        v[:, :used, :, :cap].copy_(self.v_LRGCd[:, :used])
+        for new, old in ((k, self.k_LRGCd), (v, self.v_LRGCd)):
+            new[:, :used, :, :cap].copy_(old[:, :used])
+            new[:, :used, :, cap:].zero_()
         self.k_LRGCd, self.v_LRGCd = k, v
         return True
 
     def _empty(self, rows: int, cap: int) -> torch.Tensor:
-        # Zeros, not empty: masked positions are still multiplied by a zero weight, and 0 * NaN is NaN.
+        # Uninitialised: a row is zeroed past its context when filled (RowFill), and rows in use are
+        # zeroed past the old capacity when the buffers grow, so rows in use hold finite values only.
         L, G, Dh = self._shape
-        return torch.zeros(L, rows, G, cap, Dh, dtype=self._dtype, device=self._device)
+        return torch.empty(L, rows, G, cap, Dh, dtype=self._dtype, device=self._device)

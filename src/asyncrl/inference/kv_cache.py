@@ -233,6 +233,7 @@ class PagedAttention:
                 n = fill.block_ids.numel() * bs
                 ctx_nGd = paged_NbF.index_select(0, fill.block_ids).view(n, G, Dh)
                 buf_RGCd[fill.row, :, :n].copy_(ctx_nGd.transpose(0, 1))
+                buf_RGCd[fill.row, :, n:].zero_()
             buf_RGCd.view(-1, Dh).index_copy_(0, plan.write_RG, new_RF.view(-1, Dh))
         R, W = len(plan.order_R), plan.width
         k_RGWd = plan.k_LRGCd[layer_idx, :R, :, :W]

@@ -9,6 +9,7 @@ from inference_helpers import drain, random_prompts
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions
+from asyncrl.inference.decode_kv import DecodeKV
 from asyncrl.inference.kv_cache import AttentionPaths
 from weight_update_reference import perturb_all_weights
 
@@ -108,3 +109,16 @@ def test_keep_mode_weight_swap_keeps_rows(tiny_moe):
     for rid in want:
         assert got[rid].tokens == want[rid].tokens
         assert torch.equal(torch.tensor(got[rid].logprobs), torch.tensor(want[rid].logprobs))
+
+
+def test_uninitialised_memory_never_reaches_attention(tiny_moe, monkeypatch):
+    # Buffers born full of NaN: a masked position still meets a zero weight, and 0 * NaN is NaN, so
+    # any position read before it is written would poison the logprobs. Growth and refills included.
+    def nan_buffers(self, rows: int, cap: int) -> torch.Tensor:
+        L, G, Dh = self._shape
+        return torch.full((L, rows, G, cap, Dh), float("nan"), dtype=self._dtype)
+
+    monkeypatch.setattr(DecodeKV, "_empty", nan_buffers)
+    prompts = random_prompts([5, 30, 13, 3, 21, 8], seed=7)
+    dense = _same_as_gather(tiny_moe, prompts, max_num_seqs=3)
+    assert dense.decode_kv.num_fills == len(prompts) and dense.decode_kv.capacity >= 50
