@@ -163,12 +163,15 @@ class DecodeKV:
         rows, cap = self.k_LRGCd.shape[1], self.capacity
         if num_rows <= rows and width <= cap:
             return True
+        need_rows, need_cap = max(rows, num_rows), max(cap, width)
+        if need_rows * need_cap > self.budget_tokens:
+            return False
         new_rows = rows if num_rows <= rows else min(max(2 * rows, num_rows), self.max_rows)
         new_cap = cap if width <= cap else max(2 * cap, width)
         if new_rows * new_cap > self.budget_tokens:
-            new_rows, new_cap = max(rows, num_rows), max(cap, width)  # no headroom: exactly what is needed
-        if new_rows * new_cap > self.budget_tokens:
-            return False
+            # Less than double, but all the budget allows: growing by a block at a time would copy
+            # the whole buffers every few steps.
+            new_rows, new_cap = need_rows, max(need_cap, min(new_cap, self.budget_tokens // need_rows))
         k, v = self._empty(new_rows, new_cap), self._empty(new_rows, new_cap)
         used = self.num_rows
         for new, old in ((k, self.k_LRGCd), (v, self.v_LRGCd)):

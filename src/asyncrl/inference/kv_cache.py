@@ -3,7 +3,7 @@
 All tokens scheduled in one engine step are flattened into a single row [1, N]. Each layer's
 attention sees the new tokens' q/k/v (after q/k-norm and RoPE), writes k/v into their slots, and
 attends each sequence's new queries over that sequence's cached plus new keys. Decode-only
-sequences (one new token) are batched into one padded SDPA call; prefill chunks run one call each.
+sequences (one new token) are batched into one SDPA call; prefill chunks run one call each.
 
 MLA models (DeepSeek-V3, Kimi-K2, GLM-5) cache each token's latent state instead of per-head K/V:
 the normed compressed KV plus the shared rotary key (kv_lora_rank + qk_rope_head_dim values per

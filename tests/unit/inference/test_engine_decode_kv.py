@@ -11,6 +11,7 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions
 from asyncrl.inference.decode_kv import DecodeKV
 from asyncrl.inference.kv_cache import AttentionPaths
+from asyncrl.inference.request import Request
 from weight_update_reference import perturb_all_weights
 
 GATHER = AttentionPaths(decode_buffer=False)
@@ -122,3 +123,28 @@ def test_uninitialised_memory_never_reaches_attention(tiny_moe, monkeypatch):
     prompts = random_prompts([5, 30, 13, 3, 21, 8], seed=7)
     dense = _same_as_gather(tiny_moe, prompts, max_num_seqs=3)
     assert dense.decode_kv.num_fills == len(prompts) and dense.decode_kv.capacity >= 50
+
+
+def test_growth_doubles_then_takes_what_the_budget_allows():
+    kv = DecodeKV(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=2,
+        block_size=4,
+        max_rows=4,
+        budget_tokens=100,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    reqs = [Request(request_id=str(i), prompt_token_ids=[1], options=SamplingOptions()) for i in range(4)]
+    for r in reqs:
+        r.block_ids = list(range(8))
+
+    def plan(num_rows: int, num_ctx: int):
+        return kv.plan([(r, num_ctx) for r in reqs[:num_rows]])
+
+    assert plan(2, 6) is not None and (kv.k_LRGCd.shape[1], kv.capacity) == (2, 8)
+    assert plan(4, 6) is not None and (kv.k_LRGCd.shape[1], kv.capacity) == (4, 8)
+    assert plan(4, 9) is not None and kv.capacity == 16  # doubled
+    assert plan(4, 17) is not None and kv.capacity == 25  # 32 would pass the budget: 100 // 4
+    assert plan(4, 26) is None and kv.num_fallbacks == 1 and kv.num_rows == 0  # 28 positions: over
