@@ -27,7 +27,8 @@ ids its tokens were routed to, and a prefix-cache hit still returns routing.
 Shape legend: N scheduled tokens, S sequences, C context (keys) per sequence, J keys a decode
 query attends over (C, or K selected), H query heads, G kv heads, Dh head dim, L layers, K top_k
 (routing) or selected keys (DSA), P = num_blocks * block_size slots, c latent width, d indexer
-key width, v value head dim.
+key width, v value head dim, r = H / G query heads per kv head, R dense decode rows, W positions a
+decode step reads of each row.
 """
 
 from __future__ import annotations
