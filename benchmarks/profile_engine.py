@@ -7,7 +7,8 @@ ignored) are prefilled and decode `--warm-tokens` tokens (the middle of a 128-to
 `--steps` pure decode steps are timed, split by phase:
 
 - schedule: `Scheduler.schedule`;
-- inputs: from the schedule to the model call (token/position tensors, KV slots, attention metadata);
+- inputs: from the schedule to the model call (token/position tensors, KV slots, attention metadata,
+  the dense decode rows' plan with their growth and compaction copies);
 - forward: the model call, split into attention (paged attention incl. KV writes), MoE experts,
   router, and the rest (embedding, norms, q/k/v/o projections, RoPE, dense MLPs);
 - lm_head, sampling (the sampler call), and commit + outputs (scheduler commit, stop checks,

@@ -73,6 +73,12 @@ class InferenceConfig(BaseConfig):
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
     kv_cache_tokens: int = Field(32768, ge=16, description="KV pool capacity in tokens")
+    decode_buffer_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="dense per-sequence K/V rows for decode attention, in tokens (rows x positions); "
+        "past it decode gathers from the paged pool each step; default: kv_cache_tokens",
+    )
     max_model_len: int | None = Field(
         None,
         ge=2,

@@ -34,6 +34,7 @@ from asyncrl.config.sampling import (
     MIN_TEMPERATURE,
 )
 from asyncrl.inference.block_pool import BlockPool
+from asyncrl.inference.decode_kv import DecodeKV, DecodePlan
 from asyncrl.inference.kv_cache import AttentionPaths, KVCache, PagedAttention, SeqSlice
 from asyncrl.inference.request import (
     FinishReason,
@@ -94,6 +95,7 @@ class Engine:
             index_dim=args.index_head_dim if args.uses_dsa else 0,
         )
         self._log_kv_memory()
+        self.decode_kv = self._build_decode_kv()
         self.scheduler = Scheduler(
             self.pool,
             block_size=bs,
@@ -120,6 +122,23 @@ class Engine:
             self.pool.num_blocks,
             self.cache.block_size,
             self.cache.nbytes() / 2**20,
+        )
+
+    def _build_decode_kv(self) -> DecodeKV | None:
+        """Dense decode rows for per-head K/V models (MLA decode reads its latent cache directly)."""
+        args = self.model.args
+        budget = self.config.decode_buffer_tokens
+        if args.uses_mla or not self.attention_paths.decode_buffer or budget == 0:
+            return None
+        return DecodeKV(
+            num_layers=args.num_hidden_layers,
+            num_kv_heads=args.num_key_value_heads,
+            head_dim=args.head_dim,
+            block_size=self.config.block_size,
+            max_rows=self.config.max_num_seqs,
+            budget_tokens=self.cache.num_tokens if budget is None else budget,
+            dtype=self.dtype,
+            device=self.device,
         )
 
     @classmethod
@@ -267,7 +286,8 @@ class Engine:
             return []
         self.num_steps += 1
         ids_N, pos_N, seqs, slots_N = self._inputs(batch)
-        backend = PagedAttention(self.cache, seqs, slots_N, self.attention_paths)
+        plan = self._decode_plan(batch, seqs)
+        backend = PagedAttention(self.cache, seqs, slots_N, self.attention_paths, plan)
         out = self.model(
             torch.tensor([ids_N], device=self.device),
             torch.tensor([pos_N], device=self.device),
@@ -299,6 +319,12 @@ class Engine:
             block_ids = self.cache.block_table(req)
             seqs.append(SeqSlice(q_start=q_start, q_len=n, num_ctx=start + n, block_ids=block_ids))
         return ids_N, pos_N, seqs, _as_slot_tensor(slots, self.device)
+
+    def _decode_plan(self, batch: list[ScheduledSeq], seqs: list[SeqSlice]) -> DecodePlan | None:
+        decodes = [(s.request, seq.num_ctx) for s, seq in zip(batch, seqs) if seq.q_len == 1]
+        if self.decode_kv is None or not decodes:
+            return None
+        return self.decode_kv.plan(decodes)
 
     def _sample_and_commit(
         self, batch: list[ScheduledSeq], hidden_ND: torch.Tensor, seqs: list[SeqSlice]

@@ -3,7 +3,7 @@
 All tokens scheduled in one engine step are flattened into a single row [1, N]. Each layer's
 attention sees the new tokens' q/k/v (after q/k-norm and RoPE), writes k/v into their slots, and
 attends each sequence's new queries over that sequence's cached plus new keys. Decode-only
-sequences (one new token) are batched into one padded SDPA call; prefill chunks run one call each.
+sequences (one new token) are batched into one SDPA call; prefill chunks run one call each.
 
 MLA models (DeepSeek-V3, Kimi-K2, GLM-5) cache each token's latent state instead of per-head K/V:
 the normed compressed KV plus the shared rotary key (kv_lora_rank + qk_rope_head_dim values per
@@ -16,13 +16,19 @@ query's selected rows only, in decode and prefill alike. `AttentionPaths` switch
 expanded decode and the dense masked DSA attention (the oracles of the tests, the baselines of
 benchmarks/bench_long_context.py).
 
+Per-head K/V decode reads, when the engine hands over a `DecodePlan`, the dense rows of
+`asyncrl.inference.decode_kv` (each decode sequence's context kept contiguous across steps, new
+tokens written in place) instead of gathering every sequence's blocks in every layer; without a
+plan (over its memory budget, or `AttentionPaths(decode_buffer=False)`) it gathers.
+
 The routing pool sits next to the KV pool, slot for slot, so a cached block keeps the expert
 ids its tokens were routed to, and a prefix-cache hit still returns routing.
 
 Shape legend: N scheduled tokens, S sequences, C context (keys) per sequence, J keys a decode
 query attends over (C, or K selected), H query heads, G kv heads, Dh head dim, L layers, K top_k
 (routing) or selected keys (DSA), P = num_blocks * block_size slots, c latent width, d indexer
-key width, v value head dim.
+key width, v value head dim, r = H / G query heads per kv head, R dense decode rows, W positions a
+decode step reads of each row.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from asyncrl.inference.decode_kv import DecodePlan
 from asyncrl.inference.request import Request
 from asyncrl.model.compute import sdpa
 from asyncrl.model.latent_attention import LatentProjections, attend_masked, attend_selected, latent_attention
@@ -125,9 +132,10 @@ class SeqSlice:
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionPaths:
-    """How the engine runs MLA and DSA attention. The defaults are the fast paths; the others
-    compute the same attention the way it was first written, as oracles and baselines."""
+    """How the engine runs attention. The defaults are the fast paths; the others compute the same
+    attention the way it was first written, as oracles and baselines."""
 
+    decode_buffer: bool = True  # per-head K/V decode over dense rows (decode_kv); False: gather each step
     latent_decode: bool = True  # decode in the latent space (absorbed); False: expand the keys to K/V
     sparse: bool = True  # DSA over each query's selected keys only; False: all keys, a [T, C] mask
 
@@ -136,17 +144,27 @@ class PagedAttention:
     """`AttentionBackend` over a KVCache for one engine step (built once per step, used by every layer)."""
 
     def __init__(
-        self, cache: KVCache, seqs: list[SeqSlice], slots_N: torch.Tensor, paths: AttentionPaths | None = None
+        self,
+        cache: KVCache,
+        seqs: list[SeqSlice],
+        slots_N: torch.Tensor,
+        paths: AttentionPaths | None = None,
+        decode_plan: DecodePlan | None = None,
     ) -> None:
-        self.cache, self.slots_N = cache, slots_N
+        self.cache, self.slots_N, self.decode_plan = cache, slots_N, decode_plan
         self.paths = paths or AttentionPaths()
         self.seqs = seqs
         # (layer, seq index or "decode") -> idx [1, T, K] / [S, 1, K], kept for "shared" layers
         self.dsa_selection: dict[tuple[int, int | str], torch.Tensor] = {}
         self.prefills = [(i, s) for i, s in enumerate(seqs) if s.q_len > 1]
         decodes = [s for s in seqs if s.q_len == 1]
+        # The decode queries' positions in the step's row, in the order decode attention takes them
+        # (the dense rows' order with a plan, the step's without).
         self.decode_rows_S: torch.Tensor | None = None
-        if decodes:
+        if decodes and decode_plan is not None:
+            q_start_S = torch.tensor([s.q_start for s in decodes], device=slots_N.device)
+            self.decode_rows_S = q_start_S[decode_plan.order_R]
+        elif decodes:
             device = slots_N.device
             self.decode_rows_S = torch.tensor([s.q_start for s in decodes], device=device)
             bs = cache.block_size
@@ -166,8 +184,10 @@ class PagedAttention:
         G, Dh = k_BGTd.shape[1], k_BGTd.shape[3]
         k_PF = self.cache.k_LPGd[layer_idx].view(-1, G * Dh)
         v_PF = self.cache.v_LPGd[layer_idx].view(-1, G * Dh)
-        k_PF.index_copy_(0, self.slots_N, k_BGTd[0].transpose(0, 1).reshape(-1, G * Dh))
-        v_PF.index_copy_(0, self.slots_N, v_BGTd[0].transpose(0, 1).reshape(-1, G * Dh))
+        k_NF = k_BGTd[0].transpose(0, 1).reshape(-1, G * Dh)
+        v_NF = v_BGTd[0].transpose(0, 1).reshape(-1, G * Dh)
+        k_PF.index_copy_(0, self.slots_N, k_NF)
+        v_PF.index_copy_(0, self.slots_N, v_NF)
         o_BHTd = torch.empty_like(q_BHTd)
         gqa = q_BHTd.shape[1] != G
         # Gathers read whole blocks (rows of block_size * G * Dh); padding positions are masked out.
@@ -177,11 +197,15 @@ class PagedAttention:
             # One query per sequence: fold each kv group's query heads into the query axis
             # ([S, G, H/G, Dh]), which avoids expanding k/v to H heads.
             S, H = len(self.decode_rows_S), q_BHTd.shape[1]
-            flat = self.decode_blocks_SB.flatten()
             q_SGrd = q_BHTd[0][:, self.decode_rows_S].transpose(0, 1).reshape(S, G, H // G, Dh)
-            k_SGCd = k_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
-            v_SGCd = v_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
-            o_SGrd = sdpa(q_SGrd, k_SGCd, v_SGCd, attn_mask=self.decode_mask_S11C)
+            if self.decode_plan is not None:
+                new_kv = (k_NF.index_select(0, self.decode_rows_S), v_NF.index_select(0, self.decode_rows_S))
+                o_SGrd = self._decode_dense(q_SGrd, new_kv, (k_NbF, v_NbF), layer_idx)
+            else:
+                flat = self.decode_blocks_SB.flatten()
+                k_SGCd = k_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
+                v_SGCd = v_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
+                o_SGrd = sdpa(q_SGrd, k_SGCd, v_SGCd, attn_mask=self.decode_mask_S11C)
             o_BHTd[0][:, self.decode_rows_S] = o_SGrd.reshape(S, H, Dh).transpose(0, 1)
         for _, s in self.prefills:
             C = s.num_ctx
@@ -191,6 +215,31 @@ class PagedAttention:
             v_1GCd = v_NbF.index_select(0, blocks).view(1, -1, G, Dh)[:, :C].transpose(1, 2)
             o_BHTd[:, :, s.q_start : s.q_start + s.q_len] = _causal_sdpa(q_1HTd, k_1GCd, v_1GCd, gqa)
         return o_BHTd
+
+    def _decode_dense(
+        self,
+        q_RGrd: torch.Tensor,
+        new_kv: tuple[torch.Tensor, torch.Tensor],
+        paged_kv: tuple[torch.Tensor, torch.Tensor],
+        layer_idx: int,
+    ) -> torch.Tensor:
+        """[R, G, H/G, Dh]: the decode queries (in row order) over their rows of the dense buffers,
+        after filling the rows new this step from the paged blocks and writing the new keys and
+        values in place."""
+        plan, bs = self.decode_plan, self.cache.block_size
+        G, Dh = q_RGrd.shape[1], q_RGrd.shape[3]
+        for buf_LRGCd, new_RF, paged_NbF in zip((plan.k_LRGCd, plan.v_LRGCd), new_kv, paged_kv):
+            buf_RGCd = buf_LRGCd[layer_idx]
+            for fill in plan.fills:
+                n = fill.block_ids.numel() * bs
+                ctx_nGd = paged_NbF.index_select(0, fill.block_ids).view(n, G, Dh)
+                buf_RGCd[fill.row, :, :n].copy_(ctx_nGd.transpose(0, 1))
+                buf_RGCd[fill.row, :, n:].zero_()
+            buf_RGCd.view(-1, Dh).index_copy_(0, plan.write_RG, new_RF.view(-1, Dh))
+        R, W = len(plan.order_R), plan.width
+        k_RGWd = plan.k_LRGCd[layer_idx, :R, :, :W]
+        v_RGWd = plan.v_LRGCd[layer_idx, :R, :, :W]
+        return sdpa(q_RGrd, k_RGWd, v_RGWd, attn_mask=plan.mask_R11W)
 
     def attend_latent(
         self,
