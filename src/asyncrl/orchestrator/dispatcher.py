@@ -270,8 +270,12 @@ class Dispatcher:
                     self._dropped.append((group.index, "no_samples"))  # zero advantage or all failed
                 self.buffer.add(group)
                 self.fill.add(group)
-            while self.version >= self.step - 1 - self.cfg.max_async_steps and (
-                cut := self.buffer.cut(self.step)
+            # bounded by max_steps here too: a buffer can hold more than one batch (a resume, or
+            # the spares of the last batch), and cutting past the run's end writes a batch too many
+            while (
+                self.step <= self.cfg.max_steps
+                and self.version >= self.step - 1 - self.cfg.max_async_steps
+                and (cut := self.buffer.cut(self.step))
             ):
                 batch, groups = cut
                 metrics = self._step_record(batch, pending_metrics)

@@ -169,3 +169,44 @@ def test_a_fresh_start_over_existing_batches_is_refused(tmp_path, tokenizer_dir,
     write_batch(cfg.run_dir, RolloutBatch(step=1, samples=[_sample(4, 0)]))
     with pytest.raises(ValueError, match="resume = true"):
         asyncio.run(run_orchestrator(cfg))
+
+
+def test_a_resumed_buffer_of_two_batches_writes_no_batch_past_max_steps(tmp_path, tokenizer_dir, servers):
+    """Resumed after batch 1 of 2 with two batches' worth buffered and the async bound allowing a
+    second cut at once: batch 2 is written, and no batch 3 (the cut loop stops at max_steps)."""
+    (server,) = servers(1)
+    cfg = _cfg(
+        tmp_path,
+        tokenizer_dir,
+        [server],
+        max_steps=2,
+        max_async_steps=2,
+        max_off_policy_steps=4,
+        advantage={"filter_zero_advantage": False},
+    )
+    groups = [
+        Group(
+            task_id=f"t{i}",
+            env="reverse-text",
+            dispatch_version=0,
+            samples=[_sample(6, 2 * i), _sample(6, 2 * i + 1)],
+            rewards=[1.0, 0.0],
+            episode_metrics=[{"reward": 1.0}, {"reward": 0.0}],
+            index=i,
+        )
+        for i in range(2, 10)
+    ]
+    state = OrchestratorState(
+        step=1,
+        next_index=10,
+        rng_state=random.Random(0).getstate(),
+        version=0,
+        counters={},
+        buffered=groups,  # 16 samples: two batches of 8
+        in_flight=[],
+        trained=[0, 1],
+    )
+    write_batch(cfg.run_dir, RolloutBatch(step=1, samples=[_sample(4, 0)]), encode_state(state))
+    asyncio.run(asyncio.wait_for(run_orchestrator(cfg.model_copy(update={"resume": True})), timeout=60))
+    assert batch_dir(cfg.run_dir, 2).is_dir()
+    assert not batch_dir(cfg.run_dir, 3).exists()
