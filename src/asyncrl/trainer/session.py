@@ -146,8 +146,8 @@ class TrainSession:
         drop_keys: tuple[str, ...] = (),
         last: bool = False,
     ) -> dict[str, Any]:
-        """Publish v_step, log the metrics, checkpoint on the interval (and at the last step:
-        max_steps, or `last` for a run that stops early).
+        """Publish v_step, checkpoint on the interval (and at the last step: max_steps, or `last`
+        for a run that stops early), log the metrics.
 
         A publish may still be writing when this returns (`[publish] overlap`); a checkpoint waits
         for it first, so the weights of every checkpointed step are published, and so does the last
@@ -164,13 +164,6 @@ class TrainSession:
         if checkpoint or last:
             self.publisher.wait()
         publish_s = time.perf_counter() - start
-        record = self.step_metrics(step, result) | {"publish_s": publish_s} | (extra or {})
-        for key in drop_keys:
-            record.pop(key, None)
-        # The step's line before its checkpoint: killed in between, the run resumes from an older
-        # checkpoint and `--resume` drops the lines of the steps it redoes; the other order would
-        # lose this step's line for good.
-        self.logger.log(record)
         if checkpoint:
             save_checkpoint(
                 cfg.run_dir,
@@ -181,6 +174,10 @@ class TrainSession:
                 self.info,
                 cfg.checkpoint.keep_last,
             )
+        record = self.step_metrics(step, result) | {"publish_s": publish_s} | (extra or {})
+        for key in drop_keys:
+            record.pop(key, None)
+        self.logger.log(record)
         return record
 
     def close(self) -> None:
