@@ -119,16 +119,23 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 
 
+def _chunk_masks(a: torch.Tensor, b: torch.Tensor) -> Iterator[tuple[int, np.ndarray]]:
+    """(start, mask of the elements that differ) per chunk of the flat CPU integer tensors `a`, `b`;
+    one mask memory serves every chunk (valid until the next is drawn)."""
+    a_np, b_np = a.numpy(), b.numpy()
+    mask = np.empty(min(_CHUNK, a_np.size), dtype=bool)
+    for i in range(0, a_np.size, _CHUNK):
+        m = mask[: min(_CHUNK, a_np.size - i)]
+        np.not_equal(a_np[i : i + _CHUNK], b_np[i : i + _CHUNK], out=m)
+        yield i, m
+
+
 def count_differing(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many elements of `a` and `b` (flat, same dtype) differ in their bits."""
     a, b = _bits(a), _bits(b)
-    if a.device.type == "cpu":
-        a_np, b_np = a.numpy(), b.numpy()
-        return sum(
-            int(np.count_nonzero(a_np[i : i + _CHUNK] != b_np[i : i + _CHUNK]))
-            for i in range(0, a_np.size, _CHUNK)
-        )
-    return int(torch.count_nonzero(a != b))
+    if a.device.type != "cpu":
+        return int(torch.count_nonzero(a != b))
+    return sum(int(np.count_nonzero(m)) for _, m in _chunk_masks(a, b))
 
 
 def differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -138,13 +145,7 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = _bits(a), _bits(b)
     if a.device.type != "cpu":
         return (a != b).nonzero().view(-1)
-    a_np, b_np = a.numpy(), b.numpy()
-    mask = np.empty(min(_CHUNK, a_np.size), dtype=bool)
-    parts = []
-    for i in range(0, a_np.size, _CHUNK):
-        m = mask[: min(_CHUNK, a_np.size - i)]
-        np.not_equal(a_np[i : i + _CHUNK], b_np[i : i + _CHUNK], out=m)
-        parts.append(np.flatnonzero(m) + i)
+    parts = [np.flatnonzero(m) + i for i, m in _chunk_masks(a, b)]
     return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, dtype=np.int64))
 
 
