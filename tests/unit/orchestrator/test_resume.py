@@ -42,21 +42,23 @@ def _sample(n: int, seed: int) -> RolloutSample:
     )
 
 
+def _group(index: int, env: str, version: int, samples: list[RolloutSample]) -> Group:
+    """A finished group of two samples (rewards 1 and 0), task t<index>."""
+    return Group(
+        task_id=f"t{index}",
+        env=env,
+        dispatch_version=version,
+        samples=samples,
+        rewards=[1.0, 0.0],
+        episode_metrics=[{"reward": 1.0}, {"reward": 0.0}],
+        index=index,
+    )
+
+
 def test_state_round_trip_keeps_buffer_stream_position_and_in_flight(tmp_path):
     rng = random.Random(7)
     rng.random()
-    groups = [
-        Group(
-            task_id=f"t{i}",
-            env="e",
-            dispatch_version=1,
-            samples=[_sample(5 + i, i), _sample(4, 10 + i)],
-            rewards=[1.0, 0.0],
-            episode_metrics=[{"reward": 1.0}, {"reward": 0.0}],
-            index=i,
-        )
-        for i in (3, 5)
-    ]
+    groups = [_group(i, "e", 1, [_sample(5 + i, i), _sample(4, 10 + i)]) for i in (3, 5)]
     state = OrchestratorState(
         step=2,
         next_index=9,
@@ -184,18 +186,7 @@ def test_a_resumed_buffer_of_two_batches_writes_no_batch_past_max_steps(tmp_path
         max_off_policy_steps=4,
         advantage={"filter_zero_advantage": False},
     )
-    groups = [
-        Group(
-            task_id=f"t{i}",
-            env="reverse-text",
-            dispatch_version=0,
-            samples=[_sample(6, 2 * i), _sample(6, 2 * i + 1)],
-            rewards=[1.0, 0.0],
-            episode_metrics=[{"reward": 1.0}, {"reward": 0.0}],
-            index=i,
-        )
-        for i in range(2, 10)
-    ]
+    groups = [_group(i, "reverse-text", 0, [_sample(6, 2 * i), _sample(6, 2 * i + 1)]) for i in range(2, 10)]
     state = OrchestratorState(
         step=1,
         next_index=10,
