@@ -73,6 +73,7 @@ class DistributedWeightPublisher:
     ) -> None:
         assert weights.endpoint is not None, "the config requires an endpoint with transport = distributed"
         self.run_dir, self.cfg, self.info = Path(run_dir), cfg, info
+        self._delta = weights.delta
         self.fmt = serving_format(model, torch_dtype(cfg.dtype), fp8=cfg.fp8, ignore=cfg.fp8_ignore)
         self._config = _hf_config(model, self.fmt, cfg) if info.is_main else {}
         self._files = FilesystemWeightPublisher(self.run_dir, tokenizer_dir, cfg, info)
@@ -101,7 +102,10 @@ class DistributedWeightPublisher:
     def publish(self, model: Transformer, step: int, *, to_disk: bool = False) -> None:
         self.wait()
         spare = self._recent[0] if len(self._recent) == 2 else []
-        shards = list(iter_shards(model, self.fmt, into=spare))  # collective with FP8: on the main thread
+        # collective with FP8: on the main thread; with deltas, compared with the version before as
+        # it is copied (what the sender would otherwise do in a pass of its own)
+        against = self._recent[-1] if self._delta else []
+        shards = list(iter_shards(model, self.fmt, into=spare, against=against))
         self._recent = [self._recent[-1], shards]
         if to_disk:
             self._on_disk.add(step)

@@ -29,9 +29,12 @@ from asyncrl.model.fp8 import FP8_DTYPE
 __all__ = [
     "Assembly",
     "BucketHeader",
+    "Changes",
     "Piece",
     "Shard",
     "TransferError",
+    "changes_against",
+    "copy_differing",
     "count_differing",
     "differing",
     "pack_buckets",
@@ -62,9 +65,22 @@ class Shard:
     local_shape: tuple[int, ...]
     values: torch.Tensor  # [prod(local_shape)], serving dtype, row-major
 
+    changes: Changes | None = None  # where `values` differ from an earlier snapshot's, found while taking it
+
     @property
     def key(self) -> str:
         return shard_key(self.name, self.offset)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Changes:
+    """Where one shard's values differ in their bits from `base` (the values of an earlier version),
+    and what they are there. Example: Changes(base=b, positions=tensor([3, 17]), values=tensor([.5, 2.]))
+    with b bf16 [1024]: a delta against `b` sends 2 positions and 2 values."""
+
+    base: torch.Tensor  # compared against: the changes hold for this very tensor only
+    positions: torch.Tensor  # int64, ascending
+    values: torch.Tensor  # the new values at `positions`, in the shard's dtype
 
 
 def shard_key(name: str, offset: tuple[int, ...]) -> str:
@@ -149,22 +165,55 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, dtype=np.int64))
 
 
-def _encode(
-    new: torch.Tensor, changed: torch.Tensor | None, start: int
-) -> tuple[list[torch.Tensor], int | None]:
+def changes_against(values: torch.Tensor, base: torch.Tensor) -> Changes:
+    """`Changes` of the flat `values` against `base` (same dtype), compared now."""
+    where = differing(values, base)
+    return Changes(base=base, positions=where, values=values.index_select(0, where))
+
+
+def copy_differing(out: torch.Tensor, src: torch.Tensor, base: torch.Tensor) -> Changes:
+    """Cast `src` into `out` (both flat, `out` in `base`'s dtype) and find where `out` then differs
+    from `base`, chunk by chunk: each chunk is compared, and its changed values taken, while it is in
+    cache. One pass instead of three (cast, compare, gather), which on a CPU each read the whole
+    model; a delta update's cost on the trainer is mostly these passes."""
+    assert out.numel() == src.numel() == base.numel() and out.dtype == base.dtype
+    if out.device.type != "cpu":
+        out.copy_(src)
+        return changes_against(out, base)
+    out_np, base_np = _bits(out).numpy(), _bits(base).numpy()
+    mask = np.empty(min(_CHUNK, out_np.size), dtype=bool)
+    positions, values = [], []
+    for i in range(0, out_np.size, _CHUNK):
+        j = min(i + _CHUNK, out_np.size)
+        out[i:j].copy_(src[i:j])
+        m = mask[: j - i]
+        np.not_equal(out_np[i:j], base_np[i:j], out=m)
+        where = np.flatnonzero(m)
+        values.append(out_np[i:j][where])
+        positions.append(where + i)
+    return Changes(
+        base=base,
+        positions=torch.from_numpy(np.concatenate(positions) if positions else np.empty(0, dtype=np.int64)),
+        values=torch.from_numpy(np.concatenate(values) if values else out_np[:0].copy()).view(out.dtype),
+    )
+
+
+def _encode(new: torch.Tensor, changes: Changes | None, start: int) -> tuple[list[torch.Tensor], int | None]:
     """The payload parts of the piece `new` (elements from `start` of its shard): dense [values], or
-    delta [positions, values] when smaller; `changed` holds the shard's differing positions
-    (None: no base, dense)."""
-    if changed is None:
+    delta [positions, values] when smaller; `changes` are the shard's against the base (None: no
+    base, dense)."""
+    if changes is None:
         return [new], None
-    lo, hi = (int(i) for i in torch.searchsorted(changed, torch.tensor([start, start + new.numel()])))
-    where = changed[lo:hi] - start
-    if where.numel() * (4 + new.element_size()) >= new.numel() * new.element_size():
+    bounds = torch.tensor([start, start + new.numel()])
+    lo, hi = (int(i) for i in torch.searchsorted(changes.positions, bounds))
+    if (hi - lo) * (4 + new.element_size()) >= new.numel() * new.element_size():
         return [new], None
-    return [where.to(_POSITION), _bits(new)[where]], where.numel()
+    return [(changes.positions[lo:hi] - start).to(_POSITION), changes.values[lo:hi]], hi - lo
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    if not t.numel():  # an empty tensor may have stride 0, which no dtype view accepts
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.contiguous().view(-1).view(torch.uint8)
 
 
@@ -176,7 +225,7 @@ def pack_buckets(
     base: Mapping[str, torch.Tensor] | None = None,
     base_version: int | None = None,
     buffer: Callable[[int, torch.device], torch.Tensor] | None = None,
-    changes: Mapping[str, torch.Tensor] | None = None,
+    changes: Mapping[str, Changes] | None = None,
 ) -> Iterator[tuple[BucketHeader, torch.Tensor]]:
     """Buckets of at most `bucket_bytes` payload (uint8) from `shards`, dense or delta against `base`
     (shard key -> the values of version `base_version` last sent); the stream ends with a `last` header.
@@ -184,8 +233,8 @@ def pack_buckets(
     `buffer(n, device)` gives the uint8 [n] tensor a payload is packed into (default: a new one).
     A sender that reuses one memory for every bucket (each sent before the next is drawn) saves
     the page faults of fresh memory, which cost more than the copy itself. `changes` (shard key ->
-    `differing(values, base values)`) spares the comparison when the caller already made it, e.g.
-    for the first of several channels."""
+    its `Changes` against `base`) spares the comparison when the caller already made it, e.g. for
+    the first of several channels, or while taking the snapshot (`copy_differing`)."""
     assert (base is None) == (base_version is None), "a delta base needs its version"
     if not 8 <= bucket_bytes <= 1 << 31:
         raise ValueError(
@@ -221,7 +270,7 @@ def pack_buckets(
         changed = None
         if base is not None and shard.key in base:
             known = None if changes is None else changes.get(shard.key)
-            changed = differing(shard.values, base[shard.key]) if known is None else known
+            changed = changes_against(shard.values, base[shard.key]) if known is None else known
         start = 0
         while start < shard.values.numel():
             if _align(covered) + itemsize > bucket_bytes:
@@ -343,7 +392,7 @@ class _Region:
         if isinstance(flat, slice):  # a view: patch in place
             region = self.full.view(-1)[flat]
             region.copy_(base.view(-1)[flat])
-            region[where] = values
+            region.index_copy_(0, where, values)  # faster than `region[where] = values` here
         else:
             region = base.view(-1)[flat]  # advanced indexing: a copy
             region[where] = values

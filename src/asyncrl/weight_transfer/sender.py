@@ -22,7 +22,7 @@ import torch
 
 from asyncrl.model import Transformer
 from asyncrl.model.serving import ServingFormat
-from asyncrl.weight_transfer.buckets import Shard, TransferError, differing, pack_buckets
+from asyncrl.weight_transfer.buckets import Changes, Shard, TransferError, changes_against, pack_buckets
 from asyncrl.weight_transfer.channel import Channel
 from asyncrl.weight_transfer.shards import iter_shards
 
@@ -47,7 +47,7 @@ class BucketSender:
         self._base_version: int | None = None
         self._behind: set[str] = set()  # channels whose last send failed: they get the next one dense
         self._payload: torch.Tensor | None = None  # every bucket is packed here, sent, then overwritten
-        self._changes: dict[str, torch.Tensor] | None = None  # shard key -> differing positions, this send
+        self._changes: dict[str, Changes] | None = None  # shard key -> changes against the base, this send
         # (elements whose serving bits changed since the base, elements) of the last send that compared
         # them: delta senders compare once per version, for every channel and for the report
         self.last_changed: tuple[int, int] | None = None
@@ -99,14 +99,21 @@ class BucketSender:
     def compare(self, shards: list[Shard], version: int) -> None:
         """With `delta`, find where `shards` differ from the values last sent, once for every
         channel (`send_shards` does it when not done before; the send loop does it first, so that
-        no receiver waits through it with a transfer announced)."""
+        no receiver waits through it with a transfer announced). A shard whose snapshot found its
+        changes against the very values last sent (`Shard.changes`) is not compared again."""
         self._changes, self.last_changed, self._compared = None, None, (version, id(shards))
         if self.delta and self._base is not None and self._base_version != version:
             self._changes = {
-                s.key: differing(s.values, self._base[s.key]) for s in shards if s.key in self._base
+                s.key: self._changes_of(s, self._base[s.key]) for s in shards if s.key in self._base
             }
             total = sum(s.values.numel() for s in shards)
-            self.last_changed = (sum(len(c) for c in self._changes.values()), total)
+            self.last_changed = (sum(c.positions.numel() for c in self._changes.values()), total)
+
+    @staticmethod
+    def _changes_of(shard: Shard, base: torch.Tensor) -> Changes:
+        if shard.changes is not None and shard.changes.base is base:
+            return shard.changes
+        return changes_against(shard.values, base)
 
     def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """The payload memory, grown to the largest bucket so far (at most `bucket_bytes`)."""

@@ -31,7 +31,7 @@ from asyncrl.model import Transformer
 from asyncrl.model.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
 from asyncrl.model.hf import is_hf_tensor, to_hf_tensors
 from asyncrl.model.serving import SCALE_SUFFIX, ServingFormat, to_serving
-from asyncrl.weight_transfer.buckets import Shard, shard_key
+from asyncrl.weight_transfer.buckets import Changes, Shard, copy_differing, shard_key
 
 __all__ = ["iter_shards", "published_shapes"]
 
@@ -48,14 +48,18 @@ def published_shapes(model: Transformer, fmt: ServingFormat) -> dict[str, tuple[
     return shapes
 
 
-def iter_shards(model: Transformer, fmt: ServingFormat, *, into: Iterable[Shard] = ()) -> Iterator[Shard]:
+def iter_shards(
+    model: Transformer, fmt: ServingFormat, *, into: Iterable[Shard] = (), against: Iterable[Shard] = ()
+) -> Iterator[Shard]:
     """This rank's shards of `model`'s published tensors in `fmt`, in storage of their own (a
     snapshot that later in-place optimizer steps do not change). `into`: an earlier snapshot of the
     same model that nothing reads any more; its memory is written over where a shard matches (not
     for FP8 weights), which spares the page faults of fresh memory, the larger part of a snapshot's
-    cost on a CPU."""
+    cost on a CPU. `against`: the snapshot a delta will be sent against; each shard that has a match
+    there carries its `Changes`, found while it is copied (`copy_differing`)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     spare = {s.key: s.values for s in into}
+    bases = {s.key: s.values for s in against}
     for name, value in model.state_dict().items():  # checkpoint wrappers drop their prefix here
         if not is_hf_tensor(name, model.args):
             continue
@@ -66,17 +70,29 @@ def iter_shards(model: Transformer, fmt: ServingFormat, *, into: Iterable[Shard]
             if rank == 0:
                 yield _shard(name + SCALE_SUFFIX, scale.shape, (0,) * scale.dim(), scale.shape, scale)
             local = q
+            changes = None
         else:
-            local = _copy(local.detach(), fmt.dtype, spare.get(shard_key(name, offset)))
+            key = shard_key(name, offset)
+            local, changes = _copy(local.detach(), fmt.dtype, spare.get(key), bases.get(key))
         if sends and local.numel():  # an uneven split can leave a rank without rows
-            yield _shard(name, shape, offset, local_shape, local)
+            yield _shard(name, shape, offset, local_shape, local, changes)
 
 
-def _copy(local: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
-    """`local` cast to `dtype` in new storage, or in `out` (flat) where it fits."""
-    if out is None or out.dtype != dtype or out.numel() != local.numel() or out.device != local.device:
-        return local.to(dtype, copy=True)
-    return out.view(local.shape).copy_(local)
+def _copy(
+    local: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None, base: torch.Tensor | None
+) -> tuple[torch.Tensor, Changes | None]:
+    """`local` cast to `dtype` in new storage, or in `out` (flat) where it fits; and its changes
+    against `base` (flat) where that matches."""
+    if out is None or not _fits(out, local, dtype):
+        out = torch.empty(local.numel(), dtype=dtype, device=local.device)
+    if base is None or not _fits(base, local, dtype):
+        return out.view(local.shape).copy_(local), None
+    changes = copy_differing(out, local.reshape(-1), base)
+    return out.view(local.shape), changes
+
+
+def _fits(t: torch.Tensor, local: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.numel() == local.numel() and t.device == local.device
 
 
 def _local(value: torch.Tensor, rank: int) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], bool]:
@@ -89,13 +105,16 @@ def _local(value: torch.Tensor, rank: int) -> tuple[torch.Tensor, tuple[int, ...
     return value.to_local(), tuple(local_shape), tuple(offset), _sends(value)
 
 
-def _shard(name: str, shape, offset, local_shape, values: torch.Tensor) -> Shard:
+def _shard(
+    name: str, shape, offset, local_shape, values: torch.Tensor, changes: Changes | None = None
+) -> Shard:
     return Shard(
         name=name,
         shape=tuple(shape),
         offset=tuple(offset),
         local_shape=tuple(local_shape),
         values=values.contiguous().view(-1),
+        changes=changes,
     )
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import asyncrl.weight_transfer.buckets as buckets_module
 from asyncrl.model.fp8 import AMAX_FLOOR, FP8_MAX, quantize_weight
 from asyncrl.weight_transfer import Assembly, BucketHeader, Rendezvous, Shard, TransferError, pack_buckets
-from asyncrl.weight_transfer.buckets import count_differing, differing
+from asyncrl.weight_transfer.buckets import changes_against, copy_differing, count_differing
 from asyncrl.weight_transfer.shards import partial_amax, quantize_rows
 
 
@@ -172,7 +173,7 @@ def test_a_channel_needs_senders_and_a_receiver():
 
 
 def test_delta_pieces_across_buckets_from_precomputed_positions():
-    """Positions found once per shard (`differing`, as a sender does for every channel) give the
+    """Changes found once per shard (`changes_against`, as a sender does for every channel) give the
     same buckets as the comparison inside `pack_buckets`, with shards split over small buckets:
     each piece takes its own range of the shard's positions."""
     old = _weights()
@@ -181,8 +182,8 @@ def test_delta_pieces_across_buckets_from_precomputed_positions():
     new["b"].view(-1)[[1, 2, 200]] -= 1.0
     shards = _all_shards(new)
     base = {s.key: s.values for s in _all_shards(old)}
-    changes = {s.key: differing(s.values, base[s.key]) for s in shards}
-    assert sum(len(c) for c in changes.values()) == 9
+    changes = {s.key: changes_against(s.values, base[s.key]) for s in shards}
+    assert sum(c.positions.numel() for c in changes.values()) == 9
     inside = list(pack_buckets(shards, bucket_bytes=96, version=2, base=base, base_version=1))
     given = list(pack_buckets(shards, bucket_bytes=96, version=2, base=base, base_version=1, changes=changes))
     assert sum(len(h.pieces) for h, _ in inside) > len(shards)  # shards split into several pieces
@@ -197,3 +198,38 @@ def test_delta_pieces_across_buckets_from_precomputed_positions():
     assert any(p.num_changed for h, _ in given for p in h.pieces)
     got = _assemble(given, {n: tuple(t.shape) for n, t in new.items()}, base=old)
     assert all(_bits_equal(got[n], new[n]) for n in new)
+
+
+def test_copy_differing_is_a_cast_then_a_comparison_chunk_by_chunk(monkeypatch):
+    """The fused snapshot pass gives the cast's bits in `out`, and the positions and values where they
+    differ from the base, also across chunk boundaries and where the bits are a NaN's."""
+    monkeypatch.setattr(buckets_module, "_CHUNK", 64)
+    torch.manual_seed(0)
+    src = torch.randn(1000)
+    base = src.to(torch.bfloat16)
+    src[[0, 63, 64, 65, 500, 999]] += 1.0
+    src[7] = float("nan")
+    src[8] = float("nan")  # a NaN in the base and in the new values: the same bits, unchanged
+    base.view(torch.int16)[8:9] = src[8:9].to(torch.bfloat16).view(torch.int16)
+    out = torch.empty(1000, dtype=torch.bfloat16)
+    changes = copy_differing(out, src, base)
+    assert torch.equal(out.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
+    assert changes.positions.tolist() == [0, 7, 63, 64, 65, 500, 999]
+    assert torch.equal(changes.values.view(torch.int16), out.view(torch.int16)[changes.positions])
+    assert changes.base is base
+    none = copy_differing(torch.empty_like(out), src, out)
+    assert none.positions.numel() == none.values.numel() == 0
+    # the same pieces as a comparison made afterwards
+    shard = dict(name="w", shape=(1000,), offset=(0,), local_shape=(1000,))
+    fused = pack_buckets(
+        [Shard(**shard, values=out, changes=changes)],
+        bucket_bytes=256,
+        version=2,
+        base={"w@0": base},
+        base_version=1,
+        changes={"w@0": changes},
+    )
+    after = pack_buckets(
+        [Shard(**shard, values=out)], bucket_bytes=256, version=2, base={"w@0": base}, base_version=1
+    )
+    assert all(ha == hb and torch.equal(pa, pb) for (ha, pa), (hb, pb) in zip(fused, after, strict=True))

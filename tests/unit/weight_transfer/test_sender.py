@@ -3,6 +3,8 @@ each version once, whatever the number of channels."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import asyncrl.weight_transfer.sender as sender_module
@@ -67,8 +69,8 @@ def test_a_snapshot_into_spare_memory_is_the_fresh_snapshot_in_that_memory():
 
 def test_a_delta_sender_compares_once_for_all_channels_and_counts_what_changed(monkeypatch):
     calls = []
-    real = sender_module.differing
-    monkeypatch.setattr(sender_module, "differing", lambda a, b: calls.append(1) or real(a, b))
+    real = sender_module.changes_against
+    monkeypatch.setattr(sender_module, "changes_against", lambda a, b: calls.append(1) or real(a, b))
     model = _model()
     fmt = serving_format(model, torch.bfloat16)
     sender = BucketSender(bucket_bytes=1 << 20, delta=True)
@@ -85,3 +87,33 @@ def test_a_delta_sender_compares_once_for_all_channels_and_counts_what_changed(m
     assert 0 < changed < sender.last_changed[1]
     assert stats["a"].num_changed == stats["b"].num_changed == changed
     assert [h for h, _ in channels["a"].buckets] == [h for h, _ in channels["b"].buckets]
+
+
+def test_changes_found_while_snapshotting_spare_the_senders_comparison(monkeypatch):
+    """A snapshot taken `against` the version last sent carries its changes; the sender uses them
+    (no comparison of its own) and sends the same buckets as a sender that compares. Changes found
+    against another copy of those values are not trusted: that sender compares."""
+    calls = []
+    real = sender_module.changes_against
+    monkeypatch.setattr(sender_module, "changes_against", lambda a, b: calls.append(1) or real(a, b))
+    model = _model()
+    fmt = serving_format(model, torch.bfloat16)
+    fused, plain = (
+        BucketSender(bucket_bytes=1 << 16, delta=True),
+        BucketSender(bucket_bytes=1 << 16, delta=True),
+    )
+    first = list(iter_shards(model, fmt))
+    fused.send_shards(first, 0, {"a": _Channel()})
+    plain.send_shards([dataclasses.replace(s, values=s.values.clone()) for s in first], 0, {"a": _Channel()})
+    _nudge(model, 1)
+    second = list(iter_shards(model, fmt, against=first))
+    assert all(s.changes is not None for s in second)
+    got, want = {"a": _Channel()}, {"a": _Channel()}
+    fused.send_shards(second, 1, got)
+    assert not calls
+    plain.send_shards(second, 1, want)  # its base is a copy of `first`: it compares every shard
+    assert len(calls) == len(second)
+    assert fused.last_changed == plain.last_changed and fused.last_changed[0] > 0
+    assert [h for h, _ in got["a"].buckets] == [h for h, _ in want["a"].buckets]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got["a"].buckets, want["a"].buckets, strict=True))
+    assert any(p.num_changed for h, _ in got["a"].buckets for p in h.pieces)
