@@ -333,6 +333,7 @@ async def _update_from_channel(
     weights = await asyncio.to_thread(_engine_state, engine, staged.state)
     load_seconds = time.perf_counter() - t0
     paused = await state.engine.swap_weights(weights, staged.version, body.mode, body.path)
+    receiver.release(staged.version)
     return UpdateWeightsResponse(
         version=staged.version,
         load_seconds=load_seconds,

@@ -320,10 +320,13 @@ def _piece(shard: Shard, start: int, count: int, at: int, nbytes: int, num_chang
 @dataclass(kw_only=True)
 class Assembly:
     """Full tensors in the serving format, filled piece by piece. `base` is the previous version
-    (name -> full tensor), which delta pieces start from; `filled` counts elements per name."""
+    (name -> full tensor), which delta pieces start from; `filled` counts elements per name.
+    `spare`: tensors nothing reads any more (an older version's), written over where name, shape
+    and dtype match instead of new memory, whose page faults cost more than the writes."""
 
     expected: Mapping[str, tuple[int, ...]]  # every tensor the model publishes, with its shape
     base: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    spare: Mapping[str, torch.Tensor] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     filled: dict[str, int] = field(default_factory=dict)
 
@@ -337,7 +340,10 @@ class Assembly:
         dtype = _WIRE_DTYPES[piece.dtype]
         full = self.tensors.get(piece.name)
         if full is None:
-            full = self.tensors[piece.name] = torch.empty(piece.shape, dtype=dtype)
+            full = self.spare.get(piece.name)
+            if full is None or full.shape != piece.shape or full.dtype != dtype:
+                full = torch.empty(piece.shape, dtype=dtype)
+            self.tensors[piece.name] = full
         region = _Region(_bits(full), piece)  # bits: the same for every dtype, FP8 included
         data = payload[piece.at : piece.at + piece.nbytes]
         if piece.num_changed is None:

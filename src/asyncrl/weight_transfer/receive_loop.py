@@ -4,6 +4,7 @@
     loop.start()                                      # returns at once; the thread connects and waits
     staged = loop.wait_staged(min_version=3, timeout_s=120)   # between two engine steps
     engine.load_weights(as_dtype(staged.state, engine.dtype), staged.version)
+    loop.release(staged.version)                      # older versions' memory: the next transfer's
     loop.close()
 
 The thread connects to the run's control store (retrying, with a log line, until the trainer is
@@ -92,6 +93,7 @@ class ReceiveLoop:
         self._thread = threading.Thread(target=self._run, name=f"weights-{endpoint.server}", daemon=True)
         self._attempt = 0  # registrations of this process so far
         self.registration: Registration | None = None  # the channel generation joined last
+        self._released: int | None = None  # the engine reads no version older than this
 
     @property
     def held_version(self) -> int | None:
@@ -111,6 +113,12 @@ class ReceiveLoop:
             self._cond.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+
+    def release(self, version: int) -> None:
+        """The engine now serves `version` (or its own copy of it) and reads no older version: their
+        memory may take the next transfer. Without this call every transfer gets new memory."""
+        with self._cond:
+            self._released = version if self._released is None else max(self._released, version)
 
     def wait_staged(self, min_version: int, timeout_s: float) -> Staged:
         """The newest staged version once it is >= `min_version`; StagingTimeout after `timeout_s`."""
@@ -189,6 +197,8 @@ class ReceiveLoop:
                     log.info("weights: the trainer dropped channel %s; joining anew", reg.channel)
                 return
             start = time.monotonic()
+            with self._cond:
+                receiver.released_below = self._released
             version, state = receiver.receive(timeout_s=self.endpoint.timeout_s)
             took = time.monotonic() - start
             self._stage(Staged(version=version, state=state, receive_s=took, num_bytes=receiver.last_bytes))

@@ -5,7 +5,8 @@
     engine.load_weights(as_dtype(state, engine.dtype), version)
 
 Buckets are read from each trainer rank in turn until every rank's stream has ended, and written
-into new tensors; delta pieces start from the version the receiver last completed. Only a
+into new tensors, or into the memory of the version before the held one once the engine let go of
+it (`released_below`); delta pieces start from the version the receiver last completed. Only a
 complete version (every published tensor filled exactly, shapes as expected, from a base the
 receiver holds) becomes the held version; anything else raises `TransferError` after the streams
 are drained where they still flow, and leaves the held version as it was. So does a transfer
@@ -58,6 +59,10 @@ class BucketReceiver:
         self._held: dict[str, torch.Tensor] = {}  # its tensors, the base of delta pieces
         self.last_bytes = 0  # payload bytes of the last transfer, per receiving rank
         self._payload = torch.empty(0, dtype=torch.uint8)  # every bucket lands here; pieces are copied out
+        # the version before the held one, kept for its memory: the next version is written there
+        # once nothing else reads it, i.e. once the engine serves a version >= `released_below`
+        self._retired: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.released_below: int | None = None
 
     @property
     def held(self) -> Mapping[str, torch.Tensor]:
@@ -68,7 +73,7 @@ class BucketReceiver:
         """The next version and its tensors (serving format), within `timeout_s` for the whole
         transfer when given. The caller must not modify them."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        assembly = Assembly(expected=self.expected, base=self._held)
+        assembly = Assembly(expected=self.expected, base=self._held, spare=self._spare())
         versions, error = set(), None
         self.last_bytes = 0
         for src in self.channel.senders:
@@ -92,8 +97,16 @@ class BucketReceiver:
         if error is not None:
             raise error
         assert state is not None
+        if self.version is not None:
+            self._retired = (self.version, self._held)
         self._held, self.version = state, versions.pop()
         return self.version, state
+
+    def _spare(self) -> dict[str, torch.Tensor]:
+        """The retired version's tensors if nothing but this receiver reads them any more."""
+        if self._retired is None or self.released_below is None or self._retired[0] >= self.released_below:
+            return {}
+        return self._retired[1]
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         if self._payload.numel() < nbytes:

@@ -2,7 +2,8 @@
 
 A trainer (one rank) and two servers: each server that joins gets the trainer's current version
 whole before any step; a published version reaches both (a delta after the first) with the bits
-of the trainer's snapshot; a server that restarts gets the current version again without a new
+of the trainer's snapshot (into the memory of the version before last once the server's engine
+released it); a server that restarts gets the current version again without a new
 step; a transfer that breaks leaves that server behind until it rejoins on a new channel and gets
 the version whole; a server whose store never answers times out with a message naming what it holds.
 About 3 s on 2 busy cores.
@@ -64,13 +65,14 @@ def test_servers_get_the_current_version_on_join_each_new_version_and_again_afte
     port = free_port()
     store = host_store(port, num_senders=1)
     reports: list[VersionReport] = []
+    snapshot = list(iter_shards(model, fmt))
     sender = SendLoop(
         store,
         rank=0,
         world_size=1,
         sender=BucketSender(bucket_bytes=64 << 10, delta=True),
         timeout_s=30,
-        initial=(0, list(iter_shards(model, fmt))),
+        initial=(0, snapshot),
         on_version=reports.append,
     )
     sender.start()
@@ -81,25 +83,34 @@ def test_servers_get_the_current_version_on_join_each_new_version_and_again_afte
         for loop in servers.values():
             staged = loop.wait_staged(0, timeout_s=30)
             assert staged.version == 0 and _same(staged.state, v0)
-        for version in (1, 2):
+        memory = {}  # (server, version) -> where its tensors lie
+        for version in (1, 2, 3):
             _step(model, version)
-            sender.submit(version, list(iter_shards(model, fmt)))
+            # as the trainer's publisher takes it: changes found against the version last sent
+            snapshot = list(iter_shards(model, fmt, against=snapshot))
+            sender.submit(version, snapshot)
             sender.wait(version, timeout_s=30)
             want = _expected(model)
-            for loop in servers.values():
+            for name, loop in servers.items():
                 staged = loop.wait_staged(version, timeout_s=30)
                 assert staged.version == version and _same(staged.state, want)
+                memory[name, version] = {t.data_ptr() for t in staged.state.values()}
+            servers["a"].release(version)  # as a server does once its engine swapped it in
+        # server a's engine let go of version 1 before version 3 came: it took version 1's memory
+        assert memory["a", 3] == memory["a", 1]
+        assert not memory["b", 3] & (memory["b", 1] | memory["b", 2])
         whole = 2 * sum(s.values.numel() * s.values.element_size() for s in iter_shards(model, fmt))
         assert [(r.version, r.servers, r.left_behind) for r in reports] == [
             (1, ("a", "b"), ()),
             (2, ("a", "b"), ()),
+            (3, ("a", "b"), ()),
         ]
         for r in reports:  # deltas on the version both servers hold (v0 came whole on join)
             assert 0 < r.changed_fraction < 0.1 and r.num_bytes < whole / 4
         servers["a"].close()
-        restarted = servers["a"] = _loop(port, "a", shapes)  # holds nothing: gets version 2 whole
-        staged = restarted.wait_staged(2, timeout_s=30)
-        assert staged.version == 2 and _same(staged.state, want)
+        restarted = servers["a"] = _loop(port, "a", shapes)  # holds nothing: gets version 3 whole
+        staged = restarted.wait_staged(3, timeout_s=30)
+        assert staged.version == 3 and _same(staged.state, want)
         assert restarted.registration is not None and restarted.registration.gen == 2
     finally:
         for loop in servers.values():
