@@ -27,7 +27,7 @@ from asyncrl.orchestrator.metrics import format_line
 from asyncrl.orchestrator.pool import ServerPool
 from asyncrl.orchestrator.weights import WeightUpdater
 from asyncrl.run_dir import batch_dir, rollouts_root
-from asyncrl.transport.metrics import MetricsWriter, read_metrics
+from asyncrl.transport.metrics import MetricsWriter
 
 log = logging.getLogger("asyncrl.orchestrator")
 
@@ -58,7 +58,7 @@ async def run_orchestrator(cfg: OrchestratorConfig) -> None:
         writer = MetricsWriter(run_dir, "orchestrator")
         if state is not None:
             dispatcher.restore(state)
-            _rewrite_last_line(writer, state)
+            writer.write_missing(state.step, state.metrics)  # a crash after batch B, before its line
         if cfg.eval.enabled:
             evaluator = Evaluator(cfg, pool, tokenizer, mixture, on_line=lambda line: print(line, flush=True))
 
@@ -124,12 +124,6 @@ def _resume_state(cfg: OrchestratorConfig) -> OrchestratorState | None:
             state.next_index,
         )
     return state
-
-
-def _rewrite_last_line(writer: MetricsWriter, state: OrchestratorState) -> None:
-    """A crash between writing batch n and its metrics line loses the line; the checkpoint has it."""
-    if not any(r["step"] == state.step for r in read_metrics(writer.path.parent, "orchestrator")):
-        writer.write(state.step, state.metrics)
 
 
 def main(argv: list[str]) -> int:

@@ -2,7 +2,9 @@
 
 `RUN/checkpoints/step_n/` holds model, optimizer, scheduler, RNG and step. Model and optimizer
 go through the one DCP save/load (`asyncrl.distributed.save_dcp` / `load_dcp`, which reshard to
-any world size); this module adds the "trainer" entry (step, scheduler, RNG). The directory is
+any world size); this module adds the "trainer" entry (step, scheduler, RNG), and `metrics.json`,
+the step's metrics line as the main rank logs it (`checkpoint_metrics` reads it: a trainer killed
+after the checkpoint and before the line writes the line on resume). The directory is
 written under a temporary name and renamed when complete; `latest_checkpoint_step` only sees
 complete ones. A checkpoint that does not fit (too little free space for the model and optimizer
 bytes, checked before writing, or a full disk while writing) raises `DiskFullError` on every rank
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +35,15 @@ from asyncrl.transport.disk import (
 
 __all__ = [
     "CheckpointNotFoundError",
+    "checkpoint_metrics",
     "checkpoint_steps",
     "latest_checkpoint_step",
     "load_checkpoint",
     "save_checkpoint",
 ]
+
+
+_METRICS_FILE = "metrics.json"
 
 
 class CheckpointNotFoundError(ValueError):
@@ -68,11 +75,13 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     info: DistInfo,
     keep_last: int,
+    metrics: Mapping[str, Any] | None = None,
 ) -> Path:
+    """Write the checkpoint of `step` on every rank; the main rank's `metrics` are stored with it."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")
     what = f"checkpoint of step {step}"
-    error = _make_tmp(tmp, final, state_bytes(model, optimizer), what) if info.is_main else None
+    error = _make_tmp(tmp, final, state_bytes(model, optimizer), what, metrics) if info.is_main else None
     raise_together(error, info)  # a barrier too: every rank finds the directory
     trainer = _trainer_entry(step, json.dumps(scheduler.state_dict()))
     try:
@@ -94,16 +103,27 @@ def save_checkpoint(
     return final
 
 
-def _make_tmp(tmp: Path, final: Path, need_bytes: int, what: str) -> DiskFullError | None:
-    """Rank 0: an empty temporary directory if `need_bytes` fit, else the error to raise everywhere."""
+def _make_tmp(
+    tmp: Path, final: Path, need_bytes: int, what: str, metrics: Mapping[str, Any] | None
+) -> DiskFullError | None:
+    """Rank 0: the temporary directory (with `metrics`) if `need_bytes` fit, else the error to raise
+    everywhere."""
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         check_free_space(final, need_bytes, what)
         with disk_full_as_error(final, what):
             tmp.mkdir(parents=True)
+            if metrics is not None:
+                (tmp / _METRICS_FILE).write_text(json.dumps(dict(metrics)))
     except DiskFullError as e:
         return e
     return None
+
+
+def checkpoint_metrics(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """The metrics record stored with the checkpoint of `step`; None for a checkpoint without one."""
+    path = checkpoint_dir(run_dir, step) / _METRICS_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _is_disk_full(e: BaseException) -> bool:

@@ -2,7 +2,8 @@
 
 Each step appends one `"role": "trainer"` line to RUN/metrics.jsonl (through
 `asyncrl.transport.MetricsWriter`, the file's one writer), mirrors it to the enabled metric sinks,
-and prints one console line; on a terminal a progress bar with ETA replaces the lines.
+and prints one console line; on a terminal a progress bar with ETA replaces the lines. A resumed
+trainer logs its checkpoint's step with `log_missing`, which skips a line the file already holds.
 """
 
 from __future__ import annotations
@@ -132,6 +133,20 @@ class MetricsLogger:
             postfix["tok/s"] = f"{record['tokens_per_s']:.0f}"
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)
+
+    def log_missing(self, record: dict[str, Any]) -> None:
+        """Log `record` unless metrics.jsonl already has its step's line; the bar does not advance,
+        since a resumed bar starts at that step."""
+        if self._writer is None:
+            return
+        line = self._writer.write_missing(record["step"], record)
+        if line is None:
+            return
+        self._sinks.log(line)
+        if self._bar is None:
+            print(self.format_line(record), flush=True)
+        else:
+            self._bar.write(self.format_line(record))
 
     def close(self) -> None:
         if self._bar is not None:

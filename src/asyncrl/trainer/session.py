@@ -23,6 +23,7 @@ from asyncrl.model.fp8 import apply_fp8
 from asyncrl.run_dir import checkpoints_root
 from asyncrl.trainer.checkpoint import (
     CheckpointNotFoundError,
+    checkpoint_metrics,
     latest_checkpoint_step,
     load_checkpoint,
     save_checkpoint,
@@ -109,7 +110,7 @@ class TrainSession:
             parallel=parallel,
         )
         peak = cfg.peak_flops or measure_matmul_peak(info.device, dtype)
-        return cls(
+        session = cls(
             cfg=cfg,
             info=info,
             model=model,
@@ -127,6 +128,18 @@ class TrainSession:
             start_step=start_step,
             parallel=parallel,
         )
+        if resume is not None:
+            session.log_checkpointed_step()
+        return session
+
+    def log_checkpointed_step(self) -> None:
+        """Log the resumed checkpoint's metrics line if a kill fell between the checkpoint and the line.
+
+        A checkpoint saved without a metrics record has nothing to log.
+        """
+        record = checkpoint_metrics(self.cfg.run_dir, self.start_step) if self.logger.enabled else None
+        if record is not None:
+            self.logger.log_missing(record)
 
     def step_metrics(self, step: int, result: StepResult) -> dict[str, Any]:
         tokens_per_s = result.num_tokens / max(result.seconds, 1e-9)
@@ -152,7 +165,8 @@ class TrainSession:
         A publish may still be writing when this returns (`[publish] overlap`); a checkpoint waits
         for it first, so the weights of every checkpointed step are published, and so does the last
         step. Those steps' versions are files on disk whatever the transport (`to_disk`).
-        `publish_s` is the time the step spent publishing (and waiting for a write).
+        `publish_s` is the time the step spent publishing (and waiting for a write). A checkpoint
+        stores the step's complete record, logged on resume if metrics.jsonl lacks it (`build`).
         """
         cfg = self.cfg
         last = last or step == cfg.max_steps
@@ -164,6 +178,9 @@ class TrainSession:
         if checkpoint or last:
             self.publisher.wait()
         publish_s = time.perf_counter() - start
+        record = self.step_metrics(step, result) | {"publish_s": publish_s} | (extra or {})
+        for key in drop_keys:
+            record.pop(key, None)
         if checkpoint:
             save_checkpoint(
                 cfg.run_dir,
@@ -173,10 +190,8 @@ class TrainSession:
                 self.step_runner.scheduler,
                 self.info,
                 cfg.checkpoint.keep_last,
+                metrics=record,  # a kill before the log below: the resumed session logs it from there
             )
-        record = self.step_metrics(step, result) | {"publish_s": publish_s} | (extra or {})
-        for key in drop_keys:
-            record.pop(key, None)
         self.logger.log(record)
         return record
 

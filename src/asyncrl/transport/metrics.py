@@ -12,6 +12,10 @@ evaluated (v_n is trainer step n's), and `time` the Unix time of the write. Seve
 append to the same file: each line goes out in one `O_APPEND` write, so concurrent lines never
 interleave.
 
+A process that keeps a step's metrics in its checkpoint (the trainer, the orchestrator) may be killed
+after the checkpoint and before the line; on resume it calls `write_missing`, which writes the line
+only if the file has none for that step and role.
+
 On resume, `drop_metrics_after` removes the lines of steps that will be redone (a trainer that
 restarts from an older checkpoint retrains them), so every step of a role appears once. It
 rewrites the file (temp + rename) and must run while no process appends: `asyncrl rl --resume`
@@ -39,6 +43,7 @@ class MetricsWriter:
     """Appends one `{"role", "step", "time", **metrics}` line per call to `RUN/metrics.jsonl`."""
 
     def __init__(self, run_dir: str | Path, role: Role) -> None:
+        self.run_dir = Path(run_dir)
         self.path = metrics_file(run_dir)
         self.role = role
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,6 +59,12 @@ class MetricsWriter:
         record |= {k: v for k, v in metrics.items() if k not in HEADER_KEYS}
         append_jsonl(self.path, record)
         return record
+
+    def write_missing(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Write the line of `step` unless the file already holds one of this role; the line, or None."""
+        if any(r.get("step") == step for r in read_metrics(self.run_dir, self.role)):
+            return None
+        return self.write(step, metrics)
 
 
 def append_jsonl(path: str | Path, record: Mapping[str, Any]) -> None:

@@ -16,9 +16,11 @@ from asyncrl.config.trainer import RLTrainerConfig
 from asyncrl.model import from_pretrained
 from asyncrl.run_dir import weights_dir
 from asyncrl.tools.init_model import init_model
+from asyncrl.trainer.checkpoint import checkpoint_metrics
 from asyncrl.trainer.rl import run_rl
 from asyncrl.trainer.synthetic import synthetic_batch
 from asyncrl.transport import write_batch
+from asyncrl.transport.metrics import read_metrics
 from helpers import child_env, torchrun_trainer
 
 
@@ -63,6 +65,8 @@ def test_two_ranks_match_one_process_and_resume_at_another_world_size(tmp_path):
     _run(_toml(tmp_path / "two.toml", model_dir, two, 3), nproc=1, extra=("--resume",))
 
     a, b = _losses(one), _losses(two)
+    assert [r["step"] for r in read_metrics(two, "trainer")] == [1, 2, 3]  # step 2 not logged again
+    assert checkpoint_metrics(two, 2)["loss"] == b[2]["loss"]  # rank 0's record, kept with the checkpoint
     for step in (1, 2, 3):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], abs=1e-5), step  # loss is a +/- sum near 0
         assert b[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4), step

@@ -59,3 +59,16 @@ def test_disabled_rank_writes_and_prints_nothing(tmp_path, capsys):
     logger.log({"step": 1, "loss": 0.5})
     logger.close()
     assert capsys.readouterr() == ("", "") and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_log_missing_logs_a_step_only_if_the_file_lacks_it(tmp_path, capsys):
+    sink = _Recorder()
+    MetricsLogger(tmp_path, enabled=True).log({"step": 1, "loss": 0.5})
+    logger = MetricsLogger(tmp_path, enabled=True, sinks=Sinks([sink]), total_steps=3, start_step=2)
+    logger.log_missing({"step": 1, "loss": 0.75})
+    logger.log_missing({"step": 2, "loss": 0.25})
+    logger.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in lines] == [(1, 0.5), (2, 0.25)]
+    assert sink.records == lines[1:]
+    assert capsys.readouterr().out.splitlines() == ["step 1 | loss 0.5", "step 2 | loss 0.25"]

@@ -25,3 +25,13 @@ def test_metrics_cannot_override_the_header(tmp_path, metrics):
     with pytest.raises(ValueError, match="the writer owns role, step, time"):
         MetricsWriter(tmp_path, "trainer").write(1, metrics)
     assert not metrics_file(tmp_path).exists()
+
+
+def test_write_missing_writes_a_step_only_once_per_role(tmp_path):
+    trainer = MetricsWriter(tmp_path, "trainer")
+    MetricsWriter(tmp_path, "orchestrator").write(2, {"reward/mean": 0.25})  # another role's step 2
+    assert trainer.write_missing(2, {"loss": 0.5})["loss"] == 0.5
+    assert trainer.write_missing(2, {"loss": 0.75}) is None
+    lines = [json.loads(x) for x in metrics_file(tmp_path).read_text().splitlines()]
+    assert [(r["role"], r["step"]) for r in lines] == [("orchestrator", 2), ("trainer", 2)]
+    assert lines[1]["loss"] == 0.5
