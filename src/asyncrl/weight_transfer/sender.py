@@ -6,8 +6,9 @@
     # results["server1"] is a SendStats, or the TransferError that left that server behind
 
 Called on every trainer rank; nothing is collective but FP8's scales. Each rank sends its own
-shards (`iter_shards`) to each receiving rank of each channel and waits for its ack, one channel
-after the other; a channel that fails (broken, timed out, or the version refused) is reported,
+shards (`iter_shards`) to each receiving rank of each channel and waits for its ack; each bucket is
+packed once and goes to every channel in turn (the channels that get a delta, then those that get
+the whole version). A channel that fails (broken, timed out, or the version refused) is reported,
 not raised, so the others still get the version. With `delta`, the rank keeps the serving values
 it last sent (its shards only) and sends the whole version instead to a channel whose last send
 failed, or one named in `dense` (a server that restarted on a channel of the same name).
@@ -81,16 +82,19 @@ class BucketSender:
         results: dict[str, SendStats | TransferError] = {}
         if self._compared != (version, id(shards)):
             self.compare(shards, version)
-        for name, channel in channels.items():
-            as_delta = (
-                self.delta and self._base is not None and name not in dense and name not in self._behind
-            )
-            try:
-                results[name] = self._send_to(channel, shards, version, as_delta)
-                self._behind.discard(name)
-            except TransferError as e:
-                results[name] = e
+        as_delta = {
+            name: self.delta and self._base is not None and name not in dense and name not in self._behind
+            for name in channels
+        }
+        for delta in (True, False):
+            group = {n: c for n, c in channels.items() if as_delta[n] == delta}
+            if group:
+                results |= self._send_group(group, shards, version, delta)
+        for name, result in results.items():
+            if isinstance(result, TransferError):
                 self._behind.add(name)
+            else:
+                self._behind.discard(name)
         if self.delta:
             self._base, self._base_version = {s.key: s.values for s in shards}, version
         self._compared = None
@@ -121,8 +125,15 @@ class BucketSender:
             self._payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._payload[:nbytes]
 
-    def _send_to(self, channel: Channel, shards: list[Shard], version: int, as_delta: bool) -> SendStats:
+    def _send_group(
+        self, channels: Mapping[str, Channel], shards: list[Shard], version: int, as_delta: bool
+    ) -> dict[str, SendStats | TransferError]:
+        """One stream of buckets to every channel of `channels`: each bucket is packed once and sent
+        to each channel in turn, so one server places a bucket while the next server receives it.
+        A channel whose send fails gets no more buckets; the others go on."""
         base, base_version = (self._base, self._base_version) if as_delta else (None, None)
+        live = dict(channels)
+        results: dict[str, SendStats | TransferError] = {}
         num_buckets = num_bytes = num_changed = 0
         for header, payload in pack_buckets(
             shards,
@@ -133,15 +144,32 @@ class BucketSender:
             buffer=self._buffer,
             changes=self._changes if as_delta else None,
         ):
-            for dst in channel.receivers:
-                channel.send_bucket(header, payload, dst)
+            for name, channel in list(live.items()):
+                try:
+                    for dst in channel.receivers:
+                        channel.send_bucket(header, payload, dst)
+                except TransferError as e:
+                    results[name] = e
+                    del live[name]
             num_buckets += not header.last
             num_bytes += header.payload_bytes
             num_changed += sum(p.count if p.num_changed is None else p.num_changed for p in header.pieces)
-        refused = [dst for dst in channel.receivers if not channel.recv_ack(dst)]
-        if refused:
-            raise TransferError(f"channel ranks {refused} refused version {version} (their logs say why)")
         num_elements = sum(s.values.numel() for s in shards)
-        return SendStats(
-            num_buckets=num_buckets, num_bytes=num_bytes, num_elements=num_elements, num_changed=num_changed
-        )
+        for name, channel in live.items():
+            try:
+                refused = [dst for dst in channel.receivers if not channel.recv_ack(dst)]
+            except TransferError as e:
+                results[name] = e
+                continue
+            if refused:
+                results[name] = TransferError(
+                    f"channel ranks {refused} refused version {version} (their logs say why)"
+                )
+                continue
+            results[name] = SendStats(
+                num_buckets=num_buckets,
+                num_bytes=num_bytes,
+                num_elements=num_elements,
+                num_changed=num_changed,
+            )
+        return results

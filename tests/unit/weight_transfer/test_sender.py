@@ -10,7 +10,7 @@ import torch
 import asyncrl.weight_transfer.sender as sender_module
 from asyncrl.model import Transformer, preset_args
 from asyncrl.model.serving import serving_format
-from asyncrl.weight_transfer import BucketSender, iter_shards
+from asyncrl.weight_transfer import BucketSender, TransferError, iter_shards
 
 
 class _Channel:
@@ -117,3 +117,41 @@ def test_changes_found_while_snapshotting_spare_the_senders_comparison(monkeypat
     assert [h for h, _ in got["a"].buckets] == [h for h, _ in want["a"].buckets]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got["a"].buckets, want["a"].buckets, strict=True))
     assert any(p.num_changed for h, _ in got["a"].buckets for p in h.pieces)
+
+
+class _Breaks(_Channel):
+    """A receiver that goes away after taking `after` buckets."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+
+    def send_bucket(self, header, payload, dst) -> None:
+        if len(self.buckets) == self.after:
+            raise TransferError("sending to channel rank 1 failed: connection reset")
+        super().send_bucket(header, payload, dst)
+
+
+def test_each_bucket_is_packed_once_and_goes_to_every_channel_in_turn(monkeypatch):
+    """Three channels, one of which breaks mid-version: the buckets are packed once for all, sent
+    bucket by bucket across channels, the broken channel gets nothing after its failure and is
+    reported, the others take the whole version."""
+    packs, order = [], []
+    real = sender_module.pack_buckets
+    monkeypatch.setattr(sender_module, "pack_buckets", lambda *a, **k: packs.append(1) or real(*a, **k))
+    model = _model()
+    fmt = serving_format(model, torch.bfloat16)
+    sender = BucketSender(bucket_bytes=1 << 14, delta=False)
+    channels = {"a": _Channel(), "broken": _Breaks(after=2), "c": _Channel()}
+    for name, channel in channels.items():
+        send = channel.send_bucket
+        channel.send_bucket = lambda h, p, dst, name=name, send=send: order.append(name) or send(h, p, dst)
+    results = sender.send_shards(list(iter_shards(model, fmt)), 1, channels)
+    assert len(packs) == 1
+    assert isinstance(results["broken"], TransferError) and "connection reset" in str(results["broken"])
+    n = results["a"].num_buckets + 1  # the stream's last header too
+    assert n > 3 and results["c"].num_buckets + 1 == n
+    assert order[:6] == ["a", "broken", "c"] * 2 and order[6:9] == ["a", "broken", "c"]
+    assert order[9:] == ["a", "c"] * (n - 3)
+    assert len(channels["broken"].buckets) == 2
+    assert [h for h, _ in channels["a"].buckets] == [h for h, _ in channels["c"].buckets]
