@@ -39,7 +39,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -52,7 +51,7 @@ from asyncrl.inference import Engine, SamplingOptions
 from asyncrl.inference.kv_cache import AttentionPaths
 from asyncrl.model import ModelArgs, Transformer, preset_args
 from asyncrl.model.layers import PackedCausalAttention
-from report import write_section
+from report import machine, write_section
 
 TITLE = "## Long context: sparse DSA and latent MLA decode (GLM-5-shaped)"
 DECODE_PATHS = {
@@ -304,27 +303,6 @@ def trainer_table(rows: list[dict]) -> str:
             ratio = ("" if "peak_bytes" in d else "> ") + f"{need / max(s['peak_bytes'], 1):.1f}x"
         lines.append(f"| {r['length']} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines)
-
-
-def _cpuinfo(key: str) -> str:
-    """The first /proc/cpuinfo value of `key` ("" where there is none)."""
-    if not os.path.exists("/proc/cpuinfo"):
-        return ""
-    with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.split(":")[0].strip() == key), "")
-
-
-def machine() -> str:
-    """CPU model, cores, memory and the matmul extensions torch's CPU kernels can use."""
-    flags = set(_cpuinfo("flags").split())
-    has = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    lacks = [f for f in ("avx512_bf16", "amx_bf16") if f not in flags]
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (
-        f"{_cpuinfo('model name') or platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs), "
-        f"{mem:.0f} GiB; flags {' '.join(has) or 'none of avx512f/avx512_bf16/amx'}"
-        + (f", no {' / '.join(lacks)}" if lacks else "")
-    )
 
 
 def main() -> None:

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from report import machine, write_section
+
 SECTION = "## Router replay payload"
 SHAPES = {"tiny-glm5-32k": (4, 2, 8), "glm5": (78, 8, 256)}  # layers, top_k, experts
 GLM5_TURN_TOKENS = 131072
@@ -204,20 +206,6 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def machine() -> str:
-    """CPU model, cores and the flags the numbers depend on."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    fields = dict(ln.split(":", 1) for ln in info.splitlines() if ":" in ln)
-    name = fields.get("model name\t", "").strip() or "unknown CPU"
-    flags = set(fields.get("flags\t\t", "").split())
-    has = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    lacks = [f for f in ("avx512_bf16", "amx_bf16") if f not in flags]
-    return (
-        f"{name}, {os.cpu_count()} CPUs (shared with other jobs); flags {' '.join(has) or 'none listed'}"
-        + (f", no {' / '.join(lacks)}" if lacks else "")
-    )
-
-
 def _mb(n: float) -> str:
     return f"{n / 1e6:.3f}" if n < 1e7 else f"{n / 1e6:.1f}"
 
@@ -326,9 +314,6 @@ def main() -> None:
     )
     print(body)
     if args.write:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from report import write_section
-
         write_section(SECTION, f"{SECTION}\n\n{body}\n")
 
 

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import queue
 import shlex
 import signal
@@ -69,7 +68,7 @@ from asyncrl.trainer.publish_distributed import DistributedWeightPublisher
 from asyncrl.transport.weights import wait_for_weights
 from asyncrl.wire import GenerateRequest, UpdateWeightsRequest
 from asyncrl.wire.vllm import to_vllm_generate
-from report import write_section
+from report import machine, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -379,8 +378,8 @@ def _section(a: argparse.Namespace, table: str, minutes: float) -> str:
         f"relative size {a.step_rel:g}). Trainer: W gloo processes, one thread each, FSDP2 when W > 1. "
         f"{who}. MB moved: files, the directory written once plus each server's read; distributed, the "
         "payload sent over all trainer ranks and servers.\n"
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, shared (1-min load average "
-        f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}; {minutes:.0f} min in all.\n"
+        f"Machine: {machine()}; 1-min load average {os.getloadavg()[0]:.1f} at the end; torch "
+        f"{torch.__version__}; {minutes:.0f} min in all.\n"
         f"Command: `{_command()}`\n\n" + table + "\n"
     )
 

@@ -6,11 +6,35 @@ Run a script as `python benchmarks/<name>.py`: Python puts this folder on sys.pa
 
 from __future__ import annotations
 
+import os
+import platform
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 
-__all__ = ["BENCHMARKS", "write_section"]
+__all__ = ["BENCHMARKS", "machine", "write_section"]
+
+
+def _cpuinfo(key: str) -> str:
+    """The first /proc/cpuinfo value of `key` ("" where there is none)."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return ""
+    with open("/proc/cpuinfo") as f:
+        return next((ln.split(":", 1)[1].strip() for ln in f if ln.split(":")[0].strip() == key), "")
+
+
+def machine() -> str:
+    """CPU model, cores, memory and the matmul extensions torch's CPU kernels can use: bf16 speed
+    depends on them, so every section that quotes timings names them."""
+    flags = set(_cpuinfo("flags").split())
+    has = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    lacks = [f for f in ("avx512_bf16", "amx_bf16") if f not in flags]
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{_cpuinfo('model name') or platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs), "
+        f"{mem:.0f} GiB; flags {' '.join(has) or 'none of avx512f/avx512_bf16/amx'}"
+        + (f", no {' / '.join(lacks)}" if lacks else "")
+    )
 
 
 def write_section(title: str, body: str, path: Path = BENCHMARKS) -> None:
