@@ -75,12 +75,16 @@ class Shard:
 @dataclass(frozen=True, kw_only=True)
 class Changes:
     """Where one shard's values differ in their bits from `base` (the values of an earlier version),
-    and what they are there. Example: Changes(base=b, positions=tensor([3, 17]), values=tensor([.5, 2.]))
-    with b bf16 [1024]: a delta against `b` sends 2 positions and 2 values."""
+    and what they are there. Example: Changes(base=b, count=2, positions=tensor([3, 17]),
+    values=tensor([.5, 2.])) with b bf16 [1024]: a delta against `b` sends 2 positions and 2 values.
+    Where so many changed that a delta of the whole shard would be larger than the shard (more than
+    a third of bf16 values), positions and values are None: the shard goes dense, and its positions
+    never take more memory than its values."""
 
     base: torch.Tensor  # compared against: the changes hold for this very tensor only
-    positions: torch.Tensor  # int64, ascending
-    values: torch.Tensor  # the new values at `positions`, in the shard's dtype
+    count: int  # elements that differ
+    positions: torch.Tensor | None  # int64, ascending (None: too many, send the shard dense)
+    values: torch.Tensor | None  # the new values at `positions`, in the shard's dtype
 
 
 def shard_key(name: str, offset: tuple[int, ...]) -> str:
@@ -165,34 +169,50 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, dtype=np.int64))
 
 
+def _most_changed(numel: int, itemsize: int) -> int:
+    """The most changed elements for which a delta of `numel` values can be smaller than them dense."""
+    return numel * itemsize // (4 + itemsize)
+
+
 def changes_against(values: torch.Tensor, base: torch.Tensor) -> Changes:
     """`Changes` of the flat `values` against `base` (same dtype), compared now."""
     where = differing(values, base)
-    return Changes(base=base, positions=where, values=values.index_select(0, where))
+    if where.numel() > _most_changed(values.numel(), values.element_size()):
+        return Changes(base=base, count=where.numel(), positions=None, values=None)
+    return Changes(base=base, count=where.numel(), positions=where, values=values.index_select(0, where))
 
 
 def copy_differing(out: torch.Tensor, src: torch.Tensor, base: torch.Tensor) -> Changes:
     """Cast `src` into `out` (both flat, `out` in `base`'s dtype) and find where `out` then differs
     from `base`, chunk by chunk: each chunk is compared, and its changed values taken, while it is in
     cache. One pass instead of three (cast, compare, gather), which on a CPU each read the whole
-    model; a delta update's cost on the trainer is mostly these passes."""
+    model; a delta update's cost on the trainer is mostly these passes. Past `_most_changed`
+    elements only the count goes on (the shard will go dense)."""
     assert out.numel() == src.numel() == base.numel() and out.dtype == base.dtype
     if out.device.type != "cpu":
         out.copy_(src)
         return changes_against(out, base)
     out_np, base_np = _bits(out).numpy(), _bits(base).numpy()
     mask = np.empty(min(_CHUNK, out_np.size), dtype=bool)
+    most, count = _most_changed(out.numel(), out.element_size()), 0
     positions, values = [], []
     for i in range(0, out_np.size, _CHUNK):
         j = min(i + _CHUNK, out_np.size)
         out[i:j].copy_(src[i:j])
         m = mask[: j - i]
         np.not_equal(out_np[i:j], base_np[i:j], out=m)
+        if count > most:
+            count += int(np.count_nonzero(m))
+            continue
         where = np.flatnonzero(m)
+        count += where.size
         values.append(out_np[i:j][where])
         positions.append(where + i)
+    if count > most:
+        return Changes(base=base, count=count, positions=None, values=None)
     return Changes(
         base=base,
+        count=count,
         positions=torch.from_numpy(np.concatenate(positions) if positions else np.empty(0, dtype=np.int64)),
         values=torch.from_numpy(np.concatenate(values) if values else out_np[:0].copy()).view(out.dtype),
     )
@@ -202,7 +222,7 @@ def _encode(new: torch.Tensor, changes: Changes | None, start: int) -> tuple[lis
     """The payload parts of the piece `new` (elements from `start` of its shard): dense [values], or
     delta [positions, values] when smaller; `changes` are the shard's against the base (None: no
     base, dense)."""
-    if changes is None:
+    if changes is None or changes.positions is None or changes.values is None:
         return [new], None
     bounds = torch.tensor([start, start + new.numel()])
     lo, hi = (int(i) for i in torch.searchsorted(changes.positions, bounds))

@@ -111,7 +111,7 @@ class BucketSender:
                 s.key: self._changes_of(s, self._base[s.key]) for s in shards if s.key in self._base
             }
             total = sum(s.values.numel() for s in shards)
-            self.last_changed = (sum(c.positions.numel() for c in self._changes.values()), total)
+            self.last_changed = (sum(c.count for c in self._changes.values()), total)
 
     @staticmethod
     def _changes_of(shard: Shard, base: torch.Tensor) -> Changes:

@@ -183,7 +183,7 @@ def test_delta_pieces_across_buckets_from_precomputed_positions():
     shards = _all_shards(new)
     base = {s.key: s.values for s in _all_shards(old)}
     changes = {s.key: changes_against(s.values, base[s.key]) for s in shards}
-    assert sum(c.positions.numel() for c in changes.values()) == 9
+    assert sum(c.count for c in changes.values()) == 9
     inside = list(pack_buckets(shards, bucket_bytes=96, version=2, base=base, base_version=1))
     given = list(pack_buckets(shards, bucket_bytes=96, version=2, base=base, base_version=1, changes=changes))
     assert sum(len(h.pieces) for h, _ in inside) > len(shards)  # shards split into several pieces
@@ -233,3 +233,33 @@ def test_copy_differing_is_a_cast_then_a_comparison_chunk_by_chunk(monkeypatch):
         [Shard(**shard, values=out)], bucket_bytes=256, version=2, base={"w@0": base}, base_version=1
     )
     assert all(ha == hb and torch.equal(pa, pb) for (ha, pa), (hb, pb) in zip(fused, after, strict=True))
+
+
+def test_a_mostly_changed_shard_keeps_no_positions_and_goes_dense(monkeypatch):
+    """Past a third of bf16 values changed a delta of the shard is larger than the shard: the
+    snapshot keeps counting but keeps no positions (they would outweigh the values), for the fused
+    pass and the comparison alike, and every piece goes dense with the exact bits."""
+    monkeypatch.setattr(buckets_module, "_CHUNK", 64)
+    torch.manual_seed(0)
+    src = torch.randn(1000)
+    base = src.to(torch.bfloat16)
+    src[:400] += 1.0  # 400 of 1000 changed: over a third
+    out = torch.empty(1000, dtype=torch.bfloat16)
+    fused = copy_differing(out, src, base)
+    after = changes_against(out, base)
+    for changes in (fused, after):
+        assert changes.count == 400 and changes.positions is None and changes.values is None
+    shard = Shard(name="w", shape=(1000,), offset=(0,), local_shape=(1000,), values=out, changes=fused)
+    buckets = list(
+        pack_buckets(
+            [shard], bucket_bytes=256, version=2, base={"w@0": base}, base_version=1, changes={"w@0": fused}
+        )
+    )
+    assert all(p.num_changed is None for h, _ in buckets for p in h.pieces)
+    got = _assemble(buckets, {"w": (1000,)}, base={"w": base})
+    assert _bits_equal(got["w"], out)
+    # a third exactly is still a delta candidate: 333 changed keep their positions
+    src = base.float()
+    src[:333] += 1.0
+    kept = copy_differing(torch.empty_like(out), src, base)
+    assert kept.count == 333 and kept.positions is not None and kept.positions.numel() == 333
