@@ -104,4 +104,6 @@ def _run(rank: int, ports: list[int], model_dir: Path) -> None:
 def test_only_whole_versions_on_a_base_the_receiver_holds_are_taken(tmp_path):
     init_model("tiny-moe", tmp_path, seed=0)
     ports = [free_port(), free_port()]
-    mp.start_processes(_run, args=(ports, tmp_path), nprocs=2, join=True, start_method="fork")
+    # spawn, not fork: the threads earlier tests of this process leave (a receive loop blocked in gloo
+    # until its timeout) could hold a lock that a forked child inherits locked and waits on forever
+    mp.start_processes(_run, args=(ports, tmp_path), nprocs=2, join=True, start_method="spawn")
