@@ -43,7 +43,6 @@ class MetricsWriter:
     """Appends one `{"role", "step", "time", **metrics}` line per call to `RUN/metrics.jsonl`."""
 
     def __init__(self, run_dir: str | Path, role: Role) -> None:
-        self.run_dir = Path(run_dir)
         self.path = metrics_file(run_dir)
         self.role = role
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +61,7 @@ class MetricsWriter:
 
     def write_missing(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any] | None:
         """Write the line of `step` unless the file already holds one of this role; the line, or None."""
-        if any(r.get("step") == step for r in read_metrics(self.run_dir, self.role)):
+        if any(r.get("step") == step for r in read_metrics(self.path.parent, self.role)):
             return None
         return self.write(step, metrics)
 

@@ -139,15 +139,25 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 
 
-def _chunk_masks(a: torch.Tensor, b: torch.Tensor) -> Iterator[tuple[int, np.ndarray]]:
+def _chunk_masks(
+    a: torch.Tensor, b: torch.Tensor, fill: Callable[[int, int], object] | None = None
+) -> Iterator[tuple[int, np.ndarray]]:
     """(start, mask of the elements that differ) per chunk of the flat CPU integer tensors `a`, `b`;
-    one mask memory serves every chunk (valid until the next is drawn)."""
+    one mask memory serves every chunk (valid until the next is drawn). `fill(i, j)`, when given,
+    writes elements [i, j) of `a` first, so a chunk is compared while it is in cache."""
     a_np, b_np = a.numpy(), b.numpy()
     mask = np.empty(min(_CHUNK, a_np.size), dtype=bool)
     for i in range(0, a_np.size, _CHUNK):
-        m = mask[: min(_CHUNK, a_np.size - i)]
-        np.not_equal(a_np[i : i + _CHUNK], b_np[i : i + _CHUNK], out=m)
+        j = min(i + _CHUNK, a_np.size)
+        if fill is not None:
+            fill(i, j)
+        m = mask[: j - i]
+        np.not_equal(a_np[i:j], b_np[i:j], out=m)
         yield i, m
+
+
+def _joined(parts: list[np.ndarray], dtype: np.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, dtype=dtype))
 
 
 def count_differing(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -165,8 +175,7 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = _bits(a), _bits(b)
     if a.device.type != "cpu":
         return (a != b).nonzero().view(-1)
-    parts = [np.flatnonzero(m) + i for i, m in _chunk_masks(a, b)]
-    return torch.from_numpy(np.concatenate(parts) if parts else np.empty(0, dtype=np.int64))
+    return _joined([np.flatnonzero(m) + i for i, m in _chunk_masks(a, b)], np.int64)
 
 
 def _most_changed(numel: int, itemsize: int) -> int:
@@ -176,6 +185,8 @@ def _most_changed(numel: int, itemsize: int) -> int:
 
 def changes_against(values: torch.Tensor, base: torch.Tensor) -> Changes:
     """`Changes` of the flat `values` against `base` (same dtype), compared now."""
+    if values.device.type == "cpu":
+        return _collect_changes(values, base)
     where = differing(values, base)
     if where.numel() > _most_changed(values.numel(), values.element_size()):
         return Changes(base=base, count=where.numel(), positions=None, values=None)
@@ -186,35 +197,38 @@ def copy_differing(out: torch.Tensor, src: torch.Tensor, base: torch.Tensor) -> 
     """Cast `src` into `out` (both flat, `out` in `base`'s dtype) and find where `out` then differs
     from `base`, chunk by chunk: each chunk is compared, and its changed values taken, while it is in
     cache. One pass instead of three (cast, compare, gather), which on a CPU each read the whole
-    model; a delta update's cost on the trainer is mostly these passes. Past `_most_changed`
-    elements only the count goes on (the shard will go dense)."""
+    model; a delta update's cost on the trainer is mostly these passes."""
     assert out.numel() == src.numel() == base.numel() and out.dtype == base.dtype
     if out.device.type != "cpu":
         out.copy_(src)
         return changes_against(out, base)
-    out_np, base_np = _bits(out).numpy(), _bits(base).numpy()
-    mask = np.empty(min(_CHUNK, out_np.size), dtype=bool)
-    most, count = _most_changed(out.numel(), out.element_size()), 0
+    return _collect_changes(out, base, fill=lambda i, j: out[i:j].copy_(src[i:j]))
+
+
+def _collect_changes(
+    new: torch.Tensor, base: torch.Tensor, fill: Callable[[int, int], object] | None = None
+) -> Changes:
+    """`Changes` of the flat CPU tensor `new` against `base`, chunk by chunk (`_chunk_masks`, which
+    calls `fill` to write each chunk of `new` first). Past `_most_changed` elements only the count
+    goes on: the shard will go dense."""
+    new_np = _bits(new).numpy()
+    most, count = _most_changed(new.numel(), new.element_size()), 0
     positions, values = [], []
-    for i in range(0, out_np.size, _CHUNK):
-        j = min(i + _CHUNK, out_np.size)
-        out[i:j].copy_(src[i:j])
-        m = mask[: j - i]
-        np.not_equal(out_np[i:j], base_np[i:j], out=m)
+    for i, m in _chunk_masks(_bits(new), _bits(base), fill):
         if count > most:
             count += int(np.count_nonzero(m))
             continue
         where = np.flatnonzero(m)
         count += where.size
-        values.append(out_np[i:j][where])
+        values.append(new_np[i : i + m.size][where])
         positions.append(where + i)
     if count > most:
         return Changes(base=base, count=count, positions=None, values=None)
     return Changes(
         base=base,
         count=count,
-        positions=torch.from_numpy(np.concatenate(positions) if positions else np.empty(0, dtype=np.int64)),
-        values=torch.from_numpy(np.concatenate(values) if values else out_np[:0].copy()).view(out.dtype),
+        positions=_joined(positions, np.int64),
+        values=_joined(values, new_np.dtype).view(new.dtype),
     )
 
 
