@@ -28,11 +28,18 @@ engine's weight swap, does so for every tensor it sets.
 On a CPU with native bf16 (AVX-512 BF16, AMX) the choice is made per op from the CPU's
 capabilities, once (`cpu_kernels()`), because native is not always faster there:
 
-- linear: native.
-- the MoE experts' grouped GEMM: native on AMX, under autograd (training), and for experts of at
+- linear: native for weights of at least `MIN_NATIVE_LINEAR` elements; smaller ones outside
+  autograd (a small model's q/k/v/o projections in the engine's steps) take the fp32 path on kept
+  fp32 copies: oneDNN's bf16 call costs ~2x sgemm's there when the caches are cold, as they are
+  between the layers of a decode step (64 x 128 by 128 x 128: ~118 against ~65 us); a 260 x 128
+  lm_head is already faster native. The copies are at most `MIN_NATIVE_LINEAR` elements each.
+- the MoE experts: in the engine's steps (no autograd), one padded batched matmul per projection
+  over all experts, natively (asyncrl.model.moe), while padding at most doubles the rows. Otherwise
+  torch's grouped GEMM: native on AMX, under autograd (training), and for experts of at
   least `MIN_NATIVE_EXPERT` weights per matrix elsewhere. Below that size without autograd (the
-  engine's steps: tiny experts, a few rows each), oneDNN's per-call bf16 overhead exceeds the matmul,
-  and the fp32 path on the kept fp32 weights is ~2x faster. Training runs torch's grouped GEMM in
+  engine's steps whose routing is too skewed for the padded batch: tiny experts, a few rows each),
+  oneDNN's per-call bf16 overhead exceeds the matmul, and the fp32 path on the kept fp32 weights is
+  ~2x faster. Training runs torch's grouped GEMM in
   bf16 instead (asyncrl.model.moe): it pays that overhead once per layer rather than once per
   expert, and its forward+backward of 128 x 128 experts is ~1.7x faster than the fp32 path.
 - attention: native (torch's flash kernel reads the engine's strided K/V views as they are; an fp32
@@ -56,6 +63,7 @@ from torch import nn
 
 __all__ = [
     "MIN_NATIVE_EXPERT",
+    "MIN_NATIVE_LINEAR",
     "CpuKernels",
     "Linear",
     "as_fp32",
@@ -71,6 +79,8 @@ _FORCED: bool | None = None
 # Elements of one expert matrix from which native bf16 beats the fp32 path without AMX (measured on
 # AVX-512 BF16: 128 x 128 experts ~2x faster in fp32, 448 x 512 ~2x faster native).
 MIN_NATIVE_EXPERT = 65536
+# Elements of a linear weight from which native bf16 beats the fp32 path outside autograd without AMX.
+MIN_NATIVE_LINEAR = 32768
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,12 +100,21 @@ class CpuKernels:
         """Whether bf16 MoE experts of `weight_numel` weights per matrix run native kernels."""
         return self.native_bf16 and (self.amx or autograd or weight_numel >= MIN_NATIVE_EXPERT)
 
+    def native_linear(self, weight_numel: int, *, autograd: bool = False) -> bool:
+        """Whether a bf16 linear over a weight of `weight_numel` elements runs the native kernel."""
+        return self.native_bf16 and (self.amx or autograd or weight_numel >= MIN_NATIVE_LINEAR)
+
     def describe(self) -> str:
         """One line: the ISA and where the engine's bf16 ops go native or through fp32."""
         if not self.native_bf16:
             return f"CPU {self.isa}: no native bf16, bf16 matmuls and attention computed in fp32"
-        experts = "native" if self.amx else f"native from {MIN_NATIVE_EXPERT} weights per expert, else fp32"
-        return f"CPU {self.isa}: bf16 linear and attention native, MoE experts {experts}"
+        if self.amx:
+            return f"CPU {self.isa}: bf16 linear, attention and MoE experts native"
+        return (
+            f"CPU {self.isa}: bf16 attention native, linear native from {MIN_NATIVE_LINEAR} weights "
+            f"(fp32 below, inference only), MoE experts batched natively in inference, else native from "
+            f"{MIN_NATIVE_EXPERT} weights per expert (fp32 below)"
+        )
 
 
 @functools.cache
@@ -120,21 +139,22 @@ def set_cpu_upcast(value: bool | None) -> None:
     _FORCED = value
 
 
-def cpu_upcast(x: torch.Tensor, expert_numel: int | None = None) -> bool:
-    """Whether ops on `x` take the fp32 path: a bf16/fp16 CPU tensor without native kernels, or
-    (given `expert_numel`, the size of one expert matrix) MoE experts too small for them outside
-    autograd."""
+def cpu_upcast(x: torch.Tensor, expert_numel: int | None = None, linear_numel: int | None = None) -> bool:
+    """Whether ops on `x` take the fp32 path: a bf16/fp16 CPU tensor without native kernels, or,
+    outside autograd, MoE experts (`expert_numel`: the size of one expert matrix) or a linear
+    (`linear_numel`: its weight's size) too small for them."""
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if _FORCED is not None:
         return _FORCED
     if not _cpu_native(x.dtype):
         return True
-    return (
-        expert_numel is not None
-        and x.dtype == torch.bfloat16
-        and not cpu_kernels().native_experts(expert_numel, autograd=torch.is_grad_enabled())
-    )
+    if x.dtype != torch.bfloat16:
+        return False
+    kernels, autograd = cpu_kernels(), torch.is_grad_enabled()
+    if expert_numel is not None:
+        return not kernels.native_experts(expert_numel, autograd=autograd)
+    return linear_numel is not None and not kernels.native_linear(linear_numel, autograd=autograd)
 
 
 _KEPT = "_asyncrl_fp32"
@@ -173,7 +193,7 @@ def drop_fp32_copies(tensors: Iterable[torch.Tensor]) -> None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, b); in fp32 and rounded back to x's dtype where `cpu_upcast(x)`."""
-    if not cpu_upcast(x):
+    if not cpu_upcast(x, linear_numel=w.numel()):
         return F.linear(x, w, b)
     return F.linear(x.float(), as_fp32(w), None if b is None else as_fp32(b)).to(x.dtype)
 

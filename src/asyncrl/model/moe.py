@@ -2,7 +2,9 @@
 
 Experts are stacked ([E, ...] parameters) and computed grouped by expert: token copies are sorted
 by expert id, each expert runs one matmul over its contiguous slice, and results are unsorted and
-summed over the k choices in a fixed order (deterministic, no atomics).
+summed over the k choices in a fixed order (deterministic, no atomics). In native bf16 on a CPU
+outside autograd (the engine's steps), the slices are padded to the largest and each projection is
+one batched matmul over all experts (`_use_padded_bmm`).
 
 Router replay (R3): given the expert ids chosen elsewhere (the inference engine), the block uses
 them instead of its own top-k, but the gate weights are still this router's softmax probabilities
@@ -101,10 +103,9 @@ class GroupedExperts(nn.Module):
         flat_ids = ids_NK.reshape(-1)
         order = flat_ids.argsort(stable=True)
         counts_E = torch.bincount(flat_ids, minlength=self.num_experts)
-        x_sorted = x_ND[order // K]
+        x_sorted = x_ND.index_select(0, order // K)  # row copies: ~3x faster than x_ND[order // K]
         y_sorted = self._grouped_swiglu(x_sorted, counts_E)
-        y_NKD = torch.empty_like(y_sorted)
-        y_NKD[order] = y_sorted
+        y_NKD = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
         y_NKD = y_NKD.view(N, K, -1) * weights_NK.unsqueeze(-1)
         return y_NKD.sum(dim=1)
 
@@ -127,6 +128,8 @@ def grouped_swiglu(
     Module-free so that an expert-parallel wrapper (asyncrl.distributed) computes its local
     experts with exactly the same arithmetic. `linear(x, w)` replaces `x @ w.T` (FP8 hook).
     """
+    if linear is None and _use_padded_bmm(x_sorted, counts_E):
+        return _padded_swiglu(x_sorted, counts_E, gate_EID, up_EID, down_EDI)
     if linear is None and cpu_upcast(x_sorted, expert_numel=gate_EID[0].numel()):
         # no native low-precision kernels fast at this size: the whole SwiGLU in fp32, one cast each way
         args = (counts_E, as_fp32(gate_EID), as_fp32(up_EID), as_fp32(down_EDI))
@@ -191,6 +194,43 @@ class MoE(nn.Module):
             ids_BTK=routing.ids_NK.view(B, T, -1),
             router_topk_BTK=None if own_NK is None else own_NK.view(B, T, -1),
         )
+
+
+# A padded batch may hold at most this many rows per real row (skewed routing takes the other paths).
+PADDED_BMM_MAX_WASTE = 2
+
+
+def _use_padded_bmm(x_ND: torch.Tensor, counts_E: torch.Tensor) -> bool:
+    """One batched matmul over all experts, each slice padded to the largest: for native bf16 on a
+    CPU outside autograd (the engine's steps). oneDNN's bf16 cost per call outweighs a few rows'
+    matmul, so 3 calls per layer beat torch's CPU grouped GEMM (3 per expert) and the fp32 path:
+    on AVX-512 BF16, 64 tokens top-2 over 8 experts take ~0.3 ms against ~0.45 ms in fp32 at
+    128 x 128 experts, and ~3.1 against ~3.5 ms native grouped at 448 x 512. Only while the padding
+    at most doubles the rows."""
+    if x_ND.device.type != "cpu" or x_ND.dtype != torch.bfloat16 or torch.is_grad_enabled():
+        return False
+    if cpu_upcast(x_ND) or x_ND.shape[0] == 0:
+        return False
+    return counts_E.numel() * int(counts_E.max()) <= PADDED_BMM_MAX_WASTE * x_ND.shape[0]
+
+
+def _padded_swiglu(
+    x_sorted: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_EID: torch.Tensor,
+    up_EID: torch.Tensor,
+    down_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """`grouped_swiglu` as bmm over [E, M, D]: each expert's rows first in its slice, zeros after."""
+    E, M, D = counts_E.numel(), int(counts_E.max()), x_sorted.shape[1]
+    expert_R = torch.repeat_interleave(torch.arange(E, device=x_sorted.device), counts_E)
+    starts_E = counts_E.cumsum(0) - counts_E
+    slot_R = expert_R * M + torch.arange(x_sorted.shape[0], device=x_sorted.device) - starts_E[expert_R]
+    x_EMD = x_sorted.new_zeros(E, M, D)
+    x_EMD.view(-1, D).index_copy_(0, slot_R, x_sorted)
+    h_EMI = F.silu(torch.bmm(x_EMD, gate_EID.transpose(1, 2))) * torch.bmm(x_EMD, up_EID.transpose(1, 2))
+    y_EMD = torch.bmm(h_EMI, down_EDI.transpose(1, 2))
+    return y_EMD.view(-1, down_EDI.shape[1]).index_select(0, slot_R)
 
 
 def _mm_t(x_NK: torch.Tensor, w_OK: torch.Tensor) -> torch.Tensor:

@@ -151,7 +151,19 @@ def test_avx512_bf16_cpu_upcasts_only_small_experts_outside_autograd(avx512_bf16
         assert not cpu_upcast(x, expert_numel=448 * 512)
         assert not cpu_upcast(x.float(), expert_numel=128 * 128)
     assert not cpu_upcast(x, expert_numel=128 * 128)  # training: torch's grouped GEMM in bf16
-    assert not cpu_upcast(x)  # linear and attention native
+    assert not cpu_upcast(x)  # attention native
+
+
+def test_avx512_bf16_cpu_takes_fp32_for_small_linears_outside_autograd_only(avx512_bf16):
+    x = torch.randn(3, 128).bfloat16()
+    small, lm_head = torch.randn(128, 128).bfloat16(), torch.randn(260, 128).bfloat16()
+    with torch.inference_mode():  # the engine's steps
+        assert cpu_upcast(x, linear_numel=small.numel()) and not cpu_upcast(x, linear_numel=lm_head.numel())
+        y = compute.linear(x, small)
+        assert compute.as_fp32(small) is compute.as_fp32(small)  # the fp32 copy is kept, not remade
+    assert not cpu_upcast(x, linear_numel=small.numel())  # training: native
+    # the fp32 path gives the exact products of the bf16 values, rounded once
+    assert y.dtype == torch.bfloat16 and torch.equal(y, (x.float() @ small.float().T).bfloat16())
 
 
 def test_cpu_kernels_decisions_and_startup_line():
@@ -161,5 +173,9 @@ def test_cpu_kernels_decisions_and_startup_line():
     assert "no native bf16" in avx2.describe() and not avx2.native_experts(10**6, autograd=True)
     assert amx.native_experts(16)
     assert avx512.native_experts(16, autograd=True) and not avx512.native_experts(16)
+    assert amx.native_linear(16) and avx512.native_linear(16, autograd=True)
+    assert not avx512.native_linear(128 * 128) and avx512.native_linear(260 * 128)
+    assert not avx2.native_linear(10**6, autograd=True)
     assert "AMX" in amx.describe() and amx.describe().endswith("MoE experts native")
+    assert f"linear native from {compute.MIN_NATIVE_LINEAR} weights" in avx512.describe()
     assert "CPU AVX" in compute.cpu_kernels().describe()  # this machine's line

@@ -1,5 +1,5 @@
-"""The grouped experts' paths (grouped GEMM without autograd and in native bf16 training, per-expert
-loop otherwise) agree."""
+"""The grouped experts' paths (grouped GEMM without autograd and in native bf16 training, a padded
+batched matmul in native bf16 inference, per-expert loop otherwise) agree."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncrl.model.compute import set_cpu_upcast
-from asyncrl.model.moe import _use_grouped_mm, grouped_swiglu
+from asyncrl.model.moe import _use_grouped_mm, _use_padded_bmm, grouped_swiglu
 
 
 def _inputs(N: int, D: int, hidden: int, E: int, seed: int = 0):
@@ -75,3 +75,45 @@ def test_native_bf16_training_takes_the_grouped_gemm_close_to_fp32(native_bf16):
         assert (g - r).abs().max() / scale < 2e-2, name  # bf16 rounding of inputs and outputs only
         assert (g - lp).abs().max() / scale < 1e-2, name
     assert torch.equal(grouped[4][-1], torch.zeros_like(grouped[4][-1]))  # the expert with no tokens
+
+
+def _balanced(N: int, D: int, hidden: int, E: int, seed: int = 0):
+    """Like `_inputs`, with every expert but the last getting N // (E - 1) rows or one more."""
+    x, _, weights = _inputs(N, D, hidden, E, seed)
+    counts = torch.full((E,), N // (E - 1))
+    counts[: N % (E - 1)] += 1
+    counts[-1] = 0
+    return x, counts, [w * 0.1 for w in weights]
+
+
+def test_native_bf16_inference_pads_experts_into_one_batched_matmul_close_to_the_loop(native_bf16):
+    x, counts, weights = _balanced(N=47, D=64, hidden=32, E=6)
+    xb, wb = x.bfloat16(), [w.bfloat16() for w in weights]
+    with torch.inference_mode():
+        assert _use_padded_bmm(xb, counts)
+        padded = grouped_swiglu(xb, counts, *wb)
+        loop = grouped_swiglu(xb, counts, *wb, linear=lambda a, w: a @ w.T)
+        ref = grouped_swiglu(xb.float(), counts, *(w.float() for w in wb))
+    assert padded.dtype == torch.bfloat16 and padded.shape == (47, 64)
+    scale = ref.abs().max()
+    assert (padded.float() - loop.float()).abs().max() / scale < 1e-2
+    assert (padded.float() - ref).abs().max() / scale < 2e-2  # bf16 rounding of the products only
+    # each row lands back at its own place: permuting the rows within an expert permutes the output
+    flipped = torch.cat([part.flip(0) for part in xb.split(counts.tolist())])
+    with torch.inference_mode():
+        again = grouped_swiglu(flipped, counts, *wb)
+    assert torch.equal(torch.cat([part.flip(0) for part in again.split(counts.tolist())]), padded)
+
+
+def test_the_padded_batch_is_for_balanced_native_bf16_inference_only(native_bf16):
+    x, counts, _ = _balanced(N=40, D=64, hidden=32, E=5)
+    xb = x.bfloat16()
+    skewed = torch.tensor([34, 2, 2, 2, 0])  # 5 x 34 padded rows for 40 real ones
+    with torch.inference_mode():
+        assert _use_padded_bmm(xb, counts) and not _use_padded_bmm(xb, skewed)
+        assert not _use_padded_bmm(x, counts)  # fp32: torch's grouped GEMM
+        assert not _use_padded_bmm(xb[:0], torch.zeros(5, dtype=torch.long))
+    assert not _use_padded_bmm(xb, counts)  # autograd: training keeps the grouped GEMM
+    set_cpu_upcast(True)  # a CPU without native bf16: the fp32 path
+    with torch.inference_mode():
+        assert not _use_padded_bmm(xb, counts)
