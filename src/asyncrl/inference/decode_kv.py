@@ -13,7 +13,10 @@ token is written there first). A row is released when its sequence leaves the de
 (finished, aborted, preempted, or not scheduled this step) and the last row moves into the hole,
 so the rows in use are always exactly this step's decode sequences, in rows [0, R). A row filled
 before a preemption is never reused after it: rows are keyed by the request and its preemption
-count. Rows and capacity grow by doubling; when rows x capacity would exceed `budget_tokens`, the
+count. Rows grow by doubling; capacity by doubling too, or at once to what the step's sequences
+will need if they run to their `max_tokens` (at most `ANTICIPATE` times the step's width): growing
+copies every row of every layer, and contexts that go from 64 to 192 positions would otherwise pay
+it twice over an answer. When rows x capacity would exceed `budget_tokens`, the
 buffers are dropped and `plan` returns None: that step's decode attention gathers from the paged
 cache as before (long contexts).
 
@@ -30,7 +33,11 @@ import torch
 
 from asyncrl.inference.request import Request
 
-__all__ = ["DecodeKV", "DecodePlan", "RowFill"]
+__all__ = ["ANTICIPATE", "DecodeKV", "DecodePlan", "RowFill"]
+
+# Capacity grows at once to the step's sequences' longest final context, but at most to this many
+# times the step's width (sequences that stop early would leave the rest unused).
+ANTICIPATE = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +105,7 @@ class DecodeKV:
         bs = self.block_size
         width = -(-max(n for _, n in decodes) // bs) * bs
         self._release_others(decodes)
-        if not self._reserve(len(decodes), width):
+        if not self._reserve(len(decodes), width, decodes):
             self.release_all()
             self.num_fallbacks += 1
             return None
@@ -158,7 +165,7 @@ class DecodeKV:
                 self.owners[r] = self.owners[last]
             self.owners.pop()
 
-    def _reserve(self, num_rows: int, width: int) -> bool:
+    def _reserve(self, num_rows: int, width: int, decodes: list[tuple[Request, int]]) -> bool:
         """Grow the buffers to hold `num_rows` rows of `width` positions; False if over budget."""
         rows, cap = self.k_LRGCd.shape[1], self.capacity
         if num_rows <= rows and width <= cap:
@@ -167,7 +174,11 @@ class DecodeKV:
         if need_rows * need_cap > self.budget_tokens:
             return False
         new_rows = rows if num_rows <= rows else min(max(2 * rows, num_rows), self.max_rows)
-        new_cap = cap if width <= cap else max(2 * cap, width)
+        new_cap = cap
+        if width > cap:
+            final = max(len(req.prompt_token_ids) + req.options.max_tokens for req, _ in decodes)
+            final = -(-final // self.block_size) * self.block_size
+            new_cap = max(2 * cap, width, min(final, ANTICIPATE * width))
         if new_rows * new_cap > self.budget_tokens:
             # Less than double, but all the budget allows: growing by a block at a time would copy
             # the whole buffers every few steps.

@@ -9,7 +9,7 @@ from inference_helpers import drain, random_prompts
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions
-from asyncrl.inference.decode_kv import DecodeKV
+from asyncrl.inference.decode_kv import ANTICIPATE, DecodeKV
 from asyncrl.inference.kv_cache import AttentionPaths
 from asyncrl.inference.request import Request
 from weight_update_reference import perturb_all_weights
@@ -136,7 +136,9 @@ def test_growth_doubles_then_takes_what_the_budget_allows():
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
-    reqs = [Request(request_id=str(i), prompt_token_ids=[1], options=SamplingOptions()) for i in range(4)]
+    # One token each: capacity has nothing to anticipate, so it doubles.
+    options = SamplingOptions(max_tokens=1)
+    reqs = [Request(request_id=str(i), prompt_token_ids=[1], options=options) for i in range(4)]
     for r in reqs:
         r.block_ids = list(range(8))
 
@@ -148,3 +150,44 @@ def test_growth_doubles_then_takes_what_the_budget_allows():
     assert plan(4, 9) is not None and kv.capacity == 16  # doubled
     assert plan(4, 17) is not None and kv.capacity == 25  # 32 would pass the budget: 100 // 4
     assert plan(4, 26) is None and kv.num_fallbacks == 1 and kv.num_rows == 0  # 28 positions: over
+
+
+def test_capacity_grows_at_once_to_the_longest_final_context_within_anticipate_times_the_width():
+    kv = DecodeKV(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=2,
+        block_size=4,
+        max_rows=4,
+        budget_tokens=1000,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    # Final contexts 20 + 38 = 58 and 10 + 20 = 30 positions: 60 in whole blocks.
+    reqs = [
+        Request(request_id="a", prompt_token_ids=[1] * 20, options=SamplingOptions(max_tokens=38)),
+        Request(request_id="b", prompt_token_ids=[1] * 10, options=SamplingOptions(max_tokens=20)),
+    ]
+    for r in reqs:
+        r.block_ids = list(range(15))
+    assert kv.plan([(reqs[0], 21), (reqs[1], 11)]) is not None
+    assert kv.capacity == 60  # not the 24 positions of the step's width
+    buffers = kv.k_LRGCd
+    for n in range(22, 59):
+        assert kv.plan([(reqs[0], n), (reqs[1], min(n, 30))]) is not None
+    assert kv.k_LRGCd is buffers, "no growth (and no copy) while the answers run to max_tokens"
+    assert kv.plan([(reqs[0], 61), (reqs[1], 30)]) is not None and kv.capacity == 120  # past it: doubles
+
+    far = DecodeKV(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=2,
+        block_size=4,
+        max_rows=4,
+        budget_tokens=10_000,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    long = Request(request_id="c", prompt_token_ids=[1] * 6, options=SamplingOptions(max_tokens=4000))
+    long.block_ids = list(range(2))
+    assert far.plan([(long, 7)]) is not None and far.capacity == ANTICIPATE * 8
