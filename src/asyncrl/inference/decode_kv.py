@@ -103,9 +103,9 @@ class DecodeKV:
         """Rows for this step's decode sequences, given as (request, context length incl. the new
         token) in step order; None when they do not fit the budget (gather this step)."""
         bs = self.block_size
-        width = -(-max(n for _, n in decodes) // bs) * bs
+        width = self._whole_blocks(max(n for _, n in decodes))
         self._release_others(decodes)
-        if not self._reserve(len(decodes), width, decodes):
+        if not self._reserve(width, decodes):
             self.release_all()
             self.num_fallbacks += 1
             return None
@@ -165,9 +165,10 @@ class DecodeKV:
                 self.owners[r] = self.owners[last]
             self.owners.pop()
 
-    def _reserve(self, num_rows: int, width: int, decodes: list[tuple[Request, int]]) -> bool:
-        """Grow the buffers to hold `num_rows` rows of `width` positions; False if over budget."""
-        rows, cap = self.k_LRGCd.shape[1], self.capacity
+    def _reserve(self, width: int, decodes: list[tuple[Request, int]]) -> bool:
+        """Grow the buffers to hold a row of `width` positions per decode sequence; False if over
+        budget."""
+        num_rows, rows, cap = len(decodes), self.k_LRGCd.shape[1], self.capacity
         if num_rows <= rows and width <= cap:
             return True
         need_rows, need_cap = max(rows, num_rows), max(cap, width)
@@ -177,7 +178,7 @@ class DecodeKV:
         new_cap = cap
         if width > cap:
             final = max(len(req.prompt_token_ids) + req.options.max_tokens for req, _ in decodes)
-            final = -(-final // self.block_size) * self.block_size
+            final = self._whole_blocks(final)
             new_cap = max(2 * cap, width, min(final, ANTICIPATE * width))
         if new_rows * new_cap > self.budget_tokens:
             # Less than double, but all the budget allows: growing by a block at a time would copy
@@ -190,6 +191,9 @@ class DecodeKV:
             new[:, :used, :, cap:].zero_()
         self.k_LRGCd, self.v_LRGCd = k, v
         return True
+
+    def _whole_blocks(self, positions: int) -> int:
+        return -(-positions // self.block_size) * self.block_size
 
     def _empty(self, rows: int, cap: int) -> torch.Tensor:
         # Uninitialised: a row is zeroed past its context when filled (RowFill), and rows in use are

@@ -125,17 +125,22 @@ def test_uninitialised_memory_never_reaches_attention(tiny_moe, monkeypatch):
     assert dense.decode_kv.num_fills == len(prompts) and dense.decode_kv.capacity >= 50
 
 
-def test_growth_doubles_then_takes_what_the_budget_allows():
-    kv = DecodeKV(
+def _small_buffers(budget_tokens: int) -> DecodeKV:
+    """One layer, one kv head of 2 dims, blocks of 4 positions, at most 4 rows."""
+    return DecodeKV(
         num_layers=1,
         num_kv_heads=1,
         head_dim=2,
         block_size=4,
         max_rows=4,
-        budget_tokens=100,
+        budget_tokens=budget_tokens,
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
+
+
+def test_growth_doubles_then_takes_what_the_budget_allows():
+    kv = _small_buffers(budget_tokens=100)
     # One token each: capacity has nothing to anticipate, so it doubles.
     options = SamplingOptions(max_tokens=1)
     reqs = [Request(request_id=str(i), prompt_token_ids=[1], options=options) for i in range(4)]
@@ -153,16 +158,7 @@ def test_growth_doubles_then_takes_what_the_budget_allows():
 
 
 def test_capacity_grows_at_once_to_the_longest_final_context_within_anticipate_times_the_width():
-    kv = DecodeKV(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=2,
-        block_size=4,
-        max_rows=4,
-        budget_tokens=1000,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    kv = _small_buffers(budget_tokens=1000)
     # Final contexts 20 + 38 = 58 and 10 + 20 = 30 positions: 60 in whole blocks.
     reqs = [
         Request(request_id="a", prompt_token_ids=[1] * 20, options=SamplingOptions(max_tokens=38)),
@@ -178,16 +174,7 @@ def test_capacity_grows_at_once_to_the_longest_final_context_within_anticipate_t
     assert kv.k_LRGCd is buffers, "no growth (and no copy) while the answers run to max_tokens"
     assert kv.plan([(reqs[0], 61), (reqs[1], 30)]) is not None and kv.capacity == 120  # past it: doubles
 
-    far = DecodeKV(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=2,
-        block_size=4,
-        max_rows=4,
-        budget_tokens=10_000,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    far = _small_buffers(budget_tokens=10_000)
     long = Request(request_id="c", prompt_token_ids=[1] * 6, options=SamplingOptions(max_tokens=4000))
     long.block_ids = list(range(2))
     assert far.plan([(long, 7)]) is not None and far.capacity == ANTICIPATE * 8
