@@ -30,10 +30,12 @@ from pathlib import Path
 __all__ = [
     "batch_dir",
     "checkpoint_dir",
+    "checkpoint_steps",
     "checkpoints_root",
     "config_file",
     "configs_dir",
     "eval_file",
+    "latest_checkpoint_step",
     "log_file",
     "logs_dir",
     "metrics_file",
@@ -116,6 +118,16 @@ def checkpoints_root(run_dir: RunDir) -> Path:
 
 def checkpoint_dir(run_dir: RunDir, step: int) -> Path:
     return checkpoints_root(run_dir) / step_name(step)
+
+
+def checkpoint_steps(run_dir: RunDir) -> list[int]:
+    """Steps of the complete checkpoints (the ones whose DCP `.metadata` was written), ascending."""
+    return steps_in(checkpoints_root(run_dir), marker=".metadata")
+
+
+def latest_checkpoint_step(run_dir: RunDir) -> int | None:
+    steps = checkpoint_steps(run_dir)
+    return steps[-1] if steps else None
 
 
 def metrics_file(run_dir: RunDir) -> Path:

@@ -22,11 +22,12 @@ constraint and the numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-from torch.distributed.device_mesh import DeviceMesh
+from typing import TYPE_CHECKING
 
 from asyncrl.config.parallel import ParallelConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Meshes", "ParallelDims", "ParallelDimsError"]
 
@@ -159,6 +160,9 @@ class ParallelDims:
 
     def build_meshes(self, device_type: str) -> Meshes:
         """Create the three meshes (collective: every rank calls this, in the same order)."""
+        import torch  # here: the layout arithmetic above imports without torch (the launcher's checks)
+        from torch.distributed.device_mesh import DeviceMesh
+
         ranks = torch.arange(self.world_size)
         world = DeviceMesh(
             device_type,

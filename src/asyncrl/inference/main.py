@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import uvicorn
@@ -24,7 +25,9 @@ from asyncrl.model import ModelConfigError, Transformer
 from asyncrl.model.compute import cpu_kernels
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
 from asyncrl.model.serving import serving_format
-from asyncrl.weight_transfer import ReceiveLoop, WeightsEndpoint, published_shapes
+
+if TYPE_CHECKING:
+    from asyncrl.weight_transfer import ReceiveLoop
 
 __all__ = ["build_receiver", "build_server_app", "main"]
 
@@ -52,6 +55,9 @@ def build_receiver(config: InferenceConfig, engine: Engine) -> ReceiveLoop | Non
     if w.transport != "distributed":
         return None
     assert w.endpoint is not None, "InferenceConfig requires an endpoint with transport = distributed"
+    # here, not at the top: the transfer machinery (DTensor) costs a server that never uses it ~1 s
+    from asyncrl.weight_transfer import ReceiveLoop, WeightsEndpoint, published_shapes
+
     endpoint = WeightsEndpoint.parse(w.endpoint, config.weights_server, timeout_s=w.timeout_s)
     args = engine.model.args
     with torch.device("meta"):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from asyncrl.config import ConfigError
 from asyncrl.config.rl import ResolvedRL
-from asyncrl.trainer.checkpoint import latest_checkpoint_step
+from asyncrl.run_dir import latest_checkpoint_step
 from asyncrl.transport.metrics import drop_metrics_after
 from asyncrl.transport.rollouts import batch_steps
 from asyncrl.transport.weights import retract_weights_after, stable_steps

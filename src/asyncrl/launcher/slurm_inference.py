@@ -30,7 +30,7 @@ from asyncrl.config.inference import Role
 from asyncrl.config.vllm import DEFAULT_VLLM_PYTHON
 from asyncrl.launcher.vllm import build_vllm_command, data_parallel_group_argv
 from asyncrl.run_dir import config_file, log_file
-from asyncrl.weight_transfer.control import ENV_ENDPOINT
+from asyncrl.weight_transfer.endpoint import ENV_ENDPOINT
 
 __all__ = ["ServerStep", "check_one_machine", "inference_lines", "plan_inference"]
 

@@ -51,7 +51,7 @@ import asyncrl
 from asyncrl.config import ConfigError, InferenceConfig
 from asyncrl.config.inference import is_loopback
 from asyncrl.config.vllm import DEFAULT_VLLM_PYTHON
-from asyncrl.weight_transfer import WeightsEndpoint
+from asyncrl.weight_transfer.endpoint import WeightsEndpoint
 
 __all__ = [
     "CPU_KV_MAX_FRACTION",

@@ -18,10 +18,15 @@ key, as DeepSeek-V3 and Kimi-K2 ship it) for every family; `asyncrl.model.rope` 
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelArgs", "ModelConfigError", "YarnScaling"]
+from asyncrl.fp8_options import BLOCK
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelArgs", "ModelConfigError", "YarnScaling", "load_args"]
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "glm_moe_dsa")
 _ARCHITECTURES = {
@@ -582,3 +587,37 @@ def _yarn_scaling(cfg: dict[str, Any], rope: dict[str, Any]) -> YarnScaling:
         attention_factor=rope.get("attention_factor"),
         truncate=rope.get("truncate", True),
     )
+
+
+def load_args(path: str | os.PathLike) -> ModelArgs:
+    """Parse `path/config.json` into ModelArgs, with errors that name the directory and the key."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelConfigError(f"model directory not found: {path}")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ModelConfigError(f"{path} has no config.json (expected a Hugging Face model directory)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{cfg_path}: invalid JSON: {e}") from None
+    try:
+        _check_quantization(cfg.get("quantization_config"))
+        return ModelArgs.from_hf_config(cfg)
+    except (ModelConfigError, TypeError) as e:
+        raise ModelConfigError(f"{cfg_path}: {e}") from None
+
+
+def _check_quantization(quantization: object) -> None:
+    """Of quantized checkpoints, block-scale FP8 is read (`HFReader` dequantises it); name any other."""
+    if quantization is None:
+        return
+    if not isinstance(quantization, dict):
+        raise ModelConfigError(f"quantization_config must be an object, got {quantization!r}")
+    method, blocks = quantization.get("quant_method"), quantization.get("weight_block_size")
+    if method != "fp8" or blocks != [BLOCK, BLOCK] or quantization.get("fmt", "e4m3") != "e4m3":
+        raise ModelConfigError(
+            f"quantization_config {quantization} is not supported: only block-scale FP8 checkpoints are read "
+            f'(quant_method "fp8", fmt "e4m3", weight_block_size [{BLOCK}, {BLOCK}], as DeepSeek-V3 and '
+            "Kimi-K2 ship); dequantise other formats to bf16 first"
+        )

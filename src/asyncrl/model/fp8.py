@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncrl.fp8_options import DEFAULT_FP8_IGNORE, FP8Backend
+from asyncrl.fp8_options import BLOCK, DEFAULT_FP8_IGNORE, FP8Backend
 from asyncrl.model.moe import GroupedExperts
 
 __all__ = [
@@ -62,7 +62,6 @@ __all__ = [
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-BLOCK = 128
 AMAX_FLOOR = 1e-12  # an all-zero (or tiny) group gets scale AMAX_FLOOR / 448, not 0, so no 0/0
 
 

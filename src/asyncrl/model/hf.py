@@ -24,10 +24,9 @@ import torch
 from huggingface_hub import StateDictSplit, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
-from asyncrl.model.args import ModelArgs, ModelConfigError
+from asyncrl.model.args import ModelArgs, ModelConfigError, load_args
 from asyncrl.model.compute import drop_fp32_copies
 from asyncrl.model.dtypes import dtype_name
-from asyncrl.model.fp8 import BLOCK
 from asyncrl.model.hf_reader import HFReader
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
 from asyncrl.model.mtp import hf_name as mtp_hf_name
@@ -52,40 +51,6 @@ __all__ = [
 ]
 
 MAX_SHARD_BYTES = 4 * 1024**3
-
-
-def load_args(path: str | os.PathLike) -> ModelArgs:
-    """Parse `path/config.json` into ModelArgs, with errors that name the directory and the key."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ModelConfigError(f"model directory not found: {path}")
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise ModelConfigError(f"{path} has no config.json (expected a Hugging Face model directory)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelConfigError(f"{cfg_path}: invalid JSON: {e}") from None
-    try:
-        _check_quantization(cfg.get("quantization_config"))
-        return ModelArgs.from_hf_config(cfg)
-    except (ModelConfigError, TypeError) as e:
-        raise ModelConfigError(f"{cfg_path}: {e}") from None
-
-
-def _check_quantization(quantization: object) -> None:
-    """Of quantized checkpoints, block-scale FP8 is read (`HFReader` dequantises it); name any other."""
-    if quantization is None:
-        return
-    if not isinstance(quantization, dict):
-        raise ModelConfigError(f"quantization_config must be an object, got {quantization!r}")
-    method, blocks = quantization.get("quant_method"), quantization.get("weight_block_size")
-    if method != "fp8" or blocks != [BLOCK, BLOCK] or quantization.get("fmt", "e4m3") != "e4m3":
-        raise ModelConfigError(
-            f"quantization_config {quantization} is not supported: only block-scale FP8 checkpoints are read "
-            f'(quant_method "fp8", fmt "e4m3", weight_block_size [{BLOCK}, {BLOCK}], as DeepSeek-V3 and '
-            "Kimi-K2 ship); dequantise other formats to bf16 first"
-        )
 
 
 def load_state_dict(path: str | os.PathLike, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncrl.distributed import DistInfo, barrier, load_dcp, save_dcp
-from asyncrl.run_dir import checkpoint_dir, checkpoints_root, steps_in
+from asyncrl.run_dir import checkpoint_dir, checkpoint_steps, latest_checkpoint_step
 from asyncrl.trainer.diskspace import raise_together, state_bytes
 from asyncrl.transport.disk import (
     DiskFullError,
@@ -48,15 +48,6 @@ _METRICS_FILE = "metrics.json"
 
 class CheckpointNotFoundError(ValueError):
     """--resume / --resume-step asked for a checkpoint that does not exist."""
-
-
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    return steps_in(checkpoints_root(run_dir), marker=".metadata")
-
-
-def latest_checkpoint_step(run_dir: Path) -> int | None:
-    steps = checkpoint_steps(run_dir)
-    return steps[-1] if steps else None
 
 
 def _trainer_entry(step: int, scheduler_json: str) -> dict[str, Any]:
