@@ -299,9 +299,11 @@ def machine_line() -> str:
 
 def format_tables(args, kinds, tok_s, cpu_ms, pauses) -> str:
     per_cpu_s = {key: 1000 / ms for key, ms in cpu_ms.items()}
+    omp = os.environ.get("OMP_NUM_THREADS")
     rows = [
-        f"Command: `PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_backends.py {_argv()}`; vLLM "
-        "from `scripts/setup-vllm.sh`'s venv.",
+        f"Command: `PYTHONPATH=src {f'OMP_NUM_THREADS={omp} ' if omp else ''}python "
+        f"benchmarks/bench_backends.py {_argv()}`; vLLM from `scripts/setup-vllm.sh`'s venv "
+        f"(the embedded servers run {torch.get_num_threads()} torch thread(s)).",
         "",
         f"Machine: {machine_line()}; shared. Median of {args.repeats} run(s) of each server, in rounds. "
         f"Model {args.preset}, {args.requests} requests, token-id prompts of 16-64 tokens, concurrency "

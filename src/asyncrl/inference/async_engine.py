@@ -3,31 +3,59 @@
 The engine thread owns the engine: it drains a command queue (add, abort, pause, weight swap),
 then runs one `step()`, and hands each RequestOutput to the asyncio side through the event loop.
 Coroutines submit work with `call()` and read a request's outputs from its own asyncio.Queue.
+
+Torch threads: the engine thread runs the model with the process's torch thread count; any other
+thread that runs torch ops for it (a checkpoint read, a dtype conversion) runs them on one. OpenMP
+keeps a pool of worker threads per thread that has run a parallel op, and once the pools together
+hold more threads than the machine has cores, its workers stop spinning between ops and sleep, so
+every op of the engine pays a wake-up (~50-100 us; a decode step runs thousands of ops). So
+`AsyncEngine.load` builds the engine in a thread that ends (its pool goes with it), and the helpers
+below keep other threads from making pools of their own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.request import RequestFailedError, RequestOutput, SamplingOptions
 
-__all__ = ["AsyncEngine"]
+__all__ = ["AsyncEngine", "on_one_torch_thread"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+
+def on_one_torch_thread(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn` for a helper thread (`asyncio.to_thread`): its torch ops run on that thread alone, so that
+    the thread makes no OpenMP pool beside the engine's (module docstring)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> T:
+        torch.set_num_threads(1)  # per thread: the engine thread keeps its own count
+        return fn(*args, **kwargs)
+
+    return run
+
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, torch_threads: int | None = None) -> None:
+        """`torch_threads`: the engine thread's torch thread count (None: the process's, as torch
+        reads it from OMP_NUM_THREADS or the cores)."""
         self.engine = engine
+        self.torch_threads = torch_threads or torch.get_num_threads()
         self.paused = False
         self.weights_path: str | None = None
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None]] = (
@@ -39,6 +67,20 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.num_step_errors = 0
+
+    @classmethod
+    def load(cls, config: InferenceConfig, **engine_kwargs: Any) -> AsyncEngine:
+        """`Engine.from_config` in a thread of its own that ends once the engine is built, so that the
+        caller's thread makes no OpenMP pool by loading (module docstring)."""
+        threads = torch.get_num_threads()
+
+        def build() -> Engine:
+            torch.set_num_threads(threads)  # a new thread starts from OMP_NUM_THREADS, not the caller's
+            return Engine.from_config(config, **engine_kwargs)
+
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncrl-load") as pool:
+            engine = pool.submit(build).result()
+        return cls(engine, torch_threads=threads)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -114,7 +156,7 @@ class AsyncEngine:
     async def update_weights(self, path: str, version: int, mode: str) -> dict[str, float]:
         """Read the checkpoint off the engine thread, then swap it in between two steps."""
         t0 = time.perf_counter()
-        state = await asyncio.to_thread(self.engine.read_weights, path)
+        state = await asyncio.to_thread(on_one_torch_thread(self.engine.read_weights), path)
         load_seconds = time.perf_counter() - t0
         paused_seconds = await self.swap_weights(state, version, mode, path)
         return {"version": version, "load_seconds": load_seconds, "paused_seconds": paused_seconds}
@@ -138,6 +180,7 @@ class AsyncEngine:
 
     # -- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        torch.set_num_threads(self.torch_threads)
         while not self._stop.is_set():
             self._run_commands()
             if self.paused or not self.engine.has_unfinished():

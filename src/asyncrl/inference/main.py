@@ -43,9 +43,9 @@ def build_server_app(config: InferenceConfig) -> FastAPI:
     def detokenize(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    engine = Engine.from_config(config, detokenize=detokenize)
+    driver = AsyncEngine.load(config, detokenize=detokenize)
     name = config.served_model_name or Path(config.model).resolve().name
-    return build_app(AsyncEngine(engine), tokenizer, config, name, build_receiver(config, engine))
+    return build_app(driver, tokenizer, config, name, build_receiver(config, driver.engine))
 
 
 def build_receiver(config: InferenceConfig, engine: Engine) -> ReceiveLoop | None:
@@ -95,18 +95,21 @@ def main(argv: list[str]) -> int:
         app = build_server_app(config)
     except (ModelConfigError, OSError) as e:  # a missing or malformed model directory
         raise SystemExit(f"asyncrl inference: cannot load model '{config.model}': {e}") from None
-    engine = app.state.server.engine.engine
+    driver = app.state.server.engine
+    engine = driver.engine
     log.info(
-        "serving %s on http://%s:%d (%s, %s, KV pool %d blocks x %d tokens, %.1f MiB%s)",
+        "serving %s on http://%s:%d (%s, %s, %d torch thread(s), KV pool %d blocks x %d tokens, %.1f MiB%s)",
         app.state.server.model_name,
         config.host,
         config.port,
         config.dtype,
         engine.device,
+        driver.torch_threads,
         engine.pool.num_blocks,
         config.block_size,
         engine.cache.nbytes() / 2**20,
         _kernels_note(engine),
     )
+    torch.set_num_threads(1)  # this thread serves HTTP: its torch ops make no pool beside the engine's
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
     return 0

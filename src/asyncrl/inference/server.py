@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference.async_engine import AsyncEngine
+from asyncrl.inference.async_engine import AsyncEngine, on_one_torch_thread
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.metrics import render_metrics
 from asyncrl.inference.openai_api import add_openai_routes
@@ -330,7 +330,7 @@ async def _update_from_channel(
         staged = await asyncio.to_thread(receiver.wait_staged, body.version, receiver.endpoint.timeout_s)
     except StagingTimeout as e:
         raise InvalidRequestError("version", str(e), status=503) from None
-    weights = await asyncio.to_thread(_engine_state, engine, staged.state)
+    weights = await asyncio.to_thread(on_one_torch_thread(_engine_state), engine, staged.state)
     load_seconds = time.perf_counter() - t0
     paused = await state.engine.swap_weights(weights, staged.version, body.mode, body.path)
     receiver.release(staged.version)

@@ -35,7 +35,6 @@ from asyncrl.envs.policy import TokenPolicy
 from asyncrl.envs.registry import build_env
 from asyncrl.envs.rollout import Episode, run_episode
 from asyncrl.inference.async_engine import AsyncEngine
-from asyncrl.inference.engine import Engine
 from asyncrl.inference.request import SamplingOptions
 from asyncrl.tools.progress import progress_bar
 from asyncrl.wire import GenerateRequest, GenerateResponse
@@ -103,7 +102,7 @@ async def _run(
 ) -> list[Episode]:
     env = build_env(env_cfg.name, env_cfg.args, seed=engine_cfg.seed)
     tokenizer = ChatTokenizer.from_pretrained(engine_cfg.model)
-    engine = AsyncEngine(Engine.from_config(engine_cfg))
+    engine = AsyncEngine.load(engine_cfg)
     engine.start()
     bar = progress_bar(num, f"eval {env_cfg.label or env_cfg.name} (t={sampling.temperature:g})", "task")
     try:

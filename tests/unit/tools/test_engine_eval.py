@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.config.envs import EnvConfig
 from asyncrl.config.sampling import SamplingParams
-from asyncrl.tools import engine_eval
+from asyncrl.inference.engine import Engine
 from asyncrl.tools.engine_eval import evaluate, main
 from asyncrl.tools.init_model import init_model
 
@@ -48,11 +48,11 @@ def test_the_engine_runs_on_the_device_asked_for(tmp_path, monkeypatch):
     init_model("tiny-moe", tmp_path / "model", seed=0)
     seen = []
 
-    def build(cfg):
+    def build(cfg, **kwargs):
         seen.append(cfg.device)
         raise _Built
 
-    monkeypatch.setattr(engine_eval.Engine, "from_config", build)
+    monkeypatch.setattr(Engine, "from_config", build)
     argv = ["--model", str(tmp_path / "model"), "--env", "reverse-text", "--num", "1"]
     for extra, device in (([], "auto"), (["--device", "cpu"], "cpu")):
         with pytest.raises(_Built):
