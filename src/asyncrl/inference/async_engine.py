@@ -8,7 +8,7 @@ Torch threads: the engine thread runs the model with the process's torch thread 
 thread that runs torch ops for it (a checkpoint read, a dtype conversion) runs them on one. OpenMP
 keeps a pool of worker threads per thread that has run a parallel op, and once the pools together
 hold more threads than the machine has cores, its workers stop spinning between ops and sleep, so
-every op of the engine pays a wake-up (~50-100 us; a decode step runs thousands of ops). So
+every op of the engine pays a wake-up (a decode step runs thousands of ops). So
 `AsyncEngine.load` builds the engine in a thread that ends (its pool goes with it), and the helpers
 below keep other threads from making pools of their own.
 """
