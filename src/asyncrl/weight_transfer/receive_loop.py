@@ -136,6 +136,9 @@ class ReceiveLoop:
             return self._staged
 
     def _run(self) -> None:
+        # One torch thread: beside an engine computing on its own thread, a second OpenMP pool would
+        # hold more threads than cores and slow every op of the engine (asyncrl.inference.async_engine).
+        torch.set_num_threads(1)
         while not self._stop.is_set():
             try:
                 ep = self.endpoint
