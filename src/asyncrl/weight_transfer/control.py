@@ -36,23 +36,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from asyncrl.weight_transfer.buckets import TransferError
-from asyncrl.weight_transfer.endpoint import (
-    ENV_ENDPOINT,
-    ENV_INSTANCE,
-    ENV_SERVER,
-    ENV_TIMEOUT,
-    EndpointError,
-    WeightsEndpoint,
-)
 
 __all__ = [
-    "ENV_ENDPOINT",
-    "ENV_INSTANCE",
-    "ENV_SERVER",
-    "ENV_TIMEOUT",
-    "EndpointError",
     "Registration",
-    "WeightsEndpoint",
     "channel_name",
     "connect_store",
     "follow",

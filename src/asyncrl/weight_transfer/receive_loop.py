@@ -32,12 +32,12 @@ from asyncrl.weight_transfer.buckets import TransferError
 from asyncrl.weight_transfer.channel import Channel, Rendezvous
 from asyncrl.weight_transfer.control import (
     Registration,
-    WeightsEndpoint,
     connect_store,
     follow,
     register,
     wait_any_key,
 )
+from asyncrl.weight_transfer.endpoint import WeightsEndpoint
 from asyncrl.weight_transfer.receiver import BucketReceiver
 
 __all__ = ["ReceiveLoop", "Staged", "StagingTimeout"]
