@@ -113,6 +113,7 @@ __all__ = ["MulTaskset"]
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rl_trains_on_verifiers_environments(tmp_path):
     envs_dir = tmp_path / "user_envs"
