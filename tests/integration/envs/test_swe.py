@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,9 +71,15 @@ def _wait_idle(env) -> None:
     raise AssertionError(env.pool.counts())
 
 
-def _processes_naming(path: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", str(path)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+def _processes_naming(path: Path, timeout_s: float = 5.0) -> list[int]:
+    """The processes naming `path` once they had `timeout_s` to die (a SIGKILLed process needs CPU
+    time to exit, which a loaded machine gives it late)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(["pgrep", "-f", str(path)], capture_output=True, text=True).stdout
+        if not out.split() or time.monotonic() > deadline:
+            return [int(p) for p in out.split()]
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("instance_id", ["calclib-clamp", "calclib-mean"])
