@@ -37,8 +37,10 @@ through to RUN/configs/trainer.toml; set `[deployment] trainer_nproc` (one node)
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.config import ConfigError, load_config
@@ -62,7 +64,7 @@ from asyncrl.run_dir import log_file, logs_dir
 from asyncrl.transport.sinks import build_sinks
 from asyncrl.transport.weights import prune_weights, read_keep_set
 
-__all__ = ["build_children", "main"]
+__all__ = ["ThreadShares", "build_children", "main"]
 
 
 def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) -> list[ChildSpec]:
@@ -123,6 +125,41 @@ def build_children(cfg: RLConfig, resolved: ResolvedRL, files: dict[str, Path]) 
         )
     )
     return children
+
+
+@dataclass(frozen=True)
+class ThreadShares:
+    """OpenMP threads per child when OMP_NUM_THREADS is unset: the machine's cores split evenly among
+    the processes that compute (each inference server, each trainer rank), one thread for the
+    orchestrator. Left to itself each process starts one thread per core: on one machine that is
+    more threads than cores, and OpenMP then puts its idle workers to sleep between ops, so every op
+    of a small model pays a wake-up (docs/inference.md, "Torch threads"). A vLLM server counts
+    among the computing processes but keeps its own thread binding."""
+
+    cores: int
+    num_compute: int
+    threads: dict[str, int]  # child name -> OMP_NUM_THREADS
+
+    @classmethod
+    def plan(cls, resolved: ResolvedRL, trainer_nproc: int, cores: int) -> ThreadShares:
+        num_compute = len(resolved.inference) + trainer_nproc
+        share = max(1, cores // num_compute)
+        embedded = [f"inference-{i}" for i, c in enumerate(resolved.inference) if c.backend != "vllm"]
+        threads = dict.fromkeys(embedded, share) | {"trainer": share, "orchestrator": 1}
+        return cls(cores=cores, num_compute=num_compute, threads=threads)
+
+    def apply(self, children: list[ChildSpec]) -> None:
+        for child in children:
+            if child.name in self.threads:
+                child.env["OMP_NUM_THREADS"] = str(self.threads[child.name])
+
+    def describe(self) -> str:
+        share = self.threads["trainer"]
+        return (
+            f"OMP_NUM_THREADS unset: {self.cores} core(s) for {self.num_compute} computing process(es) "
+            f"(inference servers and trainer ranks): {share} torch thread(s) each, 1 for the "
+            "orchestrator; set OMP_NUM_THREADS to choose one count for all"
+        )
 
 
 def free_port() -> int:
@@ -228,6 +265,10 @@ def main(argv: list[str]) -> int:
     print(
         f"asyncrl rl: run dir {cfg.run_dir}; configs in {files['rl'].parent}; logs in {logs_dir(cfg.run_dir)}"
     )
+    if "OMP_NUM_THREADS" not in os.environ:
+        shares = ThreadShares.plan(resolved, cfg.deployment.trainer_nproc, len(os.sched_getaffinity(0)))
+        shares.apply(children)
+        print(f"asyncrl rl: {shares.describe()}")
     for child in children:
         print(f"  {child.name}: {_shell(child)}")
     if resolved.inference[0].backend == "vllm":

@@ -123,3 +123,39 @@ def test_a_finished_run_keeps_only_the_newest_versions_and_the_final_keep_set(tm
     write_keep_set(run_dir, {4: "best"})  # the last eval found v4 better
     _prune_finished(_cfg(run_dir=str(run_dir), trainer={"publish": {"keep_last": 1}}).resolve())
     assert stable_steps(run_dir) == [4]
+
+
+def _dry_run(run_dir, *extra: str) -> None:
+    assert main(["rl", "--model", "m", "--run-dir", str(run_dir), "--dry-run", *extra]) == 0
+
+
+@pytest.mark.parametrize(
+    ("cores", "servers", "nproc", "share"),
+    [(2, 1, 1, 1), (16, 2, 2, 4), (16, 1, 1, 8), (3, 2, 2, 1)],
+)
+def test_without_omp_num_threads_the_cores_are_split_among_the_computing_processes(
+    tmp_path, capsys, monkeypatch, cores, servers, nproc, share
+):
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    _dry_run(
+        tmp_path / "run",
+        "--deployment.num_inference_servers",
+        str(servers),
+        "--deployment.trainer_nproc",
+        str(nproc),
+    )
+    out = capsys.readouterr().out
+    assert f"{cores} core(s) for {servers + nproc} computing process(es)" in out
+    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if ln.startswith("  ")}
+    for i in range(servers):
+        assert f"OMP_NUM_THREADS={share} " in lines[f"inference-{i}"]
+    assert f"OMP_NUM_THREADS={share} " in lines["trainer"]
+    assert "OMP_NUM_THREADS=1 " in lines["orchestrator"]
+
+
+def test_a_set_omp_num_threads_is_left_to_every_process(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    _dry_run(tmp_path / "run")
+    out = capsys.readouterr().out
+    assert "OMP_NUM_THREADS" not in out  # inherited as set, not rewritten per child
