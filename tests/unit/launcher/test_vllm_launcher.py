@@ -388,3 +388,17 @@ def test_slurm_vllm_servers_find_the_weights_store_on_the_trainer_node(model_dir
 def test_asyncrl_inference_refuses_the_vllm_backend(model_dir, capsys):
     assert main(["inference", "--model", str(model_dir), "--backend", "vllm"]) == 2
     assert "served by vLLM itself" in capsys.readouterr().err
+
+
+def test_without_omp_num_threads_a_vllm_server_counts_but_keeps_its_own_threads(
+    model_dir, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    argv = ["rl", "--model", str(model_dir), "--run-dir", str(tmp_path / "run"), "--dry-run"]
+    assert main([*argv, "--inference.backend", "vllm", "--inference.vllm.python", "/v/bin/python"]) == 0
+    out = capsys.readouterr().out
+    assert "8 core(s) for 2 computing process(es)" in out
+    lines = {x.split(":")[0].strip(): x for x in out.splitlines() if x.startswith("  ")}
+    assert "OMP_NUM_THREADS" not in lines["inference-0"]  # vLLM binds its own threads
+    assert "OMP_NUM_THREADS=4 " in lines["trainer"] and "OMP_NUM_THREADS=1 " in lines["orchestrator"]
