@@ -1,4 +1,5 @@
-"""Helpers shared by test files: free local ports, the environment of child processes, torchrun.
+"""Helpers shared by test files: free local ports, the environment of child processes, torchrun,
+the processes left behind.
 
 Importable from any test as `from helpers import ...` (pytest's `pythonpath` puts tests/ on the
 path, see pyproject.toml). No test uses a fixed port: two runs on one machine must not collide.
@@ -10,9 +11,18 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-__all__ = ["SRC", "child_env", "free_port", "free_port_run", "torchrun_trainer"]
+__all__ = [
+    "SRC",
+    "child_env",
+    "free_port",
+    "free_port_run",
+    "left_after_kill",
+    "processes_naming",
+    "torchrun_trainer",
+]
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -73,3 +83,25 @@ def pid_of(pattern: str) -> int | None:
     """The first process whose command line matches `pattern` (pgrep -f), if any."""
     out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
     return int(out[0]) if out else None
+
+
+def processes_naming(path: Path) -> list[int]:
+    """PIDs of the live processes whose command line contains `path`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(path).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def left_after_kill(path: Path, timeout_s: float = 5.0) -> list[int]:
+    """`processes_naming(path)` once they had `timeout_s` to die: a SIGKILLed process needs CPU time
+    to exit, which a loaded machine gives it late (the sandbox pool's kill waits at most 0.5 s)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_naming(path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left

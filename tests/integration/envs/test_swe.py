@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from asyncrl.envs.builtin.swe.example import write_example
 from asyncrl.envs.sandbox_bwrap import probe_isolation
 from asyncrl.launcher.cli import main as cli_main
 from asyncrl.wire import SamplingParams
+from helpers import left_after_kill
 
 pytestmark = pytest.mark.skipif(probe_isolation().mode != "bwrap", reason="the swe env needs bubblewrap")
 
@@ -69,17 +69,6 @@ def _wait_idle(env) -> None:
             return
         asyncio.run(asyncio.sleep(0.01))
     raise AssertionError(env.pool.counts())
-
-
-def _processes_naming(path: Path, timeout_s: float = 5.0) -> list[int]:
-    """The processes naming `path` once they had `timeout_s` to die (a SIGKILLed process needs CPU
-    time to exit, which a loaded machine gives it late)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        out = subprocess.run(["pgrep", "-f", str(path)], capture_output=True, text=True).stdout
-        if not out.split() or time.monotonic() > deadline:
-            return [int(p) for p in out.split()]
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("instance_id", ["calclib-clamp", "calclib-mean"])
@@ -183,7 +172,7 @@ def test_deadline_kills_the_command_and_returns_the_sandbox(env, tokenizer):
     config = CFG.model_copy(update={"deadline_s": 2.0})
     ep = _episode(env, task, [_call("bash", command="sleep 60 & sleep 60")], tokenizer, config)
     assert ep.stop_reason == "deadline" and ep.error is None and ep.reward == 0.0
-    assert not _processes_naming(env.pool.run_dir.path)
+    assert not left_after_kill(env.pool.run_dir.path)
     _wait_idle(env)
     assert env.pool.counts()["idle"] == 1 and env.pool.counts()["busy"] == 0
 

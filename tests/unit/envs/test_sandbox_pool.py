@@ -16,7 +16,7 @@ import pytest
 from asyncrl.envs.sandbox_bwrap import probe_isolation
 from asyncrl.envs.sandbox_pool import PoolLimits, SandboxLimitError, SandboxPool
 from asyncrl.envs.sandbox_reaper import leftovers, mounts_under
-from helpers import child_env
+from helpers import child_env, left_after_kill, processes_naming
 
 pytestmark = pytest.mark.skipif(probe_isolation().mode != "bwrap", reason="the pool needs bubblewrap")
 
@@ -44,18 +44,6 @@ class TemplateWorkspace:
 
 def _snapshot(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _processes_naming(path: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if str(path).encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
 
 
 @pytest.fixture
@@ -113,15 +101,6 @@ def test_commands_see_only_the_sandbox(pool):
     assert "Read-only file system" in result.stderr or "/etc/x: No such file" in result.stderr
 
 
-def _left_after_kill(path: Path, timeout_s: float = 5.0) -> list[int]:
-    """The processes naming `path` once they had `timeout_s` to die: a SIGKILLed process needs CPU
-    time to exit, which a loaded machine gives it late (the kill itself waits at most 0.5 s)."""
-    deadline = time.monotonic() + timeout_s
-    while (left := _processes_naming(path)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
-
-
 def test_deadline_and_cancel_and_release_kill_the_whole_tree(pool):
     ws = TemplateWorkspace("k", {"f": "x"})
     spawn = "for i in 1 2 3; do (setsid sleep 300 &); done; sleep 300"
@@ -131,20 +110,20 @@ def test_deadline_and_cancel_and_release_kill_the_whole_tree(pool):
         t0 = time.monotonic()
         result = await box.run(["bash", "-c", spawn], env=ENV, timeout_s=1.0)
         assert result.timed_out and time.monotonic() - t0 < 5.0
-        assert not _left_after_kill(pool.run_dir.path)  # deadline: nothing left
+        assert not left_after_kill(pool.run_dir.path)  # deadline: nothing left
         task = asyncio.create_task(box.run(["bash", "-c", spawn], env=ENV, timeout_s=60))
         await asyncio.sleep(0.5)
-        assert _processes_naming(pool.run_dir.path)  # it runs
+        assert processes_naming(pool.run_dir.path)  # it runs
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not _left_after_kill(pool.run_dir.path)  # cancellation: nothing left
+        assert not left_after_kill(pool.run_dir.path)  # cancellation: nothing left
         task = asyncio.create_task(box.run(["bash", "-c", spawn], env=ENV, timeout_s=60))
         await asyncio.sleep(0.5)
         pool.release(box)  # episode end while a command runs
         result = await task
         assert result.returncode is not None and result.returncode < 0
-        assert not _left_after_kill(pool.run_dir.path)
+        assert not left_after_kill(pool.run_dir.path)
 
     asyncio.run(scenario())
     assert not list((pool.run_dir.path / "pids").iterdir())
@@ -225,15 +204,11 @@ def test_reaper_removes_what_a_killed_orchestrator_left(tmp_path):
     try:
         assert proc.stdout.readline().strip() == "ready"
         (run,) = root.iterdir()
-        assert _processes_naming(run)
+        assert processes_naming(run)
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    for _ in range(100):  # the sandboxes die with it (a set-up under way finishes first)
-        if not _processes_naming(run):
-            break
-        time.sleep(0.05)
-    assert not _processes_naming(run)
+    assert not left_after_kill(run)  # the sandboxes die with it (a set-up under way finishes first)
     before = leftovers(root)
     assert before.runs == 1 and before.dirs == 1 and before.processes == 0
     pool = SandboxPool(root=root, limits=LIMITS)  # a restart: its reaper runs first
@@ -241,7 +216,7 @@ def test_reaper_removes_what_a_killed_orchestrator_left(tmp_path):
         assert pool.reaped.runs == 1 and pool.reaped.dirs == 1
         assert pool.reaped.mounts == before.mounts and pool.reaped.cgroups == before.cgroups
         assert leftovers(root).total == 0 and not run.exists() and not mounts_under(run)
-        assert not _processes_naming(run)
+        assert not processes_naming(run)
         if pool.tmpfs:
             assert before.mounts == 5
         if pool.cgroups:
