@@ -24,6 +24,13 @@ The phases are found by wrapping names both today's engine and older ones have (
 `Scheduler.schedule`, the model and lm_head modules, `engine.sample`, `PagedAttention.__call__`,
 `GroupedExperts.forward`, `Router.forward`), so the same script profiles an older checkout run
 with its own PYTHONPATH. With --markdown it also prints the rows of BENCHMARKS.md's table.
+
+`--compare-packing` times instead the decode step with packed weights (the default,
+docs/inference.md, Performance, "Packed weights") against the same engine with packing turned off
+(`asyncrl.model.compute.set_cpu_packing(False)`), alternating in windows of `--window` steps over
+`--rounds` rounds on one engine, so both see the same contexts and the same machine; it prints the
+median step time of each (CPU time of the engine's thread with one torch thread, wall time with
+more) and their ratio.
 """
 
 from __future__ import annotations
@@ -183,6 +190,30 @@ def profile(model_dir: Path, dtype: str, args: argparse.Namespace) -> tuple[dict
     return ms, ops
 
 
+def compare_packing(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[str, float]:
+    """Median ms per decode step with packing off and on (the default rule), and off / on."""
+    from asyncrl.model import compute
+
+    engine = build_engine(model_dir, dtype, args.concurrency)
+    max_tokens = args.warm_tokens + 2 * args.rounds * (args.window + 1) + 8
+    start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for _ in range(args.rounds):
+            for mode, forced in (("off", False), ("on", None)):
+                compute.set_cpu_packing(forced)
+                engine.step()  # packs the weights, when on
+                start = clock()
+                for _ in range(args.window):
+                    engine.step()
+                times[mode].append(1000 * (clock() - start) / args.window)
+    finally:
+        compute.set_cpu_packing(None)
+    med = {mode: sorted(v)[len(v) // 2] for mode, v in times.items()}
+    return med | {"ratio": med["off"] / med["on"]}
+
+
 def print_report(label: str, ms: dict[str, float], ops: list, concurrency: int) -> None:
     step = ms["step"]
     print(f"\n{label}: {step:.2f} ms per decode step, {1000 * concurrency / step:.0f} tok/s (engine only)")
@@ -215,6 +246,9 @@ def main() -> None:
     p.add_argument("--top-ops", type=int, default=10)
     p.add_argument("--markdown", action="store_true", help="also print the rows of BENCHMARKS.md's table")
     p.add_argument("--label", default="", help="engine name in the markdown rows (e.g. before, after)")
+    p.add_argument("--compare-packing", action="store_true", help="packed weights on against off (see above)")
+    p.add_argument("--rounds", type=int, default=8, help="--compare-packing: windows of each mode")
+    p.add_argument("--window", type=int, default=4, help="--compare-packing: decode steps per window")
     args = p.parse_args()
     import asyncrl
 
@@ -229,6 +263,15 @@ def main() -> None:
             model_dir = Path(tmp) / preset
             init_model(preset, model_dir, seed=0)
             for dtype in args.dtypes.split(","):
+                if args.compare_packing:
+                    r = compare_packing(model_dir, dtype, args)
+                    print(
+                        f"{preset} {dtype} c={args.concurrency}: packed weights {r['on']:.2f} ms per decode "
+                        f"step, unpacked {r['off']:.2f} ms: {r['ratio']:.2f}x (median of {args.rounds} "
+                        f"windows of {args.window} steps each)",
+                        flush=True,
+                    )
+                    continue
                 ms, ops = profile(model_dir, dtype, args)
                 print_report(f"{preset} {dtype} c={args.concurrency}", ms, ops, args.concurrency)
                 rows.append(markdown_row(f"{preset}, {dtype}, {args.label}", ms, ops, args.concurrency))

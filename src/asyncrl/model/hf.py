@@ -25,7 +25,7 @@ from huggingface_hub import StateDictSplit, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from asyncrl.model.args import ModelArgs, ModelConfigError, load_args
-from asyncrl.model.compute import drop_fp32_copies
+from asyncrl.model.compute import drop_kept_copies
 from asyncrl.model.dtypes import dtype_name
 from asyncrl.model.hf_reader import HFReader
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
@@ -138,7 +138,7 @@ def load_into(
                 p.data = t
             else:
                 p.copy_(t)
-    drop_fp32_copies(params.values())
+    drop_kept_copies(params.values())
 
 
 def is_hf_tensor(name: str, args: ModelArgs) -> bool:

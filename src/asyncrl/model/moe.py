@@ -4,7 +4,9 @@ Experts are stacked ([E, ...] parameters) and computed grouped by expert: token 
 by expert id, each expert runs one matmul over its contiguous slice, and results are unsorted and
 summed over the k choices in a fixed order (deterministic, no atomics). In native bf16 on a CPU
 outside autograd (the engine's steps), the slices are padded to the largest and each projection is
-one batched matmul over all experts (`_use_padded_bmm`).
+one batched matmul over all experts (`_use_padded_bmm`). Under inference mode on a CPU, experts of
+at least `compute.MIN_PACKED` weights per matrix run instead on oneDNN's packed copies of their
+weights, kept between steps: one matmul per expert for gate and up together, one for down.
 
 Router replay (R3): given the expert ids chosen elsewhere (the inference engine), the block uses
 them instead of its own top-k, but the gate weights are still this router's softmax probabilities
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.model.args import ModelArgs
-from asyncrl.model.compute import as_fp32, cpu_upcast
+from asyncrl.model.compute import as_fp32, cpu_upcast, kept, pack, packed_linear, packs
 from asyncrl.model.layers import MLP
 
 __all__ = ["GroupedExperts", "MoE", "MoEOutput", "Router", "Routing", "grouped_swiglu"]
@@ -128,6 +130,8 @@ def grouped_swiglu(
     Module-free so that an expert-parallel wrapper (asyncrl.distributed) computes its local
     experts with exactly the same arithmetic. `linear(x, w)` replaces `x @ w.T` (FP8 hook).
     """
+    if linear is None and packs(x_sorted, gate_EID[0].numel()):
+        return _packed_swiglu(x_sorted, counts_E, gate_EID, up_EID, down_EDI)
     if linear is None and _use_padded_bmm(x_sorted, counts_E):
         return _padded_swiglu(x_sorted, counts_E, gate_EID, up_EID, down_EDI)
     if linear is None and cpu_upcast(x_sorted, expert_numel=gate_EID[0].numel()):
@@ -231,6 +235,38 @@ def _padded_swiglu(
     h_EMI = F.silu(torch.bmm(x_EMD, gate_EID.transpose(1, 2))) * torch.bmm(x_EMD, up_EID.transpose(1, 2))
     y_EMD = torch.bmm(h_EMI, down_EDI.transpose(1, 2))
     return y_EMD.view(-1, down_EDI.shape[1]).index_select(0, slot_R)
+
+
+def _packed_swiglu(
+    x_sorted: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_EID: torch.Tensor,
+    up_EID: torch.Tensor,
+    down_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """`grouped_swiglu` as one packed matmul per expert for gate and up together, one for down."""
+    hidden = gate_EID.shape[1]
+    outs = []
+    for x_e, (gate_up, down) in zip(
+        x_sorted.split(counts_E.tolist()), _packed_experts(gate_EID, up_EID, down_EDI), strict=True
+    ):
+        if x_e.shape[0]:
+            h = packed_linear(x_e, gate_up)
+            outs.append(packed_linear(F.silu(h[:, :hidden]) * h[:, hidden:], down))
+    return torch.cat(outs) if outs else x_sorted.new_zeros(x_sorted.shape[0], down_EDI.shape[1])
+
+
+def _packed_experts(
+    gate_EID: torch.Tensor, up_EID: torch.Tensor, down_EDI: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per expert: oneDNN's packed [gate; up] ([2I, D]) and down ([D, I]), kept while the three
+    weights are unchanged (asyncrl.model.compute)."""
+
+    def make() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        experts = zip(gate_EID.unbind(0), up_EID.unbind(0), down_EDI.unbind(0), strict=True)
+        return [(pack(torch.cat([g, u])), pack(d)) for g, u, d in experts]
+
+    return kept("packed_experts", make, gate_EID, up_EID, down_EDI)  # type: ignore[return-value]
 
 
 def _mm_t(x_NK: torch.Tensor, w_OK: torch.Tensor) -> torch.Tensor:

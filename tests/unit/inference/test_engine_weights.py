@@ -9,7 +9,7 @@ from inference_helpers import Result, drain, random_prompts, teacher_logprobs
 
 from asyncrl.inference import SamplingOptions
 from asyncrl.model import Transformer, save_pretrained
-from asyncrl.model.compute import set_cpu_upcast
+from asyncrl.model.compute import set_cpu_packing, set_cpu_upcast
 from weight_update_reference import kept_kv_logprobs, perturb_all_weights
 
 
@@ -105,12 +105,18 @@ def _state(model: Transformer) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in _state_refs(model).items()}
 
 
-@pytest.fixture
-def fp32_copy_path():
-    """bf16 weights on the CPU path that keeps an fp32 copy of each weight between steps."""
-    set_cpu_upcast(True)
-    yield
+@pytest.fixture(params=["fp32 copies", "packed weights"])
+def kept_copy_path(request):
+    """A CPU path that keeps a copy derived from each weight between steps: the dtype to serve in.
+    bf16 weights with an fp32 copy of each, or fp32 weights with oneDNN's packed copy of each (as
+    for large weights)."""
+    if request.param == "fp32 copies":
+        set_cpu_upcast(True)
+    else:
+        set_cpu_packing(True)
+    yield torch.bfloat16 if request.param == "fp32 copies" else torch.float32
     set_cpu_upcast(None)
+    set_cpu_packing(None)
 
 
 def _greedy(engine, prompt: list[int]) -> Result:
@@ -118,12 +124,12 @@ def _greedy(engine, prompt: list[int]) -> Result:
     return drain(engine)["r"]
 
 
-def test_two_swaps_without_a_step_serve_the_last_weights(make_engine, tiny_moe, fp32_copy_path):
-    base = copy.deepcopy(tiny_moe).bfloat16()
+def test_two_swaps_without_a_step_serve_the_last_weights(make_engine, tiny_moe, kept_copy_path):
+    base = copy.deepcopy(tiny_moe).to(kept_copy_path)
     w1, w2 = (perturb_all_weights(base, seed=s, scale=0.2) for s in (30, 31))
     engine = make_engine(base)
     prompt = random_prompts([12], seed=22)[0]
-    base_out = _greedy(engine, prompt)  # the engine now keeps fp32 copies of the base weights
+    base_out = _greedy(engine, prompt)  # the engine now keeps copies made from the base weights
     # Two updates in a row, no step between them (an idle server). The second one's tensors sit at
     # the addresses of the base weights, as a reader alternating two sets of buffers places them
     # (and as the allocator often does: 9 of 10 fresh trials); `.data` aliases write them without

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.model import Transformer, compute, preset_args
-from asyncrl.model.compute import as_fp32, cpu_upcast, drop_fp32_copies, linear, sdpa, set_cpu_upcast
+from asyncrl.model.compute import as_fp32, cpu_upcast, drop_kept_copies, linear, sdpa, set_cpu_upcast
 
 
 @pytest.fixture
@@ -125,13 +125,13 @@ def test_fp32_copy_is_not_served_for_a_new_tensor_at_the_same_address():
         assert torch.equal(as_fp32(w), torch.ones(64, 32))
 
 
-def test_drop_fp32_copies_forgets_writes_the_version_counter_cannot_see():
+def test_drop_kept_copies_forgets_writes_the_version_counter_cannot_see():
     w = torch.nn.Parameter(torch.randn(4, 3).bfloat16(), requires_grad=False)
     alias = w.data  # shares the storage, not the version counter
     with torch.inference_mode():
         as_fp32(w)
     alias.fill_(2.0)
-    drop_fp32_copies([w])
+    drop_kept_copies([w])
     with torch.inference_mode():
         assert torch.equal(as_fp32(w), torch.full((4, 3), 2.0))
 
@@ -176,6 +176,60 @@ def test_cpu_kernels_decisions_and_startup_line():
     assert amx.native_linear(16) and avx512.native_linear(16, autograd=True)
     assert not avx512.native_linear(128 * 128) and avx512.native_linear(260 * 128)
     assert not avx2.native_linear(10**6, autograd=True)
-    assert "AMX" in amx.describe() and amx.describe().endswith("MoE experts native")
+    assert "AMX" in amx.describe() and "MoE experts native; " in amx.describe()
+    assert f"weights of {compute.MIN_PACKED}+ elements packed" in amx.describe()
     assert f"linear native from {compute.MIN_NATIVE_LINEAR} weights" in avx512.describe()
     assert "CPU AVX" in compute.cpu_kernels().describe()  # this machine's line
+
+
+@pytest.fixture
+def packing():
+    """Set the packed-weights choice for one test; the size rule is restored afterwards."""
+    yield compute.set_cpu_packing
+    compute.set_cpu_packing(None)
+
+
+def test_packed_weights_only_in_inference_mode_on_large_fp32_or_native_bf16_weights():
+    x = torch.zeros(2, 8)
+    big, small = compute.MIN_PACKED, compute.MIN_PACKED - 1
+    assert not compute.packs(x, big)  # training and no_grad forwards: F.linear
+    with torch.inference_mode():
+        assert compute.packs(x, big) and not compute.packs(x, small)
+        bf16 = x.bfloat16()
+        assert compute.packs(bf16, big) == compute.cpu_kernels().native_bf16
+        assert not compute.packs(x.half(), big)
+
+
+def test_packed_linear_matches_f_linear_and_is_kept_until_the_weight_changes(packing):
+    packing(True)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 64, generator=gen)
+    w = torch.nn.Parameter(torch.randn(48, 64, generator=gen), requires_grad=False)
+    b = torch.randn(48, generator=gen)
+    with torch.inference_mode():
+        y = compute.linear(x, w, b)
+        first = compute.packed(w)
+        assert compute.packed(w) is first  # kept, not packed again
+    assert y.shape == (2, 5, 48)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        w.mul_(-1.0)  # an in-place write bumps the version
+    with torch.inference_mode():
+        assert compute.packed(w) is not first
+        torch.testing.assert_close(compute.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        kept = compute.packed(w)
+    w.data.fill_(0.5)  # a write the version counter cannot see: the swap's caller drops the copies
+    drop_kept_copies([w])
+    with torch.inference_mode():
+        assert compute.packed(w) is not kept
+        torch.testing.assert_close(compute.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_bf16_linear_equals_the_native_kernel(packing):
+    if not compute.cpu_kernels().native_bf16:
+        pytest.skip("this CPU has no native bf16 kernels: bf16 weights are never packed here")
+    packing(True)
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(16, 512, generator=gen).bfloat16(), torch.randn(896, 512, generator=gen).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(compute.linear(x, w), F.linear(x, w))

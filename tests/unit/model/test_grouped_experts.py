@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from asyncrl.model import compute, moe
 from asyncrl.model.compute import set_cpu_upcast
 from asyncrl.model.moe import _use_grouped_mm, _use_padded_bmm, grouped_swiglu
 
@@ -117,3 +118,28 @@ def test_the_padded_batch_is_for_balanced_native_bf16_inference_only(native_bf16
     set_cpu_upcast(True)  # a CPU without native bf16: the fp32 path
     with torch.inference_mode():
         assert not _use_padded_bmm(xb, counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_match_the_grouped_path_and_follow_new_weights(dtype):
+    if dtype == torch.bfloat16 and not compute.cpu_kernels().native_bf16:
+        pytest.skip("this CPU has no native bf16 kernels: bf16 experts are never packed here")
+    x, counts, weights = _inputs(N=40, D=64, hidden=32, E=5)
+    x, (g, u, d) = x.to(dtype), [w.to(dtype) for w in weights]
+    with torch.no_grad():
+        ref = grouped_swiglu(x, counts, g, u, d)
+    compute.set_cpu_packing(True)
+    try:
+        with torch.inference_mode():
+            packed = grouped_swiglu(x, counts, g, u, d)
+            kept = moe._packed_experts(g, u, d)
+            assert moe._packed_experts(g, u, d) is kept  # packed once, kept
+        with torch.no_grad():
+            d.mul_(2.0)
+        with torch.inference_mode():
+            doubled = grouped_swiglu(x, counts, g, u, d)
+    finally:
+        compute.set_cpu_packing(None)
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(packed, ref, **tol)
+    torch.testing.assert_close(doubled, 2 * ref, **tol)  # the new down projection, not the kept one
