@@ -16,7 +16,8 @@ ignored) are prefilled and decode `--warm-tokens` tokens (the middle of a 128-to
 
 Times are CPU time of the engine's thread (`time.thread_time`, torch on one thread), so that other
 jobs on a shared machine inflate them little; the tokens/s printed is concurrency / CPU time per
-step. A second pass runs `torch.profiler` over a few decode steps and lists the top aten ops of the
+step. A second pass runs `torch.profiler` over a few decode steps and lists the top aten and oneDNN
+(`mkldnn::`, the packed-weight matmuls) ops of the
 model forward by self CPU time. HTTP and JSON are not in these numbers: `bench_backends.py` gives
 the server's tokens/s to set against the engine-only tokens/s printed here.
 
@@ -171,11 +172,11 @@ def phase_times(engine: Engine, steps: int) -> dict[str, float]:
 
 
 def forward_ops(engine: Engine, steps: int, top: int) -> list[tuple[str, float]]:
-    """(aten op, share of the profiled steps' self CPU time), the `top` largest."""
+    """(aten or mkldnn op, share of the profiled steps' self CPU time), the `top` largest."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
-    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::"))]
     total = sum(e.self_cpu_time_total for e in events)
     events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     return [(e.key, e.self_cpu_time_total / total) for e in events[:top]]
@@ -219,8 +220,8 @@ def print_report(label: str, ms: dict[str, float], ops: list, concurrency: int) 
     print(f"\n{label}: {step:.2f} ms per decode step, {1000 * concurrency / step:.0f} tok/s (engine only)")
     for name in PHASES:
         print(f"  {name:18s} {ms[name]:7.2f} ms  {ms[name] / step:5.0%}")
-    print("top aten ops (self CPU, whole step under torch.profiler):")
-    print("  " + ", ".join(f"{name[6:]} {share:.0%}" for name, share in ops))
+    print("top aten/mkldnn ops (self CPU, whole step under torch.profiler):")
+    print("  " + ", ".join(f"{name.split('::')[-1]} {share:.0%}" for name, share in ops))
 
 
 def markdown_header() -> str:
@@ -231,7 +232,7 @@ def markdown_header() -> str:
 def markdown_row(label: str, ms: dict[str, float], ops: list, concurrency: int) -> str:
     step = ms["step"]
     cells = [label, f"{step:.2f}", f"{1000 * concurrency / step:.0f}", *(f"{ms[n]:.2f}" for n in PHASES)]
-    cells.append(", ".join(f"{name[6:]} {share:.0%}" for name, share in ops[:4]))
+    cells.append(", ".join(f"{name.split('::')[-1]} {share:.0%}" for name, share in ops[:4]))
     return f"| {' | '.join(cells)} |"
 
 

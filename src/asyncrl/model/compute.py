@@ -145,8 +145,8 @@ class CpuKernels:
 
 
 def _packing() -> str:
-    if not _mkldnn():
-        return "no oneDNN: weights not packed"
+    if not _packs_dtype(torch.float32):
+        return "weights not packed (no oneDNN packing in this torch build)"
     return f"weights of {MIN_PACKED}+ elements packed for oneDNN in inference"
 
 
@@ -244,24 +244,32 @@ def set_cpu_packing(value: bool | None) -> None:
 
 def packs(x: torch.Tensor, weight_numel: int) -> bool:
     """Whether a matmul of `x` by a weight of `weight_numel` elements runs on a packed copy of the
-    weight: on a CPU with oneDNN, under inference mode, for fp32 weights of at least
-    `MIN_PACKED` elements, in fp32 or native bf16."""
-    if x.device.type != "cpu" or not torch.is_inference_mode_enabled() or not _mkldnn():
+    weight: on a CPU with oneDNN, under inference mode, for weights of at least `MIN_PACKED`
+    elements, in fp32 or native bf16."""
+    if x.device.type != "cpu" or not torch.is_inference_mode_enabled() or type(x) is not torch.Tensor:
+        return False  # tensor subclasses (DTensor, FP8 wrappers) keep their own path
+    if x.dtype != torch.float32 and (x.dtype != torch.bfloat16 or not _cpu_native(x.dtype)):
         return False
-    if type(x) is not torch.Tensor:  # tensor subclasses (DTensor, FP8 wrappers) keep their own path
-        return False
-    if _PACK_FORCED is not None:
-        return _PACK_FORCED and x.dtype in (torch.float32, torch.bfloat16) and _packable(x.dtype)
-    return weight_numel >= MIN_PACKED and x.dtype in (torch.float32, torch.bfloat16) and _packable(x.dtype)
+    wanted = _PACK_FORCED if _PACK_FORCED is not None else weight_numel >= MIN_PACKED
+    return wanted and _packs_dtype(x.dtype)
 
 
-@functools.cache
 def _mkldnn() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def _packable(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 or _cpu_native(dtype)
+@functools.cache
+def _packs_dtype(dtype: torch.dtype) -> bool:
+    """Whether this torch build packs and multiplies `dtype` weights through oneDNN (checked once on a
+    small weight: builds without oneDNN, or whose oneDNN lacks the op, keep the unpacked paths)."""
+    if not _mkldnn():
+        return False
+    try:
+        with torch.inference_mode():
+            w, x = torch.ones(4, 8, dtype=dtype), torch.ones(2, 8, dtype=dtype)
+            return bool(torch.equal(packed_linear(x, pack(w)), F.linear(x, w)))
+    except RuntimeError:
+        return False
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

@@ -200,6 +200,16 @@ def test_packed_weights_only_in_inference_mode_on_large_fp32_or_native_bf16_weig
         assert not compute.packs(x.half(), big)
 
 
+def test_a_torch_build_whose_onednn_cannot_pack_keeps_f_linear(packing, monkeypatch):
+    monkeypatch.setattr(compute, "_packs_dtype", lambda dtype: False)
+    packing(True)
+    x, w = torch.randn(3, 64), torch.randn(32, 64)
+    with torch.inference_mode():
+        assert not compute.packs(x, w.numel())
+        assert torch.equal(compute.linear(x, w), F.linear(x, w)) and not hasattr(w, compute._KEPT)
+    assert "weights not packed" in compute.cpu_kernels().describe()
+
+
 def test_packed_linear_matches_f_linear_and_is_kept_until_the_weight_changes(packing):
     packing(True)
     gen = torch.Generator().manual_seed(0)
