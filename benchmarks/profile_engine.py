@@ -17,9 +17,9 @@ ignored) are prefilled and decode `--warm-tokens` tokens (the middle of a 128-to
 Times are CPU time of the engine's thread (`time.thread_time`, torch on one thread), so that other
 jobs on a shared machine inflate them little; the tokens/s printed is concurrency / CPU time per
 step. A second pass runs `torch.profiler` over a few decode steps and lists the top aten and oneDNN
-(`mkldnn::`, the packed-weight matmuls) ops of the
-model forward by self CPU time. HTTP and JSON are not in these numbers: `bench_backends.py` gives
-the server's tokens/s to set against the engine-only tokens/s printed here.
+ops (`mkldnn::`, the packed-weight matmuls) of the model forward by self CPU time. HTTP and JSON are
+not in these numbers: `bench_backends.py` gives the server's tokens/s to set against the
+engine-only tokens/s printed here.
 
 The phases are found by wrapping names both today's engine and older ones have (`Engine.step`,
 `Scheduler.schedule`, the model and lm_head modules, `engine.sample`, `PagedAttention.__call__`,
