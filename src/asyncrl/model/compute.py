@@ -33,7 +33,8 @@ capabilities, once (`cpu_kernels()`), because native is not always faster there:
   fp32 copies: oneDNN's bf16 call costs ~2x sgemm's there when the caches are cold, as they are
   between the layers of a decode step (64 x 128 by 128 x 128: ~118 against ~65 us); a 260 x 128
   lm_head is already faster native. The copies are at most `MIN_NATIVE_LINEAR` elements each.
-- the MoE experts: in the engine's steps (no autograd), one padded batched matmul per projection
+- the MoE experts: in the engine's steps (no autograd), on packed copies of their weights from
+  `MIN_PACKED` weights per matrix (below); smaller ones as one padded batched matmul per projection
   over all experts, natively (asyncrl.model.moe), while padding at most doubles the rows. Otherwise
   torch's grouped GEMM: native on AMX, under autograd (training), and for experts of at
   least `MIN_NATIVE_EXPERT` weights per matrix elsewhere. Below that size without autograd (the
@@ -49,16 +50,14 @@ capabilities, once (`cpu_kernels()`), because native is not always faster there:
 True takes the fp32 path everywhere, False the native kernels everywhere.
 `cpu_kernels().describe()` is the line a server prints at start.
 
-Packed weights (any CPU with oneDNN, fp32 or native bf16, under inference mode): `F.linear` makes
-oneDNN or MKL rearrange the weight into the kernel's blocked layout on every call, which costs
-about as much as the product when a decode step gives a matmul a few rows (an MoE expert's share of
-64 tokens). `linear` and the MoE experts use instead a packed copy (`packed`, made once by
-`pack` and kept like the fp32 copies, by `kept`) for weights of at least `MIN_PACKED` elements:
-a moe-50m decode step at concurrency 64 ran 1.1-1.3x faster in fp32 and 1.03-1.18x in bf16 on
-AVX-512 BF16 (docs/inference.md, Performance). Smaller weights lose more to oneDNN's cost per call
-than they win. Packed copies take as much memory again as their weights; fp32 results differ from
-sgemm's by summation order. `set_cpu_packing(True | False | None)` forces the choice (None: the
-size rule).
+Packed weights (any CPU with oneDNN, fp32 or native bf16, under inference mode): `F.linear` and
+torch's batched matmuls rearrange the weight into the kernel's blocked layout on every call, a
+large share of the call when a decode step gives a matmul a few rows (an MoE expert's share of 64
+tokens). `linear` and the MoE experts use instead a packed copy (`packed`: made once by `pack`,
+kept like the fp32 copies by `kept`) of each weight of at least `MIN_PACKED` elements (figures in
+docs/inference.md, Performance). Smaller weights lose more to oneDNN's cost per call than they
+win. Packed copies take as much memory again as their weights; fp32 results differ from sgemm's by
+summation order. `set_cpu_packing(True | False | None)` forces the choice (None: the size rule).
 """
 
 from __future__ import annotations
