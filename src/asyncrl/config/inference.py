@@ -85,6 +85,11 @@ class InferenceConfig(BaseConfig):
         description="context limit (prompt + completion); default: the model's max_position_embeddings",
     )
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    cpu_packed_weights: bool = Field(
+        True,
+        description="on a CPU, compute with oneDNN-packed copies of the weights of 65536+ elements "
+        "(faster decode; as much memory again as those weights); false: for the whole process",
+    )
     seed: int = Field(0, description="seed of the engine's generator for requests without a seed")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="server log level")
     fp8: FP8Config = Field(

@@ -47,6 +47,7 @@ from asyncrl.inference.sampler import sample
 from asyncrl.inference.scheduler import ScheduledSeq, Scheduler
 from asyncrl.inference.stopping import check_stop
 from asyncrl.model import Transformer, from_pretrained, torch_dtype
+from asyncrl.model.compute import set_cpu_packing
 from asyncrl.model.devices import resolve_device
 from asyncrl.model.fp8 import apply_fp8
 from asyncrl.model.hf import check_state_dict, load_into, load_state_dict
@@ -68,6 +69,8 @@ class Engine:
     ) -> None:
         self.model, self.config, self.detokenize, self.version = model.eval(), config, detokenize, version
         self.attention_paths = attention_paths or AttentionPaths()
+        if not config.cpu_packed_weights:
+            set_cpu_packing(False)  # process-wide (asyncrl.model.compute)
         args = model.args
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype

@@ -22,7 +22,7 @@ from asyncrl.inference.async_engine import AsyncEngine
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.server import build_app
 from asyncrl.model import ModelConfigError, Transformer
-from asyncrl.model.compute import cpu_kernels
+from asyncrl.model.compute import cpu_kernels, packing_note
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
 from asyncrl.model.serving import serving_format
 
@@ -71,9 +71,12 @@ def build_receiver(config: InferenceConfig, engine: Engine) -> ReceiveLoop | Non
 
 
 def _kernels_note(engine: Engine) -> str:
-    """How this CPU runs the engine's bf16/fp16 ops (decided at start); empty otherwise."""
-    if engine.device.type != "cpu" or engine.dtype == torch.float32:
+    """On a CPU: how it runs the engine's bf16/fp16 ops (decided at start) and which weights are
+    packed; empty elsewhere."""
+    if engine.device.type != "cpu":
         return ""
+    if engine.dtype == torch.float32:
+        return f"; {packing_note()}"
     return f"; {cpu_kernels().describe()}"
 
 

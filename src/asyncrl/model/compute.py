@@ -86,6 +86,7 @@ __all__ = [
     "pack",
     "packed",
     "packed_linear",
+    "packing_note",
     "packs",
     "sdpa",
     "set_cpu_packing",
@@ -129,7 +130,7 @@ class CpuKernels:
     def describe(self) -> str:
         """One line: the ISA, where the engine's bf16 ops go native or through fp32, and which weights
         it packs."""
-        return f"{self._bf16()}; {_packing()}"
+        return f"{self._bf16()}; {packing_note()}"
 
     def _bf16(self) -> str:
         if not self.native_bf16:
@@ -143,7 +144,10 @@ class CpuKernels:
         )
 
 
-def _packing() -> str:
+def packing_note() -> str:
+    """Which weights the engine's steps use packed copies of (the start-up line's part)."""
+    if _PACK_FORCED is False:
+        return "weights not packed (cpu_packed_weights = false)"
     if not _packs_dtype(torch.float32):
         return "weights not packed (no oneDNN packing in this torch build)"
     return f"weights of {MIN_PACKED}+ elements packed for oneDNN in inference"

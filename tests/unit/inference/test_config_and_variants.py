@@ -10,8 +10,8 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import SamplingOptions
 from asyncrl.inference.main import _kernels_note
-from asyncrl.model import Transformer, preset_args
-from asyncrl.model.compute import cpu_kernels
+from asyncrl.model import Transformer, compute, preset_args
+from asyncrl.model.compute import cpu_kernels, packing_note
 
 
 def test_cli_flags_and_toml(tmp_path):
@@ -61,7 +61,18 @@ def test_bfloat16_engine_tracks_the_bf16_model(make_engine, tiny_moe):
     assert (ref - torch.tensor(res.logprobs)).abs().max() < 0.1  # bf16: close, not exact
 
 
-def test_startup_line_states_the_cpu_bf16_kernels(make_engine, tiny_moe):
-    assert _kernels_note(make_engine()) == ""  # fp32: nothing to decide
+def test_startup_line_states_the_cpu_bf16_kernels_and_the_packing(make_engine, tiny_moe):
+    assert _kernels_note(make_engine()) == f"; {packing_note()}"  # fp32: only the packing to state
     note = _kernels_note(make_engine(copy.deepcopy(tiny_moe).bfloat16(), dtype="bfloat16"))
     assert note == f"; {cpu_kernels().describe()}" and "CPU AVX" in note
+
+
+def test_cpu_packed_weights_false_turns_packing_off_for_the_process(make_engine):
+    x = torch.zeros(2, 8)
+    try:
+        engine = make_engine(cpu_packed_weights=False)
+        with torch.inference_mode():
+            assert not compute.packs(x, compute.MIN_PACKED)
+        assert _kernels_note(engine) == "; weights not packed (cpu_packed_weights = false)"
+    finally:
+        compute.set_cpu_packing(None)
