@@ -213,15 +213,15 @@ def kept(kind: str, make: Callable[[], object], w: torch.Tensor, *more: torch.Te
     sources = (w, *more)
     storages = [t.untyped_storage() for t in sources]
     key = tuple(_source_key(t) for t in sources)
-    kept = getattr(w, _KEPT, None)
-    if kept is None:
-        kept = {}
-        setattr(w, _KEPT, kept)
-    hit = kept.get(kind)
+    slots = getattr(w, _KEPT, None)
+    if slots is None:
+        slots = {}
+        setattr(w, _KEPT, slots)
+    hit = slots.get(kind)
     if hit is not None and hit[1] == key and all(r() is s for r, s in zip(hit[0], storages, strict=True)):
         return hit[2]
     out = make()
-    kept[kind] = (tuple(weakref.ref(s) for s in storages), key, out)
+    slots[kind] = (tuple(weakref.ref(s) for s in storages), key, out)
     return out
 
 
