@@ -105,3 +105,17 @@ def left_after_kill(path: Path, timeout_s: float = 5.0) -> list[int]:
     while (left := processes_naming(path)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
+
+
+def env_records(records: list[dict], env: str) -> list[dict]:
+    """The orchestrator's step records that count episodes of `env`. A step whose batch was cut from
+    groups already buffered (one collection can bring two batches' worth) has no episodes of its
+    own, and its record leaves out every per-env key (asyncrl.orchestrator.metrics): those records
+    are checked to carry none, and at least one record must count episodes."""
+    prefix = f"env/{env}/"
+    counted = [r for r in records if prefix + "episodes" in r]
+    assert counted, f"no step record counts episodes of {env}: {records}"
+    for r in records:
+        if prefix + "episodes" not in r:
+            assert f"reward/{env}" not in r and not any(k.startswith(prefix) for k in r), r
+    return counted

@@ -23,7 +23,7 @@ import tomli_w
 from asyncrl.tools.init_model import init_model
 from asyncrl.transport.metrics import read_metrics
 from asyncrl.transport.rollouts import read_batch
-from helpers import child_env, free_port
+from helpers import child_env, env_records, free_port
 
 EXAMPLE = Path(__file__).parents[3] / "examples" / "long_context" / "rl.toml"
 STEPS, SEQ_LEN, NUM_PAGES, PAGE_CHARS = 2, 4096, 3, 1000
@@ -61,7 +61,10 @@ def test_long_context_loop_grows_episodes_over_turns_and_trains_with_context_par
     run_dir = tmp_path / "run"
     orch, trainer = read_metrics(run_dir, "orchestrator"), read_metrics(run_dir, "trainer")
     assert [r["step"] for r in orch] == list(range(1, STEPS + 1)) and len(trainer) == STEPS
-    for r in orch:
+    counted = env_records(orch, "long-context")
+    # bridged: one sample per episode, so every trained sample's episode was counted in some record
+    assert sum(r["env/long-context/episodes"] for r in counted) >= sum(r["batch/samples"] for r in orch)
+    for r in counted:
         assert r["env/long-context/num_turns"] >= NUM_PAGES  # a page a turn
         assert r["env/long-context/pages_seen"] == 1.0 and r["env/long-context/failed"] == 0.0
         assert r["env/long-context/num_resets"] == 0.0  # bridged: one sample per episode

@@ -22,7 +22,7 @@ from asyncrl.envs.sandbox_bwrap import probe_isolation
 from asyncrl.tools.init_model import init_model
 from asyncrl.transport.metrics import read_metrics
 from asyncrl.transport.rollouts import read_batch
-from helpers import child_env, free_port
+from helpers import child_env, env_records, free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -74,7 +74,7 @@ def test_rl_on_the_swe_env_reports_its_named_rewards_per_step(tmp_path):
     assert [r["step"] for r in orch] == list(range(1, STEPS + 1)) and len(
         read_metrics(run_dir, "trainer")
     ) == STEPS
-    for r in orch:
+    for r in env_records(orch, "swe"):
         assert r["env/swe/episodes"] >= 2
         assert r["env/swe/resolved"] == r["reward/swe"] == 0.0  # a random model fixes nothing
         assert r["env/swe/fail_to_pass"] == 0.0 and r["env/swe/pass_to_pass"] == 1.0  # graded: the bug stays

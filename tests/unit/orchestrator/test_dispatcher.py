@@ -15,6 +15,7 @@ from asyncrl.config.sampling import SamplingParams
 from asyncrl.orchestrator.checkpoint import load_latest_state
 from asyncrl.orchestrator.main import run_orchestrator
 from asyncrl.transport.rollouts import read_batch_part
+from helpers import env_records
 
 from .conftest import fake_trainer
 from .fake_server import FakeServer
@@ -201,8 +202,7 @@ def test_each_envs_named_rewards_and_episode_metrics_reach_the_step_record(tmp_p
     # A step whose batch was cut from groups already buffered (the fake server can finish two
     # batches' worth before the first is written) has no episodes of its own: its record leaves
     # the per-env means out. Every episode trained was counted in some step's record.
-    finished = [r for r in records if "env/reverse-text/episodes" in r]
-    assert finished and all("reward/reverse-text" not in r for r in records if r not in finished)
+    finished = env_records(records, "reverse-text")
     assert sum(r["env/reverse-text/episodes"] for r in finished) >= sum(r["batch/samples"] for r in records)
     for r in finished:
         episodes = r["env/reverse-text/episodes"]
