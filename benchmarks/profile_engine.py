@@ -54,7 +54,7 @@ import asyncrl.inference.engine as engine_mod
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions
 from asyncrl.inference.kv_cache import PagedAttention
-from asyncrl.model import from_pretrained, torch_dtype
+from asyncrl.model import compute, from_pretrained, torch_dtype
 from asyncrl.model.moe import GroupedExperts, Router
 from asyncrl.tools.init_model import init_model
 
@@ -194,8 +194,6 @@ def profile(model_dir: Path, dtype: str, args: argparse.Namespace) -> tuple[dict
 
 def compare_packing(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[str, float]:
     """Median ms per decode step with packing off and on (the default rule), and off / on."""
-    from asyncrl.model import compute
-
     engine = build_engine(model_dir, dtype, args.concurrency)
     max_tokens = args.warm_tokens + 2 * args.rounds * (args.window + 1) + 8
     start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)

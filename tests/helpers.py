@@ -1,5 +1,5 @@
 """Helpers shared by test files: free local ports, the environment of child processes, torchrun,
-the processes left behind.
+the processes left behind, the step records that count an env's episodes.
 
 Importable from any test as `from helpers import ...` (pytest's `pythonpath` puts tests/ on the
 path, see pyproject.toml). No test uses a fixed port: two runs on one machine must not collide.
@@ -17,6 +17,7 @@ from pathlib import Path
 __all__ = [
     "SRC",
     "child_env",
+    "env_records",
     "free_port",
     "free_port_run",
     "left_after_kill",

@@ -257,15 +257,11 @@ def packs(x: torch.Tensor, weight_numel: int) -> bool:
     return wanted and _packs_dtype(x.dtype)
 
 
-def _mkldnn() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
 @functools.cache
 def _packs_dtype(dtype: torch.dtype) -> bool:
     """Whether this torch build packs and multiplies `dtype` weights through oneDNN (checked once on a
     small weight: builds without oneDNN, or whose oneDNN lacks the op, keep the unpacked paths)."""
-    if not _mkldnn():
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     try:
         with torch.inference_mode():
