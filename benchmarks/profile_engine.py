@@ -33,6 +33,11 @@ docs/inference.md, Performance, "Packed weights") against the same engine with p
 same contexts and the same machine; it prints the median step time of each (CPU time of the
 engine's thread with one torch thread, wall time with more) and their ratio. On tiny-moe, whose
 weights are all below the packing size, both modes run the same code: its ratio shows the noise.
+
+`--compare-decode-kernel` does the same for the CPU decode attention kernel
+(`asyncrl.inference.cpu_decode`, the default) against SDPA over the same dense rows. Its worker
+threads are not the engine's, so with one torch thread the kernel's time is in the engine thread's
+CPU time as well; with more, wall time is what counts.
 """
 
 from __future__ import annotations
@@ -192,25 +197,35 @@ def profile(model_dir: Path, dtype: str, args: argparse.Namespace) -> tuple[dict
     return ms, ops
 
 
-def compare_packing(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[str, float]:
-    """Median ms per decode step with packing off and on (the default rule), and off / on."""
+def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) -> dict[str, float]:
+    """Median ms per decode step with `what` ("packing" or "decode kernel") off and on, and off / on."""
     engine = build_engine(model_dir, dtype, args.concurrency)
     max_tokens = args.warm_tokens + 2 * args.rounds * (args.window + 1) + 8
     start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
+    kernel = engine.decode_kernel
+    if what == "decode kernel" and kernel is None:
+        raise SystemExit(f"no decode kernel to compare: {engine.decode_attention_note}")
+
+    def switch(on: bool) -> None:
+        if what == "packing":
+            compute.set_cpu_packing(None if on else False)  # on: the default rule
+        else:
+            engine.decode_kernel = kernel if on else None
+
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     times: dict[str, list[float]] = {"off": [], "on": []}
     try:
         for r in range(args.rounds):
-            modes = (("off", False), ("on", None))
-            for mode, forced in modes if r % 2 == 0 else modes[::-1]:  # off-on, on-off, ...
-                compute.set_cpu_packing(forced)
+            modes = (("off", False), ("on", True))
+            for mode, on in modes if r % 2 == 0 else modes[::-1]:  # off-on, on-off, ...
+                switch(on)
                 engine.step()  # packs the weights, when on
                 start = clock()
                 for _ in range(args.window):
                     engine.step()
                 times[mode].append(1000 * (clock() - start) / args.window)
     finally:
-        compute.set_cpu_packing(None)
+        switch(True)
     med = {mode: sorted(v)[len(v) // 2] for mode, v in times.items()}
     return med | {"ratio": med["off"] / med["on"]}
 
@@ -248,8 +263,11 @@ def main() -> None:
     p.add_argument("--markdown", action="store_true", help="also print the rows of BENCHMARKS.md's table")
     p.add_argument("--label", default="", help="engine name in the markdown rows (e.g. before, after)")
     p.add_argument("--compare-packing", action="store_true", help="packed weights on against off (see above)")
-    p.add_argument("--rounds", type=int, default=12, help="--compare-packing: windows of each mode")
-    p.add_argument("--window", type=int, default=3, help="--compare-packing: decode steps per window")
+    p.add_argument(
+        "--compare-decode-kernel", action="store_true", help="the CPU decode kernel against SDPA (see above)"
+    )
+    p.add_argument("--rounds", type=int, default=12, help="--compare-*: windows of each mode")
+    p.add_argument("--window", type=int, default=3, help="--compare-*: decode steps per window")
     args = p.parse_args()
     import asyncrl
 
@@ -264,12 +282,16 @@ def main() -> None:
             model_dir = Path(tmp) / preset
             init_model(preset, model_dir, seed=0)
             for dtype in args.dtypes.split(","):
-                if args.compare_packing:
-                    r = compare_packing(model_dir, dtype, args)
+                if args.compare_packing or args.compare_decode_kernel:
+                    what = "packing" if args.compare_packing else "decode kernel"
+                    r = compare(model_dir, dtype, what, args)
+                    on, off = (
+                        ("packed weights", "unpacked") if args.compare_packing else ("decode kernel", "SDPA")
+                    )
                     print(
-                        f"{preset} {dtype} c={args.concurrency}: packed weights {r['on']:.2f} ms per decode "
-                        f"step, unpacked {r['off']:.2f} ms: {r['ratio']:.2f}x (median of {args.rounds} "
-                        f"windows of {args.window} steps each)",
+                        f"{preset} {dtype} c={args.concurrency}: {on} {r['on']:.2f} ms per decode step, "
+                        f"{off} {r['off']:.2f} ms: {r['ratio']:.2f}x (median of {args.rounds} windows of "
+                        f"{args.window} steps each)",
                         flush=True,
                     )
                     continue

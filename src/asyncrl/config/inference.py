@@ -90,6 +90,12 @@ class InferenceConfig(BaseConfig):
         description="on a CPU, compute with oneDNN-packed copies of the weights of 65536+ elements "
         "(faster decode; as much memory again as those weights); false: for the whole process",
     )
+    cpu_decode_kernel: bool = Field(
+        True,
+        description="on a CPU, decode attention over the dense rows through a small C kernel built "
+        "with the system's compiler on first use (each sequence read to its own length); false, or "
+        "no compiler: SDPA",
+    )
     seed: int = Field(0, description="seed of the engine's generator for requests without a seed")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="server log level")
     fp8: FP8Config = Field(

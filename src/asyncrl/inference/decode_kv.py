@@ -56,7 +56,8 @@ class DecodePlan:
     Row r holds the step's decode sequence `order_R[r]` (an index into the step's decode
     sequences, R = S of them); its new key and value, head g, go to flat position
     `write_RG[r * G + g]` of the layer's [R * G * C, Dh] view. Attention reads positions
-    [0, width) of rows [0, R), `mask_R11W` (None: nothing to mask) keeping each row's context.
+    [0, width) of rows [0, R), `mask_R11W` (None: nothing to mask) keeping each row's context
+    (`length_R` positions; the CPU kernel reads those only).
     """
 
     k_LRGCd: torch.Tensor
@@ -64,6 +65,7 @@ class DecodePlan:
     order_R: torch.Tensor  # long [R]
     write_RG: torch.Tensor  # long [R * G]
     width: int
+    length_R: torch.Tensor  # long [R]: each row's context, the new token included
     mask_R11W: torch.Tensor | None  # bool [R, 1, 1, W]
     fills: tuple[RowFill, ...]
 
@@ -131,14 +133,15 @@ class DecodeKV:
     def _build(self, rows: list[int], lengths: list[int], width: int, fills: list[RowFill]) -> DecodePlan:
         device, cap, G = self._device, self.capacity, self._shape[1]
         order = [0] * len(rows)
-        length_R = [0] * len(rows)
+        row_lengths = [0] * len(rows)
         for i, r in enumerate(rows):
-            order[r], length_R[r] = i, lengths[i]
-        length_R1 = torch.tensor(length_R, device=device)[:, None]
+            order[r], row_lengths[r] = i, lengths[i]
+        length_R = torch.tensor(row_lengths, device=device)
+        length_R1 = length_R[:, None]
         head_RG = torch.arange(len(rows) * G, device=device).view(-1, G)
         first_RG = head_RG * cap  # where each (row, kv head) starts in the flat view
         mask_R11W = None
-        if min(length_R) < width:
+        if min(row_lengths) < width:
             mask_R11W = (torch.arange(width, device=device)[None, :] < length_R1)[:, None, None, :]
         return DecodePlan(
             k_LRGCd=self.k_LRGCd,
@@ -146,6 +149,7 @@ class DecodeKV:
             order_R=torch.tensor(order, dtype=torch.long, device=device),
             write_RG=(first_RG + length_R1 - 1).flatten(),
             width=width,
+            length_R=length_R,
             mask_R11W=mask_R11W,
             fills=tuple(fills),
         )

@@ -34,6 +34,8 @@ from asyncrl.config.sampling import (
     MIN_TEMPERATURE,
 )
 from asyncrl.inference.block_pool import BlockPool
+from asyncrl.inference.cpu_decode import KERNEL_DTYPES, DecodeKernel
+from asyncrl.inference.cpu_decode import load as load_decode_kernel
 from asyncrl.inference.decode_kv import DecodeKV, DecodePlan
 from asyncrl.inference.kv_cache import AttentionPaths, KVCache, PagedAttention, SeqSlice
 from asyncrl.inference.request import (
@@ -99,6 +101,7 @@ class Engine:
         )
         self._log_kv_memory()
         self.decode_kv = self._build_decode_kv()
+        self.decode_kernel, self.decode_attention_note = self._load_decode_kernel()
         self.scheduler = Scheduler(
             self.pool,
             block_size=bs,
@@ -143,6 +146,18 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
         )
+
+    def _load_decode_kernel(self) -> tuple[DecodeKernel | None, str]:
+        """The CPU decode kernel over the dense rows (cpu_decode) where it applies, and how the
+        dense rows' decode attention runs (the start-up line's part; empty without dense rows)."""
+        if self.decode_kv is None or self.device.type != "cpu":
+            return None, ""
+        if not (self.config.cpu_decode_kernel and self.attention_paths.decode_kernel):
+            return None, "decode attention SDPA (cpu_decode_kernel = false)"
+        if self.dtype not in KERNEL_DTYPES:
+            return None, f"decode attention SDPA (no kernel for {self.dtype})"
+        build = load_decode_kernel()
+        return build.kernel, build.note
 
     @classmethod
     def from_config(cls, config: InferenceConfig, **kwargs) -> Engine:
@@ -290,7 +305,7 @@ class Engine:
         self.num_steps += 1
         ids_N, pos_N, seqs, slots_N = self._inputs(batch)
         plan = self._decode_plan(batch, seqs)
-        backend = PagedAttention(self.cache, seqs, slots_N, self.attention_paths, plan)
+        backend = PagedAttention(self.cache, seqs, slots_N, self.attention_paths, plan, self.decode_kernel)
         out = self.model(
             torch.tensor([ids_N], device=self.device),
             torch.tensor([pos_N], device=self.device),

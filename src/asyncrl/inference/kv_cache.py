@@ -19,7 +19,9 @@ benchmarks/bench_long_context.py).
 Per-head K/V decode reads, when the engine hands over a `DecodePlan`, the dense rows of
 `asyncrl.inference.decode_kv` (each decode sequence's context kept contiguous across steps, new
 tokens written in place) instead of gathering every sequence's blocks in every layer; without a
-plan (over its memory budget, or `AttentionPaths(decode_buffer=False)`) it gathers.
+plan (over its memory budget, or `AttentionPaths(decode_buffer=False)`) it gathers. On a CPU the
+dense rows go through `asyncrl.inference.cpu_decode`'s kernel when the engine has one (each row read
+to its own length), else through SDPA (every row to the step's widest, masked).
 
 The routing pool sits next to the KV pool, slot for slot, so a cached block keeps the expert
 ids its tokens were routed to, and a prefix-cache hit still returns routing.
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from asyncrl.inference.cpu_decode import DecodeKernel
 from asyncrl.inference.decode_kv import DecodePlan
 from asyncrl.inference.request import Request
 from asyncrl.model.compute import sdpa
@@ -136,6 +139,7 @@ class AttentionPaths:
     attention the way it was first written, as oracles and baselines."""
 
     decode_buffer: bool = True  # per-head K/V decode over dense rows (decode_kv); False: gather each step
+    decode_kernel: bool = True  # on a CPU, dense-row decode through the C kernel (cpu_decode); False: SDPA
     latent_decode: bool = True  # decode in the latent space (absorbed); False: expand the keys to K/V
     sparse: bool = True  # DSA over each query's selected keys only; False: all keys, a [T, C] mask
 
@@ -150,8 +154,10 @@ class PagedAttention:
         slots_N: torch.Tensor,
         paths: AttentionPaths | None = None,
         decode_plan: DecodePlan | None = None,
+        decode_kernel: DecodeKernel | None = None,
     ) -> None:
         self.cache, self.slots_N, self.decode_plan = cache, slots_N, decode_plan
+        self.decode_kernel = decode_kernel
         self.paths = paths or AttentionPaths()
         self.seqs = seqs
         # (layer, seq index or "decode") -> idx [1, T, K] / [S, 1, K], kept for "shared" layers
@@ -239,6 +245,8 @@ class PagedAttention:
         R, W = len(plan.order_R), plan.width
         k_RGWd = plan.k_LRGCd[layer_idx, :R, :, :W]
         v_RGWd = plan.v_LRGCd[layer_idx, :R, :, :W]
+        if self.decode_kernel is not None and self.decode_kernel.supports(k_RGWd):
+            return self.decode_kernel(q_RGrd, k_RGWd, v_RGWd, plan.length_R)
         return sdpa(q_RGrd, k_RGWd, v_RGWd, attn_mask=plan.mask_R11W)
 
     def attend_latent(

@@ -75,9 +75,10 @@ def _kernels_note(engine: Engine) -> str:
     packed; empty elsewhere."""
     if engine.device.type != "cpu":
         return ""
+    attention = f"; {engine.decode_attention_note}" if engine.decode_attention_note else ""
     if engine.dtype == torch.float32:
-        return f"; {packing_note()}"
-    return f"; {cpu_kernels().describe()}"
+        return f"; {packing_note()}{attention}"
+    return f"; {cpu_kernels().describe()}{attention}"
 
 
 def main(argv: list[str]) -> int:

@@ -61,10 +61,13 @@ def test_bfloat16_engine_tracks_the_bf16_model(make_engine, tiny_moe):
     assert (ref - torch.tensor(res.logprobs)).abs().max() < 0.1  # bf16: close, not exact
 
 
-def test_startup_line_states_the_cpu_bf16_kernels_and_the_packing(make_engine, tiny_moe):
-    assert _kernels_note(make_engine()) == f"; {packing_note()}"  # fp32: only the packing to state
+def test_startup_line_states_the_cpu_bf16_kernels_the_packing_and_the_decode_attention(make_engine, tiny_moe):
+    engine = make_engine()
+    attention = engine.decode_attention_note  # test_cpu_decode.py checks its cases
+    assert attention.startswith("decode attention ")
+    assert _kernels_note(engine) == f"; {packing_note()}; {attention}"  # fp32: no bf16 kernels to state
     note = _kernels_note(make_engine(copy.deepcopy(tiny_moe).bfloat16(), dtype="bfloat16"))
-    assert note == f"; {cpu_kernels().describe()}" and "CPU AVX" in note
+    assert note == f"; {cpu_kernels().describe()}; {attention}" and "CPU AVX" in note
 
 
 def test_cpu_packed_weights_false_turns_packing_off_for_the_process(make_engine):
@@ -73,6 +76,6 @@ def test_cpu_packed_weights_false_turns_packing_off_for_the_process(make_engine)
         engine = make_engine(cpu_packed_weights=False)
         with torch.inference_mode():
             assert not compute.packs(x, compute.MIN_PACKED)
-        assert _kernels_note(engine) == "; weights not packed (cpu_packed_weights = false)"
+        assert _kernels_note(engine).startswith("; weights not packed (cpu_packed_weights = false); ")
     finally:
         compute.set_cpu_packing(None)

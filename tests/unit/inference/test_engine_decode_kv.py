@@ -1,6 +1,8 @@
 """Dense decode rows (asyncrl.inference.decode_kv) give exactly the paged gather path's tokens and
 logprobs, through admission, finish, preemption, prefix hits, capacity growth, the budget fallback
-and a keep-mode weight swap; each row holds its request's paged K/V."""
+and a keep-mode weight swap; each row holds its request's paged K/V. Both read their keys through
+SDPA here (bit for bit the same attention); the CPU decode kernel over the same rows is held to
+SDPA in test_cpu_decode.py."""
 
 import copy
 
@@ -15,9 +17,10 @@ from asyncrl.inference.request import Request
 from weight_update_reference import perturb_all_weights
 
 GATHER = AttentionPaths(decode_buffer=False)
+DENSE = AttentionPaths(decode_kernel=False)
 
 
-def _engine(model, paths: AttentionPaths | None = None, **overrides) -> Engine:
+def _engine(model, paths: AttentionPaths = DENSE, **overrides) -> Engine:
     cfg = {"model": "unused", "block_size": 4, "kv_cache_tokens": 4096, "max_num_batched_tokens": 64}
     return Engine(copy.deepcopy(model), InferenceConfig(**(cfg | overrides)), attention_paths=paths)
 
@@ -96,7 +99,7 @@ def test_keep_mode_weight_swap_keeps_rows(tiny_moe):
     prompts = random_prompts([9, 14, 6], seed=6)
     new = dict(perturb_all_weights(tiny_moe, seed=0, scale=0.2).named_parameters())
     results = []
-    for paths in (None, GATHER):
+    for paths in (DENSE, GATHER):
         engine = _engine(tiny_moe, paths)
         _add(engine, prompts)
         for _ in range(5):

@@ -1,0 +1,207 @@
+"""Decode attention on CPUs: a small C kernel (cpu_decode.c), built with the system's C compiler on
+first use, over the engine's dense decode rows.
+
+Each decode sequence has one query token. Torch's CPU flash kernel runs it as tiny matrix products
+per (sequence, kv head) and over every position up to the step's widest context, masked; the
+kernel reads each sequence's keys and values once, only up to its own length, and shares them
+between the query heads of a kv group (scores and softmax in fp32; bf16 keys and values widened
+exactly). It runs on torch's own OpenMP threads: the library is built with `-fopenmp` and loaded
+after torch, so it binds to the OpenMP runtime torch loaded (one thread pool, torch's thread count
+for the calling thread). ctypes releases the GIL for the call.
+
+The shared library is built once per source, compiler and CPU (`-march=native`) into
+`$ASYNCRL_KERNEL_CACHE`, else `$XDG_CACHE_HOME/asyncrl/kernels` or `~/.cache/asyncrl/kernels`,
+with `$CC` (default: the first of cc, gcc, clang on PATH). Loading it checks it against SDPA on a
+small random case. Anything that fails (no compiler, a build error, a wrong result) leaves the
+engine on SDPA, and `load()`'s note says why; the server's start-up line states which runs.
+
+Shape legend: R decode rows, G kv heads, r query heads per kv head, W positions of the widest row,
+Dh head dim.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["KERNEL_DTYPES", "DecodeKernel", "KernelBuild", "load"]
+
+log = logging.getLogger(__name__)
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# -ffast-math lets the softmax's exp vectorise (glibc's vector expf); the kernel sees finite values only.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_SOURCE = Path(__file__).with_name("cpu_decode.c")
+_BUILD_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """The loaded kernel (None: not available) and a one-line note of how it came to be."""
+
+    kernel: DecodeKernel | None
+    note: str
+
+
+class DecodeKernel:
+    """Callable over one layer's dense rows: `(q_RGrd, k_RGWd, v_RGWd, length_R) -> o_RGrd`."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {torch.float32: lib.asyncrl_decode_f32, torch.bfloat16: lib.asyncrl_decode_bf16}
+        for fn in self._fns.values():
+            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 10
+            fn.restype = ctypes.c_int
+
+    @staticmethod
+    def supports(k_RGWd: torch.Tensor) -> bool:
+        """Whether the kernel takes these keys (else the caller runs SDPA)."""
+        return k_RGWd.device.type == "cpu" and k_RGWd.dtype in KERNEL_DTYPES and k_RGWd.stride(3) == 1
+
+    def __call__(
+        self, q_RGrd: torch.Tensor, k_RGWd: torch.Tensor, v_RGWd: torch.Tensor, length_R: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of each row's r queries per kv head over that row's first `length_R[row]`
+        positions of k and v (default softmax scale), in q's dtype."""
+        R, G, r, dh = q_RGrd.shape
+        W = k_RGWd.shape[2]
+        if not (self.supports(k_RGWd) and v_RGWd.dtype == k_RGWd.dtype and v_RGWd.stride(3) == 1):
+            raise ValueError("keys and values need one dtype of KERNEL_DTYPES and a contiguous head dim")
+        if k_RGWd.shape != (R, G, W, dh) or v_RGWd.shape != k_RGWd.shape:
+            raise ValueError(
+                f"shapes: q {tuple(q_RGrd.shape)}, k {tuple(k_RGWd.shape)}, v {tuple(v_RGWd.shape)}"
+            )
+        if length_R.dtype != torch.int64 or not length_R.is_contiguous() or length_R.shape != (R,):
+            raise ValueError(
+                f"length_R must be a contiguous int64 [{R}], got {length_R.dtype} {tuple(length_R.shape)}"
+            )
+        if R and not (int(length_R.min()) >= 1 and int(length_R.max()) <= W):
+            raise ValueError(f"row lengths must lie in [1, {W}] (the keys' positions)")
+        q = (q_RGrd.float() * dh**-0.5).contiguous()
+        out = torch.empty(R, G, r, dh, dtype=torch.float32)
+        ks, vs = k_RGWd.stride(), v_RGWd.stride()
+        code = self._fns[k_RGWd.dtype](
+            q.data_ptr(), k_RGWd.data_ptr(), v_RGWd.data_ptr(), length_R.data_ptr(), out.data_ptr(),
+            R, G, r, dh, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+        )  # fmt: skip
+        if code:
+            raise MemoryError(
+                f"decode kernel: no memory for its scratch ({r} x {int(length_R.max())} floats)"
+            )
+        return out if q_RGrd.dtype == torch.float32 else out.to(q_RGrd.dtype)
+
+
+@functools.cache
+def load() -> KernelBuild:
+    """Build (or find built) and load the kernel, once per process."""
+    try:
+        path = _build()
+        kernel = DecodeKernel(ctypes.CDLL(str(path)))
+        _self_check(kernel)
+    except _Unavailable as e:
+        log.info("CPU decode kernel not used: %s", e)
+        return KernelBuild(None, f"decode attention SDPA ({e})")
+    except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
+        log.warning("CPU decode kernel not used (SDPA instead): %s", e)
+        return KernelBuild(None, f"decode attention SDPA (kernel failed: {e})")
+    return KernelBuild(kernel, "decode attention C kernel")
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC")
+    if cc:
+        found = shutil.which(cc)
+        if found is None:
+            raise _Unavailable(f"CC={cc!r} not found")
+        return found
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise _Unavailable("no C compiler on PATH (cc, gcc, clang; or set CC)")
+
+
+def _cpu_id() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(dict.fromkeys(keep)) or platform.processor()
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("ASYNCRL_KERNEL_CACHE"):
+        return Path(os.environ["ASYNCRL_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "asyncrl" / "kernels"
+
+
+def _build() -> Path:
+    cc = _compiler()
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                source,
+                " ".join(FLAGS).encode(),
+                cc.encode(),
+                version.encode(),
+                _cpu_id().encode(),
+                platform.machine().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    directory = _cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        directory = Path(tempfile.gettempdir()) / f"asyncrl-kernels-{os.getuid()}"
+        directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"cpu_decode-{key}.so"
+    if path.exists():
+        return path
+    partial = directory / f".{path.name}.{os.getpid()}.tmp"
+    log.info("building the CPU decode kernel with %s (once per compiler and CPU) into %s", cc, path)
+    done = subprocess.run(
+        [cc, *FLAGS, "-o", str(partial), str(_SOURCE), "-lm"],
+        capture_output=True,
+        text=True,
+        timeout=_BUILD_TIMEOUT_S,
+    )
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"{Path(cc).name} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+    os.replace(partial, path)  # atomic: processes building at once each leave a whole file
+    return path
+
+
+def _self_check(kernel: DecodeKernel) -> None:
+    """The kernel against SDPA on a small case with unequal lengths, in both dtypes."""
+    g = torch.Generator().manual_seed(0)
+    R, G, r, dh, W = 3, 2, 2, 16, 37
+    length_R = torch.tensor([37, 1, 20])
+    keep = (torch.arange(W)[None, :] < length_R[:, None])[:, None, None, :]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q, k, v = (torch.randn(R, G, n, dh, generator=g).to(dtype) for n in (r, W, W))
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep)
+        got = kernel(q, k, v, length_R).float()
+        err = (got - want).abs().max().item()
+        if not err <= tol:
+            raise RuntimeError(f"self-check: {dtype} output differs from SDPA by {err:.2e} (> {tol})")
