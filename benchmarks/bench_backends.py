@@ -7,7 +7,8 @@ Both backends run as servers and are driven through the orchestrator's own seam 
 the requested tokens, at most `--concurrency` requests in flight. Two workloads: fixed output
 length (`--fixed-tokens`) and mixed lengths (uniform in [16, `--max-tokens`]). Throughput counts
 generated tokens over wall time, after a short warm-up. Servers (`--backends`): `embedded` (float32,
-its exact mode), `embedded-bf16`, `vllm` (bfloat16, vLLM's CPU build) and `vllm-fp32`; with
+its exact mode), `embedded-bf16`, `embedded-sdpa` and `embedded-bf16-sdpa` (the same with
+`cpu_decode_kernel = false`), `vllm` (bfloat16, vLLM's CPU build) and `vllm-fp32`; with
 `--baseline-src DIR` (the `src` of another checkout, e.g. a git worktree of an older commit) also
 `baseline` and `baseline-bf16`, the embedded engine of that checkout. `--repeats N` runs every
 server N times, in rounds (one server at a time), and reports the median; the header gives the CPU,
@@ -85,7 +86,7 @@ def serve(kind: str, model: Path, args: argparse.Namespace, log: Path) -> Iterat
     """One server of `kind` over `model`, in its own process group; yields it once healthy."""
     port = _free_port()
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    dtype = "bfloat16" if kind.endswith("bf16") or kind == "vllm" else "float32"
+    dtype = "bfloat16" if "bf16" in kind or kind == "vllm" else "float32"
     if not kind.startswith("vllm"):
         if kind.startswith("baseline"):
             env["PYTHONPATH"] = args.baseline_src
@@ -109,6 +110,8 @@ def serve(kind: str, model: Path, args: argparse.Namespace, log: Path) -> Iterat
             "--log-level",
             "warning",
         ]
+        if kind.endswith("-sdpa"):
+            argv += ["--cpu-decode-kernel", "false"]
     else:
         cfg = InferenceConfig(
             model=str(model),
@@ -341,7 +344,13 @@ def _rate_table(args, kinds: list[str], rate: dict[tuple[str, str], float], unit
     """One row per workload: each server's rate, then ratios against vLLM, bf16 / fp32 and baseline."""
     ref = next((k for k in kinds if k.startswith("vllm")), None)
     ratios = [(k, ref) for k in kinds if ref and not k.startswith("vllm")]
-    pairs = (("embedded-bf16", "embedded"), ("baseline-bf16", "baseline"), ("vllm", "vllm-fp32"))
+    pairs = (
+        ("embedded-bf16", "embedded"),
+        ("baseline-bf16", "baseline"),
+        ("vllm", "vllm-fp32"),
+        ("embedded", "embedded-sdpa"),
+        ("embedded-bf16", "embedded-bf16-sdpa"),
+    )
     ratios += [(b, f) for b, f in pairs if b in kinds and f in kinds]
     ratios += [(k, f"baseline{k[8:]}") for k in ("embedded", "embedded-bf16") if f"baseline{k[8:]}" in kinds]
     rows = [
