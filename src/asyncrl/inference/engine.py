@@ -148,9 +148,9 @@ class Engine:
         )
 
     def _load_decode_kernel(self) -> tuple[DecodeKernel | None, str]:
-        """The CPU decode kernel over the dense rows (cpu_decode) where it applies, and how the
-        dense rows' decode attention runs (the start-up line's part; empty without dense rows)."""
-        if self.decode_kv is None or self.device.type != "cpu":
+        """The CPU decode kernel (cpu_decode) where it applies, and how per-head K/V decode attention
+        runs (the start-up line's part; empty on other devices and for MLA models)."""
+        if self.model.args.uses_mla or self.device.type != "cpu":
             return None, ""
         if not (self.config.cpu_decode_kernel and self.attention_paths.decode_kernel):
             return None, "decode attention SDPA (cpu_decode_kernel = false)"

@@ -19,9 +19,9 @@ benchmarks/bench_long_context.py).
 Per-head K/V decode reads, when the engine hands over a `DecodePlan`, the dense rows of
 `asyncrl.inference.decode_kv` (each decode sequence's context kept contiguous across steps, new
 tokens written in place) instead of gathering every sequence's blocks in every layer; without a
-plan (over its memory budget, or `AttentionPaths(decode_buffer=False)`) it gathers. On a CPU the
-dense rows go through `asyncrl.inference.cpu_decode`'s kernel when the engine has one (each row read
-to its own length), else through SDPA (every row to the step's widest, masked).
+plan (over its memory budget, or `AttentionPaths(decode_buffer=False)`) it gathers. On a CPU either
+goes through `asyncrl.inference.cpu_decode`'s kernel when the engine has one (each sequence read to
+its own length), else through SDPA (every sequence to the step's longest, masked).
 
 The routing pool sits next to the KV pool, slot for slot, so a cached block keeps the expert
 ids its tokens were routed to, and a prefix-cache hit still returns routing.
@@ -139,7 +139,7 @@ class AttentionPaths:
     attention the way it was first written, as oracles and baselines."""
 
     decode_buffer: bool = True  # per-head K/V decode over dense rows (decode_kv); False: gather each step
-    decode_kernel: bool = True  # on a CPU, dense-row decode through the C kernel (cpu_decode); False: SDPA
+    decode_kernel: bool = True  # on a CPU, per-head K/V decode through the C kernel (cpu_decode); False: SDPA
     latent_decode: bool = True  # decode in the latent space (absorbed); False: expand the keys to K/V
     sparse: bool = True  # DSA over each query's selected keys only; False: all keys, a [T, C] mask
 
@@ -179,7 +179,8 @@ class PagedAttention:
             self.decode_blocks_SB = pad_sequence(
                 [s.block_ids[:num_blocks] for s in decodes], batch_first=True
             )
-            self.decode_last_S1 = torch.tensor(lengths, device=device)[:, None] - 1
+            self.decode_length_S = torch.tensor(lengths, device=device)
+            self.decode_last_S1 = self.decode_length_S[:, None] - 1
             mask_SC = torch.arange(num_blocks * bs, device=device)[None, :] <= self.decode_last_S1
             self.decode_mask_S11C = None if bool(mask_SC.all()) else mask_SC[:, None, None, :]
 
@@ -211,7 +212,10 @@ class PagedAttention:
                 flat = self.decode_blocks_SB.flatten()
                 k_SGCd = k_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
                 v_SGCd = v_NbF.index_select(0, flat).view(S, -1, G, Dh).transpose(1, 2)
-                o_SGrd = sdpa(q_SGrd, k_SGCd, v_SGCd, attn_mask=self.decode_mask_S11C)
+                if self.decode_kernel is not None and self.decode_kernel.supports(k_SGCd):
+                    o_SGrd = self.decode_kernel(q_SGrd, k_SGCd, v_SGCd, self.decode_length_S)
+                else:
+                    o_SGrd = sdpa(q_SGrd, k_SGCd, v_SGCd, attn_mask=self.decode_mask_S11C)
             o_BHTd[0][:, self.decode_rows_S] = o_SGrd.reshape(S, H, Dh).transpose(0, 1)
         for _, s in self.prefills:
             C = s.num_ctx

@@ -1,6 +1,7 @@
 """The CPU decode attention kernel (asyncrl.inference.cpu_decode): SDPA's output on strided rows of
 unequal lengths in fp32 and bf16, its input checks, the engine's tokens and logprobs against the
-same engine on SDPA, its build cache, and SDPA whenever it cannot be built."""
+same engine on SDPA (over the dense rows and over the gathered blocks), its build cache, and SDPA
+whenever it cannot be built."""
 
 import copy
 import shutil
@@ -16,6 +17,7 @@ from asyncrl.inference import Engine, SamplingOptions, cpu_decode
 from asyncrl.inference.decode_kv import DecodeKV
 from asyncrl.inference.kv_cache import AttentionPaths
 from asyncrl.inference.main import _kernels_note
+from asyncrl.model import Transformer, preset_args
 
 HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler on PATH: the engine runs SDPA (tested below)")
@@ -97,7 +99,8 @@ def _two_engines(model, **overrides) -> tuple[Engine, Engine]:
 
 @needs_cc
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_on_the_kernel_matches_the_engine_on_sdpa(tiny_moe, monkeypatch, dtype):
+@pytest.mark.parametrize("rows", ["dense rows", "gather"])
+def test_engine_on_the_kernel_matches_the_engine_on_sdpa(tiny_moe, monkeypatch, dtype, rows):
     model = copy.deepcopy(tiny_moe).to(getattr(torch, dtype))
     cpu_decode.load()  # built and self-checked before the count starts
     calls = []
@@ -110,7 +113,9 @@ def test_engine_on_the_kernel_matches_the_engine_on_sdpa(tiny_moe, monkeypatch, 
     monkeypatch.setattr(cpu_decode.DecodeKernel, "__call__", counted)
     # Mixed prompt and answer lengths through three rows: rows of unequal lengths in every step.
     prompts = random_prompts([5, 37, 13, 3, 29, 8, 50], seed=11)
-    engines = _two_engines(model, dtype=dtype, max_num_seqs=3)
+    budget = {"decode_buffer_tokens": 0} if rows == "gather" else {}
+    engines = _two_engines(model, dtype=dtype, max_num_seqs=3, **budget)
+    assert (engines[0].decode_kv is None) == (rows == "gather")
     assert engines[0].decode_kernel is not None and engines[1].decode_kernel is None
     results = []
     for engine in engines:
@@ -172,7 +177,8 @@ def test_config_false_and_other_dtypes_run_sdpa(make_engine, tiny_moe):
         half.decode_kernel is None
         and half.decode_attention_note == "decode attention SDPA (no kernel for torch.float16)"
     )
-    assert make_engine(decode_buffer_tokens=0).decode_attention_note == ""  # no dense rows: nothing to state
+    mla = make_engine(Transformer(preset_args("tiny-dsv3")).eval())  # decodes in its latent space
+    assert mla.decode_kernel is None and mla.decode_attention_note == ""
 
 
 @needs_cc

@@ -16,7 +16,7 @@ from asyncrl.inference.kv_cache import AttentionPaths
 from asyncrl.inference.request import Request
 from weight_update_reference import perturb_all_weights
 
-GATHER = AttentionPaths(decode_buffer=False)
+GATHER = AttentionPaths(decode_buffer=False, decode_kernel=False)
 DENSE = AttentionPaths(decode_kernel=False)
 
 
