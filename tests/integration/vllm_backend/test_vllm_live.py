@@ -254,9 +254,8 @@ def test_update_in_flight_keeps_the_request_and_stamps_each_token(server, models
 
     The quarter is timed by this machine's pace, and on a shared machine this process can be left
     off the CPU for seconds (seen: a 2.7 s sleep that returned after 11 s, the process using no CPU
-    in between), so the pause may only be sent after vLLM finished the request. Such an attempt is
-    recognised by the pause's own timestamp and repeated (at most 3 times); a request that was
-    paused early and still has no v1 token fails the test.
+    in between), so the pause may only reach vLLM after it finished the request. An attempt whose
+    answer has no v1 token is repeated (3 attempts in all); three such attempts fail the test.
     """
     n = 1800  # long enough that the update lands mid-request on a fast or a busy machine
     req = GenerateRequest(
@@ -280,9 +279,13 @@ def test_update_in_flight_keeps_the_request_and_stamps_each_token(server, models
             await backend.resume()
             paused = time.monotonic() - t0
             mixed = await task
-            if 1 in mixed.policy_versions or paused_at < 0.75:
+            if 1 in mixed.policy_versions:
                 break
-            print(f"\nattempt {attempt}: the pause held only at {paused_at:.2f} of the reference time; again")
+            # The pause's timestamp cannot tell when vLLM itself stopped: a server starved of CPU
+            # may finish the request before it sees the pause (seen: held at 0.68 of the reference
+            # time, no v1 token). Try again; an update that never reaches running requests fails
+            # all three attempts.
+            print(f"\nattempt {attempt}: no v1 token (pause held at {paused_at:.2f} of the reference); again")
             await backend.update_weights(UpdateWeightsRequest(path=str(models[0]), version=0))
         new = await backend.generate(req.model_copy(update={"cache_salt": "1"}))
         info = await backend.weights()
@@ -294,7 +297,7 @@ def test_update_in_flight_keeps_the_request_and_stamps_each_token(server, models
     print(f"\nvLLM pause for the update: {paused * 1e3:.0f} ms (reload {update.load_seconds * 1e3:.0f} ms)")
     assert mixed.finish_reason == "length" and len(mixed.token_ids) == n  # kept, not aborted
     assert 1 in mixed.policy_versions, (
-        f"no token sampled by v1; the pause held at {paused_at:.2f} of the reference time"
+        f"no token sampled by v1 in 3 attempts; the last pause held at {paused_at:.2f} of the reference time"
     )
     k = mixed.policy_versions.index(1)
     assert 0 < k < n and mixed.policy_versions == [0] * k + [1] * (n - k)
