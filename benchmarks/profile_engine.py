@@ -35,9 +35,9 @@ engine's thread with one torch thread, wall time with more) and their ratio. On 
 weights are all below the packing size, both modes run the same code: its ratio shows the noise.
 
 `--compare-decode-kernel` does the same for the CPU decode attention kernel
-(`asyncrl.inference.cpu_decode`, the default) against SDPA over the same dense rows. Its worker
-threads are not the engine's, so with one torch thread the kernel's time is in the engine thread's
-CPU time as well; with more, wall time is what counts.
+(`asyncrl.inference.cpu_decode`, the default) against SDPA over the same dense rows. The kernel
+runs on torch's own OpenMP threads, so the clocks are the same as for packing: with one torch
+thread all of it is the engine thread's CPU time, with more the wall time counts.
 """
 
 from __future__ import annotations

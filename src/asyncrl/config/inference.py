@@ -92,7 +92,7 @@ class InferenceConfig(BaseConfig):
     )
     cpu_decode_kernel: bool = Field(
         True,
-        description="on a CPU, decode attention over the dense rows through a small C kernel built "
+        description="on a CPU, per-head K/V decode attention through a small C kernel built "
         "with the system's compiler on first use (each sequence read to its own length); false, or "
         "no compiler: SDPA",
     )

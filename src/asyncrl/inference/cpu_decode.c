@@ -1,6 +1,6 @@
 /* Decode attention on a CPU: one query token per sequence over that sequence's keys and values,
- * read in place from the engine's dense decode rows (asyncrl/inference/decode_kv.py), each row only
- * up to its own length. Built and loaded by asyncrl/inference/cpu_decode.py.
+ * read in place from the engine's dense decode rows (asyncrl/inference/decode_kv.py) or from the
+ * blocks it gathered from the paged pool, each sequence only up to its own length. Built and loaded by asyncrl/inference/cpu_decode.py.
  *
  * Per (sequence s, kv head g): the r query heads of the group share every key and value they
  * read; scores are fp32, the softmax is fp32 and exact (max subtracted), the output is accumulated

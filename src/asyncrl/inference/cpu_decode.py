@@ -1,5 +1,5 @@
 """Decode attention on CPUs: a small C kernel (cpu_decode.c), built with the system's C compiler on
-first use, over the engine's dense decode rows.
+first use, over the engine's dense decode rows or the blocks it gathers from the paged pool.
 
 Each decode sequence has one query token. Torch's CPU flash kernel runs it as tiny matrix products
 per (sequence, kv head) and over every position up to the step's widest context, masked; the
