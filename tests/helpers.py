@@ -1,5 +1,5 @@
 """Helpers shared by test files: free local ports, the environment of child processes, torchrun,
-the processes left behind, the step records that count an env's episodes.
+ranks in fresh processes, the processes left behind, the step records that count an env's episodes.
 
 Importable from any test as `from helpers import ...` (pytest's `pythonpath` puts tests/ on the
 path, see pyproject.toml). No test uses a fixed port: two runs on one machine must not collide.
@@ -7,10 +7,14 @@ path, see pyproject.toml). No test uses a fixed port: two runs on one machine mu
 
 from __future__ import annotations
 
+import faulthandler
+import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +26,7 @@ __all__ = [
     "free_port_run",
     "left_after_kill",
     "processes_naming",
+    "run_ranks",
     "torchrun_trainer",
 ]
 
@@ -78,6 +83,75 @@ def torchrun_trainer(cfg: Path, nproc: int, *extra: str, timeout: float = 300) -
     ]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+# What the fork server imports once, before any rank, so that a rank starts in a fraction of a
+# second: torch's parallel stack, and the asyncrl modules the rank functions of tests/ import.
+_PRELOAD = [
+    "pytest",
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "transformers",
+    "asyncrl.distributed",
+    "asyncrl.model.hf",
+    "asyncrl.model.presets",
+    "asyncrl.tools.init_model",
+    "asyncrl.trainer.logprobs",
+    "asyncrl.trainer.publish",
+    "asyncrl.trainer.publish_distributed",
+    "asyncrl.trainer.scaleout",
+    "asyncrl.weight_transfer",
+]
+
+
+def _rank_entry(rank: int, fn, args: tuple, stacks_dir: str) -> None:
+    # SIGUSR1 writes every thread's Python stack to a file the parent reads when a rank hangs.
+    stacks = open(os.path.join(stacks_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 (lives as long as the rank)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    fn(rank, *args)
+
+
+def run_ranks(fn, nprocs: int, *args, deadline_s: float = 180.0) -> None:
+    """Run `fn(rank, *args)` for rank 0..nprocs-1, each in a new process, and wait for all of them.
+
+    The processes come from multiprocessing's fork server, a single-threaded process that has
+    imported torch and asyncrl: not forked from this one, whose threads (a receive loop of an earlier
+    test blocked in gloo, an HTTP server) could hold a lock that a forked child inherits locked and
+    waits on forever. `fn` and `args` are pickled (`fn` must be a module-level function).
+
+    A rank's exception fails the test with its traceback. Ranks still running after `deadline_s`
+    (under pytest's own timeout) are made to write their Python stacks, killed, and the test fails
+    with those stacks in its message.
+    """
+    import torch.multiprocessing as mp  # here: `import helpers` stays free of torch
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    with tempfile.TemporaryDirectory(prefix="ranks-") as stacks_dir:
+        procs = mp.start_processes(
+            _rank_entry, args=(fn, args, stacks_dir), nprocs=nprocs, join=False, start_method="forkserver"
+        )
+        deadline = time.monotonic() + deadline_s
+        while not procs.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() < deadline:
+                continue
+            alive = {r: p for r, p in enumerate(procs.processes) if p.is_alive()}
+            for p in alive.values():
+                os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(2.0)
+            dumps = "\n".join(
+                f"--- rank {r} (pid {p.pid}) ---\n" + Path(stacks_dir, f"rank{r}.txt").read_text()
+                for r, p in alive.items()
+            )
+            for p in procs.processes:
+                p.kill()
+                p.join(5.0)
+            raise AssertionError(
+                f"{fn.__name__}: ranks {sorted(alive)} of {nprocs} still running after {deadline_s:.0f} s; "
+                f"their stacks:\n{dumps}"
+            )
 
 
 def pid_of(pattern: str) -> int | None:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -34,7 +33,7 @@ from asyncrl.model import Transformer
 from asyncrl.model.hf import to_hf_state_dict
 from asyncrl.model.presets import preset_args
 from asyncrl.trainer.logprobs import chunked_logprobs
-from helpers import free_port
+from helpers import free_port, run_ranks
 
 ARGS = replace(preset_args("tiny-moe"), num_hidden_layers=2)  # 2 MoE layers of 8 experts, top-2
 T = 32  # tokens per packed row
@@ -55,10 +54,7 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
 
 
 def launch(fn, world_size: int, *args) -> None:
-    # fork: the children inherit the already imported torch (a fresh interpreter costs ~10 s here).
-    mp.start_processes(
-        _entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True, start_method="fork"
-    )
+    run_ranks(_entry, world_size, world_size, free_port(), fn, args)
 
 
 # -- model and data --------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from asyncrl.config.trainer import PublishConfig
 from asyncrl.config.weights import DistributedWeightsConfig
@@ -32,7 +31,7 @@ from asyncrl.trainer.publish_distributed import DistributedWeightPublisher
 from asyncrl.transport.weights import TRANSFER_MANIFEST as MANIFEST
 from asyncrl.weight_transfer import ReceiveLoop, WeightsEndpoint, as_dtype, published_shapes
 from asyncrl.weight_transfer.channel import Channel
-from helpers import free_port
+from helpers import free_port, run_ranks
 
 SERVING = torch.bfloat16
 WORLD_SIZE = 2
@@ -160,9 +159,7 @@ def _run(index: int, ports: dict, model_dir: Path, out: Path) -> None:
 def test_a_server_lost_mid_version_is_left_behind_and_gets_the_current_version_when_it_rejoins(tmp_path):
     init_model("tiny-moe", tmp_path / "model", seed=0)
     ports = {"trainer": free_port(), "store": free_port()}
-    mp.start_processes(
-        _run, args=(ports, tmp_path / "model", tmp_path), nprocs=len(ROLES), join=True, start_method="fork"
-    )
+    run_ranks(_run, len(ROLES), ports, tmp_path / "model", tmp_path)
     v2 = json.loads((weights_dir(tmp_path / "run", 2) / MANIFEST).read_text())
     assert (v2["transport"], v2["servers"], v2["left_behind"]) == ("distributed", ["steady"], ["flaky"])
     assert "flaky" in v2["errors"]

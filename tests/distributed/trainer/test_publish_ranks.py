@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import asyncrl.model.hf as hf
 from asyncrl.config.trainer import PublishConfig
@@ -23,7 +22,7 @@ from asyncrl.model import Transformer, from_pretrained
 from asyncrl.run_dir import weights_dir
 from asyncrl.tools.init_model import init_model
 from asyncrl.trainer.publish import FilesystemWeightPublisher
-from helpers import free_port
+from helpers import free_port, run_ranks
 
 MAX_SHARD_BYTES = 300_000
 
@@ -84,13 +83,7 @@ def test_every_rank_writes_its_share_and_the_files_match_one_process(tmp_path, w
     _publish(from_pretrained(model_dir), tmp_path / "one", model_dir, one, publish)
     run_dir = tmp_path / "many"
     run_dir.mkdir()
-    mp.start_processes(
-        _worker,
-        args=(world_size, free_port(), model_dir, run_dir, layout, publish),
-        nprocs=world_size,
-        join=True,
-        start_method="fork",
-    )
+    run_ranks(_worker, world_size, world_size, free_port(), model_dir, run_dir, layout, publish)
     want = _files(weights_dir(tmp_path / "one", 1))
     got = _files(weights_dir(run_dir, 1))
     assert got.keys() == want.keys() and len([f for f in want if f.endswith(".safetensors")]) >= world_size

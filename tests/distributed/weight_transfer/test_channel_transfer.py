@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from asyncrl.config.trainer import PublishConfig
 from asyncrl.distributed import DistInfo, ParallelDims, apply_parallelism, load_full_state_dict
@@ -37,7 +36,7 @@ from asyncrl.weight_transfer import (
     as_dtype,
     published_shapes,
 )
-from helpers import free_port
+from helpers import free_port, run_ranks
 
 BUCKET_BYTES = 64 << 10  # many buckets for tiny-moe, and shards split across them
 SERVING = torch.bfloat16
@@ -174,13 +173,8 @@ def test_a_version_over_the_channel_is_the_version_in_the_files(tmp_path, num_se
     _publish_files(model_dir, files, fp8)
     out.mkdir()
     ports = {"trainer": free_port(), "servers": {"a": free_port(), "dead": free_port()}}
-    mp.start_processes(
-        _run,
-        args=(num_senders, {"fp8": fp8, "layout": layout}, ports, model_dir, files, out),
-        nprocs=num_senders + 2,
-        join=True,
-        start_method="fork",
-    )
+    options = {"fp8": fp8, "layout": layout}
+    run_ranks(_run, num_senders + 2, num_senders, options, ports, model_dir, files, out)
     sending = num_senders // layout.get("dp_replicate", 1)  # replicas after the first send nothing
     for rank in range(num_senders):
         sent = json.loads((out / f"sender{rank}.json").read_text())

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from asyncrl.model import from_pretrained
 from asyncrl.model.serving import serving_format
@@ -26,7 +25,7 @@ from asyncrl.weight_transfer import (
     published_shapes,
 )
 from asyncrl.weight_transfer.shards import iter_shards
-from helpers import free_port
+from helpers import free_port, run_ranks
 
 BUCKET_BYTES = 64 << 10
 
@@ -104,6 +103,4 @@ def _run(rank: int, ports: list[int], model_dir: Path) -> None:
 def test_only_whole_versions_on_a_base_the_receiver_holds_are_taken(tmp_path):
     init_model("tiny-moe", tmp_path, seed=0)
     ports = [free_port(), free_port()]
-    # spawn, not fork: the threads earlier tests of this process leave (a receive loop blocked in gloo
-    # until its timeout) could hold a lock that a forked child inherits locked and waits on forever
-    mp.start_processes(_run, args=(ports, tmp_path), nprocs=2, join=True, start_method="spawn")
+    run_ranks(_run, 2, ports, tmp_path)
