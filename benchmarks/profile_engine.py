@@ -34,6 +34,15 @@ same contexts and the same machine; it prints the median step time of each (CPU 
 engine's thread with one torch thread, wall time with more) and their ratio. On tiny-moe, whose
 weights are all below the packing size, both modes run the same code: its ratio shows the noise.
 
+`--batch-sweep 1,4,16,64` times instead the decode step at each of these concurrencies (one engine
+per size, the same prompts and warm-up; median of `--steps` steps, CPU time of the engine's thread
+with one torch thread, wall time with more) and prints the step time against the batch. From that
+curve it models the bench's two workloads (`bench_backends.py`: at most `--concurrency` requests in
+flight, each decoding a fixed 128 or a uniform 16-256 tokens, for 128 and 256 requests): tokens
+per second when every step costs what the curve says for the sequences in it (prefill, HTTP and
+the contexts' growth left out). With mixed lengths the last requests run in ever smaller batches;
+the modeled mixed / fixed ratio says what that tail costs on this curve.
+
 `--compare-decode-kernel` does the same for the CPU decode attention kernel
 (`asyncrl.inference.cpu_decode`, the default) against SDPA over the same dense rows. The kernel
 runs on torch's own OpenMP threads, so the clocks are the same as for packing: with one torch
@@ -43,10 +52,13 @@ thread all of it is the engine thread's CPU time, with more the wall time counts
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import functools
+import math
 import os
 import platform
+import random
 import tempfile
 import time
 from collections import defaultdict
@@ -212,7 +224,7 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
         else:
             engine.decode_kernel = kernel if on else None
 
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    clock = step_clock()
     times: dict[str, list[float]] = {"off": [], "on": []}
     try:
         for r in range(args.rounds):
@@ -228,6 +240,69 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
         switch(True)
     med = {mode: sorted(v)[len(v) // 2] for mode, v in times.items()}
     return med | {"ratio": med["off"] / med["on"]}
+
+
+def step_clock() -> Callable[[], float]:
+    """The engine thread's CPU time with one torch thread; wall time with more (the kernels' other
+    threads work for the step too)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def batch_sweep(model_dir: Path, dtype: str, sizes: list[int], args: argparse.Namespace) -> dict[int, float]:
+    """Median ms per decode step at each concurrency in `sizes`."""
+    clock, curve = step_clock(), {}
+    for size in sizes:
+        engine = build_engine(model_dir, dtype, size)
+        start_decoding(engine, size, args.warm_tokens + args.steps + 8, args.warm_tokens)
+        times = []
+        for _ in range(args.steps):
+            start = clock()
+            engine.step()
+            times.append(1000 * (clock() - start))
+        curve[size] = sorted(times)[len(times) // 2]
+    return curve
+
+
+def curve_ms(curve: dict[int, float], batch: int) -> float:
+    """Step ms at `batch`, interpolated in log(batch) between measured sizes (flat beyond them)."""
+    sizes = sorted(curve)
+    i = bisect.bisect_left(sizes, batch)
+    if i == 0:
+        return curve[sizes[0]]
+    if i == len(sizes):
+        return curve[sizes[-1]]
+    lo, hi = sizes[i - 1], sizes[i]
+    f = (math.log(batch) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return curve[lo] + f * (curve[hi] - curve[lo])
+
+
+def modeled_tok_s(curve: dict[int, float], lengths: list[int], concurrency: int) -> float:
+    """Tokens per second of requests decoding `lengths` tokens, at most `concurrency` at a time,
+    when a step costs `curve_ms` of the sequences in it."""
+    pending, running, ms, tokens = list(lengths), [], 0.0, 0
+    while pending or running:
+        while pending and len(running) < concurrency:
+            running.append(pending.pop(0))
+        ms += curve_ms(curve, len(running))
+        tokens += len(running)
+        running = [n - 1 for n in running if n > 1]
+    return 1000 * tokens / ms
+
+
+def print_sweep(label: str, curve: dict[int, float], concurrency: int) -> None:
+    top = max(curve)
+    print(f"\n{label}: decode step against batch (median ms per step; tok/s; share of tok/s at {top})")
+    for size, ms in sorted(curve.items()):
+        rate = 1000 * size / ms
+        print(f"  batch {size:4d}: {ms:7.2f} ms  {rate:7.0f} tok/s  {rate / (1000 * top / curve[top]):5.0%}")
+    for n in (128, 256):
+        rng = random.Random(0)
+        fixed = modeled_tok_s(curve, [128] * n, concurrency)
+        mixed = modeled_tok_s(curve, [rng.randint(16, 256) for _ in range(n)], concurrency)
+        print(
+            f"  modeled, {n} requests at most {concurrency} in flight: fixed 128 tokens {fixed:.0f} tok/s, "
+            f"mixed 16-256 {mixed:.0f} tok/s, mixed / fixed {mixed / fixed:.2f}"
+        )
 
 
 def print_report(label: str, ms: dict[str, float], ops: list, concurrency: int) -> None:
@@ -266,6 +341,9 @@ def main() -> None:
     p.add_argument(
         "--compare-decode-kernel", action="store_true", help="the CPU decode kernel against SDPA (see above)"
     )
+    p.add_argument(
+        "--batch-sweep", metavar="SIZES", help="decode step time at these batch sizes, e.g. 1,4,16,64 (above)"
+    )
     p.add_argument("--rounds", type=int, default=12, help="--compare-*: windows of each mode")
     p.add_argument("--window", type=int, default=3, help="--compare-*: decode steps per window")
     args = p.parse_args()
@@ -282,6 +360,10 @@ def main() -> None:
             model_dir = Path(tmp) / preset
             init_model(preset, model_dir, seed=0)
             for dtype in args.dtypes.split(","):
+                if args.batch_sweep:
+                    curve = batch_sweep(model_dir, dtype, [int(x) for x in args.batch_sweep.split(",")], args)
+                    print_sweep(f"{preset} {dtype}", curve, args.concurrency)
+                    continue
                 if args.compare_packing or args.compare_decode_kernel:
                     what = "packing" if args.compare_packing else "decode kernel"
                     r = compare(model_dir, dtype, what, args)

@@ -1,0 +1,35 @@
+"""benchmarks/profile_engine.py's batch sweep: the curve interpolation and the workload model that
+turns a step-time curve into tokens per second."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "profile_engine.py"
+spec = importlib.util.spec_from_file_location("profile_engine", PATH)
+profile_engine = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(profile_engine)
+
+
+def test_curve_is_interpolated_in_log_batch_and_flat_beyond_the_measured_sizes():
+    curve = {1: 10.0, 4: 20.0, 16: 40.0}
+    assert profile_engine.curve_ms(curve, 1) == 10.0
+    assert profile_engine.curve_ms(curve, 2) == pytest.approx(15.0)  # halfway between 1 and 4 in log
+    assert profile_engine.curve_ms(curve, 8) == pytest.approx(30.0)
+    assert profile_engine.curve_ms(curve, 64) == 40.0
+
+
+def test_a_step_that_costs_per_sequence_makes_the_tail_free_and_a_flat_one_does_not():
+    lengths = [4, 1, 3]
+    # 2 ms per sequence in the step: 2 ms per token, whatever the batch
+    linear = {1: 2.0, 2: 4.0, 4: 8.0}
+    assert profile_engine.modeled_tok_s(linear, lengths, concurrency=2) == pytest.approx(500.0)
+    # 10 ms per step at any batch, 2 in flight: steps run (4, 1), (3, 3), (2, 2), (1, 1): 8 tokens
+    # in 4 steps; the fixed-length workload [4, 4] would run 4 full steps
+    flat = {1: 10.0, 4: 10.0}
+    assert profile_engine.modeled_tok_s(flat, lengths, concurrency=2) == pytest.approx(8 / 0.040)
+    assert profile_engine.modeled_tok_s(flat, [4, 4], concurrency=2) == pytest.approx(8 / 0.040)
+    assert profile_engine.modeled_tok_s(flat, [4, 1], concurrency=2) == pytest.approx(5 / 0.040)
