@@ -113,13 +113,20 @@ def _rank_entry(rank: int, fn, args: tuple, stacks_dir: str) -> None:
     fn(rank, *args)
 
 
+def _stacks(stacks_dir: str, rank: int) -> str:
+    path = Path(stacks_dir, f"rank{rank}.txt")
+    return path.read_text() if path.exists() else "(no stacks: the rank had not reached its function)\n"
+
+
 def run_ranks(fn, nprocs: int, *args, deadline_s: float = 180.0) -> None:
     """Run `fn(rank, *args)` for rank 0..nprocs-1, each in a new process, and wait for all of them.
 
     The processes come from multiprocessing's fork server, a single-threaded process that has
-    imported torch and asyncrl: not forked from this one, whose threads (a receive loop of an earlier
-    test blocked in gloo, an HTTP server) could hold a lock that a forked child inherits locked and
-    waits on forever. `fn` and `args` are pickled (`fn` must be a module-level function).
+    imported torch and asyncrl, not forked from this one: a fork copies what earlier tests of this
+    process left behind without the threads behind it (a gloo group left as garbage, whose destructor
+    the child's garbage collector runs and which then waits forever to join gloo threads the child
+    does not have; a lock held by a receive loop blocked in gloo). `fn` and `args` are pickled (`fn`
+    must be a module-level function).
 
     A rank's exception fails the test with its traceback. Ranks still running after `deadline_s`
     (under pytest's own timeout) are made to write their Python stacks, killed, and the test fails
@@ -142,8 +149,7 @@ def run_ranks(fn, nprocs: int, *args, deadline_s: float = 180.0) -> None:
                 os.kill(p.pid, signal.SIGUSR1)
             time.sleep(2.0)
             dumps = "\n".join(
-                f"--- rank {r} (pid {p.pid}) ---\n" + Path(stacks_dir, f"rank{r}.txt").read_text()
-                for r, p in alive.items()
+                f"--- rank {r} (pid {p.pid}) ---\n{_stacks(stacks_dir, r)}" for r, p in alive.items()
             )
             for p in procs.processes:
                 p.kill()
