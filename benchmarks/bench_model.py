@@ -35,7 +35,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from asyncrl.model import Transformer, preset_args, to_hf_state_dict
 from asyncrl.model.args import ModelArgs
-from asyncrl.model.compute import cpu_kernels, linear
+from asyncrl.model.compute import blocked_attention, cpu_kernels, linear, set_cpu_blocked_attention
 from asyncrl.model.moe import MoE
 from asyncrl.trainer.metrics import flops_per_token
 from report import write_section
@@ -119,16 +119,44 @@ def bench_block(name: str, tokens: int, steps: dict[torch.dtype, int]) -> list[d
 def _rows(
     what: str, tokens: int, flops: float, ours: nn.Module, hf: nn.Module, x: torch.Tensor, steps: dict
 ) -> list[dict]:
-    """Time fwd+bwd of copies of `ours` and `hf` in each dtype of `steps`, all interleaved."""
-    runs, dtypes = [], list(steps)
-    for dtype in dtypes:
+    """Time fwd+bwd of copies of `ours` and `hf` in each dtype of `steps`, all interleaved; where our
+    bf16 attention takes the blocked matmuls (`asyncrl.model.compute.blocked_attention`), ours with
+    torch's flash kernel instead too (the row's "ours_flash")."""
+    runs: list[tuple[Callable[[], None], int]] = []
+    first: dict[torch.dtype, int] = {}  # dtype -> index of its (ours, hf) runs
+    flash: dict[torch.dtype, int] = {}  # dtype -> index of ours with the flash kernel
+    for dtype in steps:
         x_d = x.to(dtype) if x.is_floating_point() else x
+        first[dtype] = len(runs)
         for module in (ours, hf):
             runs.append((_fwd_bwd(copy.deepcopy(module).to(dtype), x_d), steps[dtype]))
+        if dtype == torch.bfloat16 and isinstance(ours, Transformer) and _blocked_attention_rule():
+            flash[dtype] = len(runs)
+            runs.append((_with_flash(_fwd_bwd(copy.deepcopy(ours).to(dtype), x_d)), steps[dtype]))
     times = _time_interleaved(runs)
-    return [
-        _row(what, dtype, tokens, times[2 * i], times[2 * i + 1], flops) for i, dtype in enumerate(dtypes)
-    ]
+    rows = []
+    for dtype, i in first.items():
+        rows.append(_row(what, dtype, tokens, times[i], times[i + 1], flops))
+        if dtype in flash:
+            rows[-1]["ours_flash"] = tokens / times[flash[dtype]]
+    return rows
+
+
+def _blocked_attention_rule() -> bool:
+    """Whether bf16 training attention takes the blocked matmuls on this CPU."""
+    q = torch.zeros(1, 2, 8, 4, dtype=torch.bfloat16, requires_grad=True)
+    return blocked_attention(q, q, q, {"is_causal": True})
+
+
+def _with_flash(run: Callable[[], None]) -> Callable[[], None]:
+    def flash() -> None:
+        set_cpu_blocked_attention(False)
+        try:
+            run()
+        finally:
+            set_cpu_blocked_attention(None)
+
+    return flash
 
 
 def paired_models(
@@ -166,21 +194,35 @@ def profile_shares(name: str, batch: int, seq: int, dtype: torch.dtype) -> dict[
 
     ours, hf, ids = paired_models(SHAPES[name], hf_model_from_ours, batch, seq)
     runs = {"asyncrl": _fwd_bwd(ours.to(dtype), ids), "transformers": _fwd_bwd(hf.to(dtype), ids)}
-    best: dict[str, dict[str, float]] = {who: {} for who in runs}
+    best: dict[str, dict[tuple[str, str], float]] = {who: {} for who in runs}
     for _ in range(3):
         for who, run in runs.items():
             run()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 run()
-            for e in prof.key_averages():
-                best[who][e.key] = min(best[who].get(e.key, float("inf")), e.self_cpu_time_total)
+            per_op: dict[tuple[str, str], float] = {}
+            for e in prof.events():
+                key = (_family(e), e.name)
+                per_op[key] = per_op.get(key, 0.0) + e.self_cpu_time_total
+            for key, us in per_op.items():
+                best[who][key] = min(best[who].get(key, float("inf")), us)
     shares = {}
     for who, self_us in best.items():
         total = sum(self_us.values())
-        mm = sum(v for k, v in self_us.items() if k in MATMUL_OPS)
-        attn = sum(v for k, v in self_us.items() if "scaled_dot_product" in k)
-        shares[who] = {"matmul": mm / total, "attention": attn / total, "other": 1 - (mm + attn) / total}
+        fam = {f: sum(v for (g, _), v in self_us.items() if g == f) / total for f in ("matmul", "attention")}
+        shares[who] = fam | {"other": 1 - fam["matmul"] - fam["attention"]}
     return shares
+
+
+def _family(event) -> str:
+    """ "attention" for torch's attention kernels and everything under the blocked attention's
+    forward or backward (its matmuls included), "matmul" for the other matmuls, else "other"."""
+    e = event
+    while e is not None:
+        if "scaled_dot_product" in e.name or e.name in ("_Blocked", "_BlockedBackward"):
+            return "attention"
+        e = e.cpu_parent
+    return "matmul" if event.name in MATMUL_OPS else "other"
 
 
 def _row(
@@ -278,7 +320,7 @@ def _profile_table(shares: dict[torch.dtype, dict[str, dict[str, float]]]) -> li
         "Where a fwd+bwd of the moe-57m-16e model spends its time (torch.profiler, self CPU time, the "
         "least per op over 3 profiled steps):",
         "",
-        "| | dtype | matmul (mm, grouped_mm) | attention (SDPA fwd+bwd) | everything else |",
+        "| | dtype | matmul (mm, grouped_mm) | attention (fwd+bwd) | everything else |",
         "|---|---|---|---|---|",
         *(
             f"| {who} | {_name(dtype)} | {v['matmul']:.0%} | {v['attention']:.0%} | {v['other']:.0%} |"
@@ -314,9 +356,20 @@ def _summary(
         f"asyncrl's bf16 step takes {step:.2f} s, {step * matmul_share:.2f} s of it in matmuls (profiled "
         f"share). With every matmul FLOP at the bf16 peak below and the rest unchanged it would take "
         f"{ideal:.2f} s: {b16['tokens'] / b16['hf'] / ideal:.2f}x transformers.",
+        *_flash_line(b16),
         f"Matmul peak per CPU second (best of 3 in this run, 1024^2, through asyncrl.model.compute): "
         f"fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s; "
         f"torch's plain bf16 matmul: {native_bf16 / 1e9:.2f} GFLOP/s.",
+    ]
+
+
+def _flash_line(b16: dict) -> list[str]:
+    if "ours_flash" not in b16:
+        return []
+    return [
+        f"asyncrl's bf16 step with torch's flash kernel instead of the blocked attention (timed in the "
+        f"same interleaving): {b16['ours_flash']:.0f} tok/s, {b16['ours_flash'] / b16['hf']:.2f}x "
+        f"transformers; the blocked attention makes the step {b16['ours'] / b16['ours_flash']:.2f}x faster."
     ]
 
 

@@ -44,7 +44,14 @@ capabilities, once (`cpu_kernels()`), because native is not always faster there:
   bf16 instead (asyncrl.model.moe): it pays that overhead once per layer rather than once per
   expert, and its forward+backward of 128 x 128 experts is ~1.7x faster than the fp32 path.
 - attention: native (torch's flash kernel reads the engine's strided K/V views as they are; an fp32
-  path would copy them).
+  path would copy them), except causal self-attention under autograd (training) up to
+  `MAX_BLOCKED_LEN` positions and `MAX_BLOCKED_SCORES` scores (B x H x T^2) per call: it goes through
+  `asyncrl.model.blocked_attention`, batched matmuls over blocks of queries, because torch's flash
+  kernel runs bf16 no faster than fp32 there while oneDNN's bf16 matmuls run ~2x faster (its
+  forward + backward measured 1.1-1.9x faster than the flash kernel's at 1-4 rows of 128-1024
+  positions; figures in docs/trainer.md, "bf16 on CPU"). Without autograd (the engine's prefill)
+  the flash kernel is as fast or faster. `set_cpu_blocked_attention(True | False | None)` forces
+  the choice.
 
 `set_cpu_upcast(True | False | None)` forces the choice (None: detect), for tests and benchmarks:
 True takes the fp32 path everywhere, False the native kernels everywhere.
@@ -71,7 +78,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncrl.model.blocked_attention import blocked_causal_attention
+
 __all__ = [
+    "MAX_BLOCKED_LEN",
+    "MAX_BLOCKED_SCORES",
     "MIN_NATIVE_EXPERT",
     "MIN_NATIVE_LINEAR",
     "MIN_PACKED",
@@ -89,6 +100,7 @@ __all__ = [
     "packing_note",
     "packs",
     "sdpa",
+    "set_cpu_blocked_attention",
     "set_cpu_packing",
     "set_cpu_upcast",
 ]
@@ -104,6 +116,12 @@ MIN_PACKED = 65536
 # The rows oneDNN is told to expect when it packs a weight (its layout barely depends on it).
 _PACK_ROWS = 64
 _PACK_FORCED: bool | None = None
+# Causal self-attention under autograd on native bf16 without AMX takes asyncrl.model.blocked_attention
+# up to this length (at 2048 positions of one row it measured ~0.93x the flash kernel) and this many
+# scores per call (its backward keeps about half of them in fp32: 64 MiB at the limit).
+MAX_BLOCKED_LEN = 1024
+MAX_BLOCKED_SCORES = 1 << 25
+_BLOCKED_FORCED: bool | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,7 +156,8 @@ class CpuKernels:
         if self.amx:
             return f"CPU {self.isa}: bf16 linear, attention and MoE experts native"
         return (
-            f"CPU {self.isa}: bf16 attention native, linear native from {MIN_NATIVE_LINEAR} weights "
+            f"CPU {self.isa}: bf16 attention native (training's causal attention from blocked bf16 "
+            f"matmuls), linear native from {MIN_NATIVE_LINEAR} weights "
             f"(fp32 below, inference only), MoE experts batched natively in inference, else native from "
             f"{MIN_NATIVE_EXPERT} weights per expert (fp32 below)"
         )
@@ -302,8 +321,36 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return F.linear(x, w, b)
 
 
+def set_cpu_blocked_attention(value: bool | None) -> None:
+    """Force (True/False) or restore the rule (None) for `blocked_attention`; forced on, it takes any
+    dtype and size, with or without autograd."""
+    global _BLOCKED_FORCED
+    _BLOCKED_FORCED = value
+
+
+def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict) -> bool:
+    """Whether `sdpa(q, k, v, **kw)` goes through `asyncrl.model.blocked_attention` (module docstring)."""
+    if set(kw) - {"is_causal", "enable_gqa", "scale"} or not kw.get("is_causal") or q.device.type != "cpu":
+        return False
+    if q.dim() != 4 or k.dim() != 4 or q.shape[2] != k.shape[2] or q.shape[2] < 2:
+        return False
+    if _BLOCKED_FORCED is not None:
+        return _BLOCKED_FORCED
+    B, H, T, _ = q.shape
+    too_large = T > MAX_BLOCKED_LEN or B * H * T * T > MAX_BLOCKED_SCORES
+    if q.dtype != torch.bfloat16 or cpu_upcast(q) or too_large:
+        return False
+    kernels = cpu_kernels()
+    if not kernels.native_bf16 or kernels.amx or not torch.is_grad_enabled():
+        return False
+    return any(t.requires_grad for t in (q, k, v))
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
-    """F.scaled_dot_product_attention; in fp32 where `cpu_upcast(q)` (a float mask is upcast too)."""
+    """F.scaled_dot_product_attention; in fp32 where `cpu_upcast(q)` (a float mask is upcast too);
+    from blocked matmuls where `blocked_attention`."""
+    if blocked_attention(q, k, v, kw):
+        return blocked_causal_attention(q, k, v, scale=kw.get("scale"))
     if not cpu_upcast(q):
         return F.scaled_dot_product_attention(q, k, v, **kw)
     mask = kw.get("attn_mask")

@@ -179,6 +179,7 @@ def test_cpu_kernels_decisions_and_startup_line():
     assert "AMX" in amx.describe() and "MoE experts native; " in amx.describe()
     assert f"weights of {compute.MIN_PACKED}+ elements packed" in amx.describe()
     assert f"linear native from {compute.MIN_NATIVE_LINEAR} weights" in avx512.describe()
+    assert "training's causal attention from blocked bf16 matmuls" in avx512.describe()
     assert "CPU AVX" in compute.cpu_kernels().describe()  # this machine's line
 
 
@@ -243,3 +244,59 @@ def test_packed_bf16_linear_equals_the_native_kernel(packing):
     x, w = torch.randn(16, 512, generator=gen).bfloat16(), torch.randn(896, 512, generator=gen).bfloat16()
     with torch.inference_mode():
         assert torch.equal(compute.linear(x, w), F.linear(x, w))
+
+
+@pytest.fixture
+def blocked_rule():
+    yield compute.set_cpu_blocked_attention
+    compute.set_cpu_blocked_attention(None)
+
+
+def _qkv(T: int = 16, dtype: torch.dtype = torch.bfloat16, grad: bool = True):
+    q = torch.randn(2, 4, T, 8).to(dtype).requires_grad_(grad)
+    k = torch.randn(2, 2, T, 8).to(dtype).requires_grad_(grad)
+    return q, k, k.detach().clone().requires_grad_(grad)
+
+
+def test_avx512_bf16_training_attention_takes_the_blocked_matmuls(avx512_bf16, blocked_rule):
+    causal = {"is_causal": True, "enable_gqa": True}
+    q, k, v = _qkv()
+    assert compute.blocked_attention(q, k, v, causal)
+    assert compute.blocked_attention(q, k, v, causal | {"scale": 0.5})
+    assert not compute.blocked_attention(q, k, v, {"enable_gqa": True})  # not causal
+    assert not compute.blocked_attention(q, k, v, causal | {"attn_mask": None})
+    assert not compute.blocked_attention(q, k[:, :, :8], v[:, :, :8], causal)  # queries after a prefix
+    with torch.no_grad():  # the engine's prefill, a logprob pass: the flash kernel
+        assert not compute.blocked_attention(q, k, v, causal)
+    assert not compute.blocked_attention(*_qkv(grad=False), causal)
+    assert not compute.blocked_attention(*_qkv(dtype=torch.float32), causal)
+    long = _qkv(T=compute.MAX_BLOCKED_LEN + 1)
+    assert not compute.blocked_attention(*long, causal)
+    blocked_rule(False)
+    assert not compute.blocked_attention(q, k, v, causal)
+    blocked_rule(True)
+    assert compute.blocked_attention(*_qkv(dtype=torch.float32, grad=False), causal)
+
+
+def test_amx_and_avx2_keep_the_flash_kernel(monkeypatch, forced):
+    q, k, v = _qkv()
+    causal = {"is_causal": True, "enable_gqa": True}
+    amx = compute.CpuKernels(isa="AVX512 AVX512_BF16 AMX", native_bf16=True, amx=True)
+    monkeypatch.setattr(compute, "cpu_kernels", lambda: amx)
+    forced(False)
+    assert not compute.blocked_attention(q, k, v, causal)
+    forced(True)  # no native bf16: attention in fp32
+    assert not compute.blocked_attention(q, k, v, causal)
+
+
+def test_sdpa_routes_to_the_blocked_matmuls_when_chosen(blocked_rule):
+    from asyncrl.model.blocked_attention import blocked_causal_attention
+
+    q, k, v = _qkv(T=24, dtype=torch.float32)
+    blocked_rule(True)
+    out = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(out, blocked_causal_attention(q, k, v))
+    out.sum().backward()
+    assert q.grad is not None and "Blocked" in type(out.grad_fn).__name__
+    blocked_rule(False)
+    assert "Blocked" not in type(sdpa(q, k, v, is_causal=True, enable_gqa=True).grad_fn).__name__

@@ -1,0 +1,160 @@
+"""Causal self-attention in blocks of queries, from batched matmuls: bf16 training on CPUs whose
+bf16 matmuls are native but whose flash-attention kernel is not fast in bf16.
+
+On a CPU with AVX-512 BF16 and no AMX, oneDNN's bf16 matmuls run about twice as fast as fp32 ones,
+but torch's CPU flash-attention kernel gains nothing from bf16 there: its forward + backward of a
+[4 x 8 heads x 512 x 64] causal attention costs the same in bf16 as in fp32, and attention is ~40%
+of a small MoE's bf16 training step at 512 tokens a row (BENCHMARKS.md, "Model (AVX512
+AVX512_BF16)"). `blocked_causal_attention` computes the same function from whole matmuls:
+
+- queries go in blocks of `block` positions (all query heads of a kv group together, so GQA needs no
+  copy of K/V); a block sees keys 0 .. its last position only, which skips most of the masked half;
+- scores come from an fp32 matmul (bf16 inputs are exact in fp32), so they are not rounded to bf16
+  (a bf16 matmul would round every score: several times the flash kernel's error); the softmax is
+  in fp32; probabilities are rounded to bf16 for the bf16 matmul with V, as the flash kernel does;
+- the backward recomputes nothing: it keeps each block's fp32 probabilities (memory ~ B x H x T^2 /
+  2 x 4 bytes per call, which is why `compute.sdpa` takes this path only up to
+  `MAX_BLOCKED_SCORES`), takes dP from an fp32 matmul, rounds dS to bf16 for the two bf16 matmuls
+  that give dQ and dK, and sums dK and dV over the blocks in fp32.
+
+    from asyncrl.model.blocked_attention import blocked_causal_attention
+    o_BHTd = blocked_causal_attention(q_BHTd, k_BGTd, v_BGTv)   # = sdpa(..., is_causal=True, enable_gqa=True)
+
+Inputs are [B, H, T, d] queries and [B, G, T, d] keys / [B, G, T, dv] values, H a multiple of G;
+any float dtype (fp32 gives fp32 matmuls throughout). `compute.sdpa` chooses this path (see
+`compute.blocked_attention_note`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["block_queries", "blocked_causal_attention"]
+
+
+def block_queries(batch: int, kv_heads: int) -> int:
+    """Query positions per block: smaller blocks skip more of the masked half, larger ones make
+    larger matmuls. Measured on AVX-512 BF16 (forward + backward, 8 heads in 4 kv groups, 128-1024
+    positions): 64 faster for one row (1.25-1.9x the flash kernel against 1.1-1.35x with 32), 32
+    for 2-4 rows (1.47-1.56x against 1.42-1.45x)."""
+    return 64 if batch * kv_heads < 8 else 32
+
+
+def blocked_causal_attention(
+    q_BHTd: torch.Tensor,
+    k_BGTd: torch.Tensor,
+    v_BGTv: torch.Tensor,
+    *,
+    scale: float | None = None,
+    block: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of T queries over the same T positions, [B, H, T, dv]; differentiable.
+    `block`: query positions per block (default `block_queries`)."""
+    B, H, T, d = q_BHTd.shape
+    G = k_BGTd.shape[1]
+    if H % G or k_BGTd.shape[:3] != (B, G, T) or v_BGTv.shape[:3] != (B, G, T) or k_BGTd.shape[3] != d:
+        raise ValueError(
+            f"blocked_causal_attention: q {tuple(q_BHTd.shape)}, k {tuple(k_BGTd.shape)} and "
+            f"v {tuple(v_BGTv.shape)} are not [B, H, T, d], [B, G, T, d], [B, G, T, dv] with G | H"
+        )
+    scale = d**-0.5 if scale is None else float(scale)
+    block = block_queries(B, G) if block is None else block
+    if block < 1:
+        raise ValueError(f"blocked_causal_attention: block must be >= 1, got {block}")
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHTd, k_BGTd, v_BGTv))
+    if grads:
+        return _Blocked.apply(q_BHTd, k_BGTd, v_BGTv, scale, block)
+    return _forward(q_BHTd, k_BGTd, v_BGTv, scale, block, keep=False)[0]
+
+
+def _grouped(x_BHTd: torch.Tensor, G: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, H, T, d] -> [B*G, T*r, d] in `dtype`, one copy: row t*r + j is head g*r + j at position t."""
+    B, H, T, d = x_BHTd.shape
+    r = H // G
+    out = torch.empty(B, G, T, r, d, dtype=dtype, device=x_BHTd.device)
+    out.copy_(x_BHTd.view(B, G, r, T, d).transpose(2, 3))
+    return out.view(B * G, T * r, d)
+
+
+def _ungrouped(x_XRd: torch.Tensor, B: int, G: int, T: int) -> torch.Tensor:
+    """The inverse of `_grouped`, laid out [B, T, H, d] in memory (as a projection's output is)."""
+    d = x_XRd.shape[-1]
+    r = x_XRd.shape[1] // T
+    return x_XRd.view(B, G, T, r, d).permute(0, 2, 1, 3, 4).reshape(B, T, G * r, d).transpose(1, 2)
+
+
+def _transposed(x_BGTd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, G, T, d] -> [B*G, d, T] in `dtype`, contiguous."""
+    B, G, T, d = x_BGTd.shape
+    out = torch.empty(B, G, d, T, dtype=dtype, device=x_BGTd.device)
+    out.copy_(x_BGTd.transpose(2, 3))
+    return out.view(B * G, d, T)
+
+
+@functools.cache
+def _future(n: int, r: int, device: torch.device) -> torch.Tensor:
+    """[n*r, n] bool: row t*r + j (query t) against key t' of the diagonal block, True where t' > t."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1).repeat_interleave(r, 0)
+
+
+def _blocks(T: int, block: int) -> list[tuple[int, int]]:
+    return [(a, min(a + block, T)) for a in range(0, T, block)]
+
+
+def _forward(
+    q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTv: torch.Tensor, scale: float, block: int, *, keep: bool
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(output [B, H, T, dv], output grouped [B*G, T*r, dv], each block's fp32 probabilities if `keep`)."""
+    B, H, T, _ = q_BHTd.shape
+    G, dv = k_BGTd.shape[1], v_BGTv.shape[-1]
+    r, low = H // G, q_BHTd.dtype
+    qs = _grouped(q_BHTd, G, torch.float32).mul_(scale)
+    kt = _transposed(k_BGTd, torch.float32)
+    vb = v_BGTv.reshape(B * G, T, dv)
+    out = torch.empty(B * G, T * r, dv, dtype=low, device=q_BHTd.device)
+    kept = []
+    for a, b in _blocks(T, block):
+        s = torch.bmm(qs[:, a * r : b * r], kt[:, :, :b])
+        s[:, :, a:].masked_fill_(_future(b - a, r, s.device), float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        out[:, a * r : b * r] = torch.bmm(p.to(low), vb[:, :b])
+        if keep:
+            kept.append(p)
+    return _ungrouped(out, B, G, T), out, kept
+
+
+class _Blocked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BHTd, k_BGTd, v_BGTv, scale: float, block: int):  # type: ignore[override]
+        o_BHTv, out, probs = _forward(q_BHTd, k_BGTd, v_BGTv, scale, block, keep=True)
+        ctx.save_for_backward(q_BHTd, k_BGTd, v_BGTv, out, *probs)
+        ctx.scale, ctx.block = scale, block
+        return o_BHTv
+
+    @staticmethod
+    def backward(ctx, do_BHTv):  # type: ignore[override]
+        q_BHTd, k_BGTd, v_BGTv, out, *probs = ctx.saved_tensors
+        B, H, T, d = q_BHTd.shape
+        G, dv = k_BGTd.shape[1], v_BGTv.shape[-1]
+        r, low, scale = H // G, q_BHTd.dtype, ctx.scale
+        # Scores were scale * q.k: with dO scaled, dS comes out scaled as dQ and dK need it.
+        dos = _grouped(do_BHTv, G, torch.float32).mul_(scale)
+        dob = _grouped(do_BHTv, G, low)
+        D = (dos * out.float()).sum(-1, keepdim=True)  # scale * rowsum(dO * O): softmax's backward
+        vt = _transposed(v_BGTv, torch.float32)
+        kb = k_BGTd.reshape(B * G, T, d)
+        qb = _grouped(q_BHTd, G, low)
+        dq = torch.empty(B * G, T * r, d, dtype=low, device=q_BHTd.device)
+        dk = torch.zeros(B * G, T, d, dtype=torch.float32, device=q_BHTd.device)
+        dvv = torch.zeros(B * G, T, dv, dtype=torch.float32, device=q_BHTd.device)
+        for (a, b), p in zip(_blocks(T, ctx.block), probs, strict=True):
+            rows = slice(a * r, b * r)
+            dvv[:, :b] += torch.bmm(p.to(low).transpose(1, 2), dob[:, rows])
+            ds = torch.baddbmm(D[:, rows], dos[:, rows], vt[:, :, :b], beta=-1).mul_(p)
+            dsb = ds.to(low)
+            dq[:, rows] = torch.bmm(dsb, kb[:, :b])
+            dk[:, :b] += torch.bmm(dsb.transpose(1, 2), qb[:, rows])
+        dq_BHTd = _ungrouped(dq, B, G, T)
+        return dq_BHTd, dk.view(B, G, T, d).to(low), dvv.view(B, G, T, dv).to(low), None, None
