@@ -85,12 +85,12 @@ def _ungrouped(x_XRd: torch.Tensor, B: int, G: int, T: int) -> torch.Tensor:
     return x_XRd.view(B, G, T, r, d).permute(0, 2, 1, 3, 4).reshape(B, T, G * r, d).transpose(1, 2)
 
 
-def _transposed(x_BGTd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, G, T, d] -> [B*G, d, T] in `dtype`, contiguous."""
-    B, G, T, d = x_BGTd.shape
-    out = torch.empty(B, G, d, T, dtype=dtype, device=x_BGTd.device)
-    out.copy_(x_BGTd.transpose(2, 3))
-    return out.view(B * G, d, T)
+def _transposed(x_XTd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[X, T, d] -> [X, d, T] in `dtype`, contiguous."""
+    X, T, d = x_XTd.shape
+    out = torch.empty(X, d, T, dtype=dtype, device=x_XTd.device)
+    out.copy_(x_XTd.transpose(1, 2))
+    return out
 
 
 @functools.cache
@@ -105,14 +105,17 @@ def _blocks(T: int, block: int) -> list[tuple[int, int]]:
 
 def _forward(
     q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTv: torch.Tensor, scale: float, block: int, *, keep: bool
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """(output [B, H, T, dv], output grouped [B*G, T*r, dv], each block's fp32 probabilities if `keep`)."""
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    """(output [B, H, T, dv]; for the backward: output, queries, keys and values as the matmuls take
+    them ([B*G, T*r, dv], [B*G, T*r, d], [B*G, T, d], [B*G, T, dv]), each block's fp32 probabilities if
+    `keep`)."""
     B, H, T, _ = q_BHTd.shape
     G, dv = k_BGTd.shape[1], v_BGTv.shape[-1]
     r, low = H // G, q_BHTd.dtype
-    qs = _grouped(q_BHTd, G, torch.float32).mul_(scale)
-    kt = _transposed(k_BGTd, torch.float32)
-    vb = v_BGTv.reshape(B * G, T, dv)
+    qb = _grouped(q_BHTd, G, low)
+    qs = qb.to(torch.float32, copy=True).mul_(scale)
+    kb, vb = k_BGTd.reshape(B * G, T, -1), v_BGTv.reshape(B * G, T, dv)
+    kt = _transposed(kb, torch.float32)
     out = torch.empty(B * G, T * r, dv, dtype=low, device=q_BHTd.device)
     kept = []
     for a, b in _blocks(T, block):
@@ -122,33 +125,31 @@ def _forward(
         out[:, a * r : b * r] = torch.bmm(p.to(low), vb[:, :b])
         if keep:
             kept.append(p)
-    return _ungrouped(out, B, G, T), out, kept
+    return _ungrouped(out, B, G, T), (out, qb, kb, vb), kept
 
 
 class _Blocked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHTd, k_BGTd, v_BGTv, scale: float, block: int):  # type: ignore[override]
-        o_BHTv, out, probs = _forward(q_BHTd, k_BGTd, v_BGTv, scale, block, keep=True)
-        ctx.save_for_backward(q_BHTd, k_BGTd, v_BGTv, out, *probs)
-        ctx.scale, ctx.block = scale, block
+        o_BHTv, grouped, probs = _forward(q_BHTd, k_BGTd, v_BGTv, scale, block, keep=True)
+        ctx.save_for_backward(*grouped, *probs)
+        ctx.scale, ctx.block, ctx.shape = scale, block, (*q_BHTd.shape[:2], *k_BGTd.shape[1:3])
         return o_BHTv
 
     @staticmethod
     def backward(ctx, do_BHTv):  # type: ignore[override]
-        q_BHTd, k_BGTd, v_BGTv, out, *probs = ctx.saved_tensors
-        B, H, T, d = q_BHTd.shape
-        G, dv = k_BGTd.shape[1], v_BGTv.shape[-1]
-        r, low, scale = H // G, q_BHTd.dtype, ctx.scale
-        # Scores were scale * q.k: with dO scaled, dS comes out scaled as dQ and dK need it.
-        dos = _grouped(do_BHTv, G, torch.float32).mul_(scale)
+        out, qb, kb, vb, *probs = ctx.saved_tensors
+        B, H, G, T = ctx.shape
+        d, dv = qb.shape[-1], vb.shape[-1]
+        r, low, scale = H // G, qb.dtype, ctx.scale
         dob = _grouped(do_BHTv, G, low)
+        # Scores were scale * q.k: with dO scaled, dS comes out scaled as dQ and dK need it.
+        dos = dob.to(torch.float32, copy=True).mul_(scale)
         D = (dos * out.float()).sum(-1, keepdim=True)  # scale * rowsum(dO * O): softmax's backward
-        vt = _transposed(v_BGTv, torch.float32)
-        kb = k_BGTd.reshape(B * G, T, d)
-        qb = _grouped(q_BHTd, G, low)
-        dq = torch.empty(B * G, T * r, d, dtype=low, device=q_BHTd.device)
-        dk = torch.zeros(B * G, T, d, dtype=torch.float32, device=q_BHTd.device)
-        dvv = torch.zeros(B * G, T, dv, dtype=torch.float32, device=q_BHTd.device)
+        vt = _transposed(vb, torch.float32)
+        dq = torch.empty(B * G, T * r, d, dtype=low, device=qb.device)
+        dk = torch.zeros(B * G, T, d, dtype=torch.float32, device=qb.device)
+        dvv = torch.zeros(B * G, T, dv, dtype=torch.float32, device=qb.device)
         for (a, b), p in zip(_blocks(T, ctx.block), probs, strict=True):
             rows = slice(a * r, b * r)
             dvv[:, :b] += torch.bmm(p.to(low).transpose(1, 2), dob[:, rows])
