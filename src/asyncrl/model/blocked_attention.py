@@ -37,8 +37,8 @@ __all__ = ["block_queries", "blocked_causal_attention"]
 def block_queries(batch: int, kv_heads: int) -> int:
     """Query positions per block: smaller blocks skip more of the masked half, larger ones make
     larger matmuls. Measured on AVX-512 BF16 (forward + backward, 8 heads in 4 kv groups, 128-1024
-    positions): 64 faster for one row (1.25-1.9x the flash kernel against 1.1-1.35x with 32), 32
-    for 2-4 rows (1.47-1.56x against 1.42-1.45x)."""
+    positions, one thread): for one row 64 (1.1-1.55x the flash kernel, against 1.05-1.4x with 32);
+    for 2-4 rows the two within noise of each other (1.4-1.6x)."""
     return 64 if batch * kv_heads < 8 else 32
 
 

@@ -48,7 +48,7 @@ capabilities, once (`cpu_kernels()`), because native is not always faster there:
   `MAX_BLOCKED_LEN` positions and `MAX_BLOCKED_SCORES` scores (B x H x T^2) per call: it goes through
   `asyncrl.model.blocked_attention`, batched matmuls over blocks of queries, because torch's flash
   kernel runs bf16 no faster than fp32 there while oneDNN's bf16 matmuls run ~2x faster (its
-  forward + backward measured 1.1-1.9x faster than the flash kernel's at 1-4 rows of 128-1024
+  forward + backward measured 1.1-1.6x faster than the flash kernel's at 1-4 rows of 128-1024
   positions; figures in docs/trainer.md, "bf16 on CPU"). Without autograd (the engine's prefill)
   the flash kernel is as fast or faster. `set_cpu_blocked_attention(True | False | None)` forces
   the choice.

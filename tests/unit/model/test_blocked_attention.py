@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from asyncrl.model.blocked_attention import block_queries, blocked_causal_attention
 
+_NAMES = ("o", "q", "k", "v")
+
 
 def _inputs(B: int, H: int, G: int, T: int, d: int, dv: int, dtype: torch.dtype, seed: int = 0):
     """q, k, v laid out as projections give them ([B, T, heads, d] in memory, viewed [B, heads, T, d])."""
@@ -47,7 +49,7 @@ def test_bf16_output_and_gradients_match_fp64_sdpa_as_closely_as_the_flash_kerne
         t.grad = None
     flash = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     flash.backward(do)
-    for name, mine, theirs, r in zip("o q k v".split(), got, (flash, q.grad, k.grad, v.grad), ref, strict=True):
+    for name, mine, theirs, r in zip(_NAMES, got, (flash, q.grad, k.grad, v.grad), ref, strict=True):
         # bf16 carries 8 bits: ~4e-3 relative per rounding; both round P (and dS) to bf16 once
         assert _rel_err(mine, r) < 2e-2, name
         assert _rel_err(mine, r) < 2 * _rel_err(theirs, r) + 4e-3, name
@@ -58,7 +60,7 @@ def test_fp32_is_sdpa_up_to_summation_order_with_its_own_scale_and_value_width()
     ref = _reference(q, k, v, do, scale=0.3)
     out = blocked_causal_attention(q, k, v, scale=0.3, block=5)
     out.backward(do)
-    for name, got, r in zip("o q k v".split(), (out, q.grad, k.grad, v.grad), ref, strict=True):
+    for name, got, r in zip(_NAMES, (out, q.grad, k.grad, v.grad), ref, strict=True):
         assert _rel_err(got, r) < 1e-5, name
 
 
