@@ -4,8 +4,9 @@
         [--steps 3] [--bf16-steps N] [--no-write]
 
 Both implementations get the same weights and inputs in one process, in fp32 and in bf16: the four
-(implementation, dtype) runs of a row alternate step by step after a warm-up, and each gets the
-median of its steps (--steps in fp32, --bf16-steps in bf16: by default as many on a CPU with native
+(implementation, dtype) runs of a row alternate round by round, each timed step right after an
+untimed step of the same run (`_time_interleaved`), and each gets the median of its steps
+(--steps in fp32, --bf16-steps in bf16: by default as many on a CPU with native
 bf16 kernels, 1 elsewhere, where transformers' bf16 runs torch's reference loops). The main shape is
 the issue-17 one: a ~57M Qwen3-MoE (16 experts top-2, d512, 8 layers, ~13M active) on 4 x 512
 tokens. The table prints tokens per second of process CPU time, the ratio ours / transformers, bf16
@@ -44,15 +45,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _time_interleaved(runs: list[tuple[Callable[[], None], int]]) -> list[float]:
-    """Median CPU seconds per call of each (function, steps), the functions alternating call by call
-    so that machine noise hits them alike (one that has had its steps drops out). CPU time, not wall
-    time: on one thread it is what a step costs, whatever else a shared machine runs meanwhile."""
-    for fn, _ in runs:
-        fn()  # warm-up
+    """Median CPU seconds per call of each (function, steps), the functions alternating round by round
+    so that machine noise hits them alike (one that has had its steps drops out). Each timed call
+    follows an untimed call of the same function: a training loop runs one step after another, so
+    the allocator holds what the step needs; timed straight after another model's step, a step pays
+    for its memory again (page faults, counted as system CPU time): up to ~15% of this
+    benchmark's bf16 step, unevenly between the implementations. CPU time, not wall time: on one
+    thread it is what a step costs, whatever else a shared machine runs meanwhile."""
     times: list[list[float]] = [[] for _ in runs]
     for step in range(max(steps for _, steps in runs)):
         for (fn, steps), ts in zip(runs, times, strict=True):
             if step < steps:
+                fn()  # settles the allocator (and, the first time, warms up)
                 start = time.process_time()
                 fn()
                 ts.append(time.process_time() - start)
@@ -385,8 +389,9 @@ def _holds(ok: bool) -> str:
 def _header(a: argparse.Namespace, kernels) -> str:
     return (
         f"Forward+backward, same weights and inputs, one run: asyncrl and transformers in fp32 and in "
-        f"bf16 alternate step by step (median of {a.steps} fp32 / {a.bf16_steps} bf16 steps after a "
-        f"warm-up). Times and peaks are process CPU time, which other jobs on a shared machine move "
+        f"bf16 alternate round by round, each timed step right after an untimed one of the same run "
+        f"(median of {a.steps} fp32 / {a.bf16_steps} bf16 timed steps). Times and peaks are process "
+        f"CPU time, which other jobs on a shared machine move "
         f"far less than wall time (they still share caches and memory bandwidth).\n"
         f"Machine: {_cpu_model()}, {torch.get_num_threads()} thread(s) (OMP_NUM_THREADS="
         f"{os.environ.get('OMP_NUM_THREADS', 'unset')}); torch CPU capability {kernels.isa}, oneDNN bf16 "
