@@ -421,17 +421,17 @@ def _cpu_flags() -> str:
 
 
 READING = """\
-Reading: both implementations spend most of a step in the same kernels, oneDNN/MKL matmuls and
-torch's CPU flash attention (profile table), so removing Python and copy overhead brings asyncrl
-to parity or a little past it, not further; going further needs faster kernels than those
-transformers uses too, above all attention, whose share of the time is about twice its share of
-the FLOPs in fp32, and more in bf16: with AVX-512 BF16 and no AMX, bf16 matmuls run ~2x faster
-than fp32 but torch's flash kernel no faster. The bf16 rows depend on the CPU: without AVX-512
-BF16 / AMX, torch's bf16 matmul is a reference loop (its peak is printed above), which
-transformers runs into; asyncrl computes bf16 matmuls, attention and experts in fp32 on bf16
-values there (docs/trainer.md, "bf16 on CPU"), so its bf16 runs at about its fp32 speed less the
-casts. On a CPU with native bf16 kernels both use torch's own, the MoE experts through torch's
-grouped GEMM."""
+Reading: in fp32 both implementations spend most of a step in the same kernels, oneDNN/MKL
+matmuls and torch's CPU flash attention (profile table), so removing Python and copy overhead
+brings asyncrl to parity or a little past it, not further. In bf16 on a CPU with AVX-512 BF16 and
+no AMX, torch's flash kernel runs no faster than in fp32 while bf16 matmuls run ~2x faster:
+asyncrl's training attention there comes from bf16 batched matmuls over blocks of queries (scores
+in fp32; docs/trainer.md, "bf16 on CPU"), which is where its bf16 lead over transformers comes
+from (the step timed with the flash kernel instead shows it). The bf16 rows depend on the CPU:
+without AVX-512 BF16 / AMX, torch's bf16 matmul is a reference loop (its peak is printed above),
+which transformers runs into; asyncrl computes bf16 matmuls, attention and experts in fp32 on bf16
+values there, so its bf16 runs at about its fp32 speed less the casts. With AMX both use torch's
+own kernels (attention included), the MoE experts through torch's grouped GEMM."""
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -44,40 +44,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             # torch's fused kernel: the same values bit for bit, ~2x faster per call (decode runs many
-            # small ones); under autograd it decomposes into a slower backward, so training keeps ours
-            # (on CPU the fused forward with a backward of our own). It computes a bf16/fp16 input in
-            # fp32 and rounds once: no casts around it.
+            # small ones); under autograd it decomposes into a slower backward, so training keeps ours.
+            # It computes a bf16/fp16 input in fp32 and rounds once: no casts around it.
             return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
-        if x.device.type == "cpu" and _FUSED_RMS_NORM:
-            return self.weight * _CpuRMSNorm.apply(x, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-_FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm")  # (output, rstd); not in every torch
-
-
-class _CpuRMSNorm(torch.autograd.Function):
-    """x * rsqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, under autograd on CPU: the forward is
-    torch's fused kernel (the same values as the decomposed ops, bit for bit), the backward five
-    passes over x in fp32 instead of autograd's dozen through the decomposition and its casts
-    (forward + backward of a [4, 512, 512] bf16 norm ~1.5x faster, fp32 ~2.8x, one thread, AVX-512)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
-        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)
-        ctx.save_for_backward(x, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        x, rstd = ctx.saved_tensors
-        # y = x * r with r = (mean(x^2) + eps)^-1/2:  dx = r * g - x * r^3 * mean(g * x)
-        x32 = x.float()
-        t = g * rstd  # fp32
-        c = torch.linalg.vecdot(t, x32, dim=-1).unsqueeze(-1).mul_(rstd.square()).div_(-x.shape[-1])
-        return torch.addcmul(t, x32, c).to(x.dtype), None
 
 
 class RotaryEmbedding(nn.Module):
