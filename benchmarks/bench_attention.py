@@ -14,7 +14,7 @@ the allocator holds what the call needs, as in a training loop); each gets the m
 
 `asyncrl.model.compute` takes the blocked path for bf16 causal self-attention under autograd on
 CPUs with AVX-512 BF16 and no AMX (docs/trainer.md, "bf16 on CPU"); this table is what that rule
-and `block_queries` rest on. Results replace the "## Training attention (CPU bf16)" section of
+and `BLOCK_QUERIES` rest on. Results replace the "## Training attention (CPU bf16)" section of
 BENCHMARKS.md.
 """
 
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from asyncrl.model.blocked_attention import block_queries, blocked_causal_attention
+from asyncrl.model.blocked_attention import BLOCK_QUERIES, blocked_causal_attention
 from asyncrl.model.compute import cpu_kernels
 from report import machine, write_section
 
@@ -109,7 +109,7 @@ def _error(fn: Callable, q, k, v, do) -> float:
 def bench(shape: tuple[int, int, int, int], rounds: int) -> dict:
     B, H, G, T = shape
     q, k, v, do = _inputs(B, H, G, T)
-    default = block_queries(B, G)
+    default = BLOCK_QUERIES
     fns = {"flash": _flash, "blocked 32": _blocked(32), "blocked 64": _blocked(64)}
     runs = {f"{name} fwd+bwd": _fwd_bwd(fn, q, k, v, do) for name, fn in fns.items()}
     runs |= {"flash fwd": _fwd(_flash, q, k, v), "blocked fwd": _fwd(_blocked(default), q, k, v)}
@@ -156,8 +156,7 @@ def main() -> None:
         f"bf16, head dim {HEAD_DIM}, inputs laid out as projections give them; median of {a.rounds} "
         f"calls of process CPU time per run, the runs alternating, each timed call after an untimed one "
         f"of the same run; errors are the largest of output and input gradients against SDPA in fp64, "
-        f"relative to the largest reference value. Blocks of {block_queries(1, 4)} query positions for "
-        f"one row of 4 kv heads, {block_queries(4, 4)} from 8 (B x G) up (`block_queries`).\n"
+        f"relative to the largest reference value. The default block: {BLOCK_QUERIES} query positions.\n"
         f"Machine: {machine()}; torch CPU capability {kernels.isa}, {torch.get_num_threads()} thread(s) "
         f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}); torch {torch.__version__}.\n"
         "Command: `OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_attention.py "

@@ -31,15 +31,13 @@ import functools
 
 import torch
 
-__all__ = ["block_queries", "blocked_causal_attention"]
+__all__ = ["BLOCK_QUERIES", "blocked_causal_attention"]
 
 
-def block_queries(batch: int, kv_heads: int) -> int:
-    """Query positions per block: smaller blocks skip more of the masked half, larger ones make
-    larger matmuls. Measured on AVX-512 BF16 (forward + backward, 8 heads in 4 kv groups, 128-1024
-    positions, one thread): for one row 64 (1.1-1.55x the flash kernel, against 1.05-1.4x with 32);
-    for 2-4 rows the two within noise of each other (1.4-1.6x)."""
-    return 64 if batch * kv_heads < 8 else 32
+# Query positions per block: smaller blocks skip more of the masked half, larger ones make larger
+# matmuls. benchmarks/bench_attention.py (BENCHMARKS.md, "Training attention (CPU bf16)") times 32
+# and 64: 64 as fast or faster at 1-4 rows of 128-2048 positions in all but one of twelve rows.
+BLOCK_QUERIES = 64
 
 
 def blocked_causal_attention(
@@ -48,10 +46,10 @@ def blocked_causal_attention(
     v_BGTv: torch.Tensor,
     *,
     scale: float | None = None,
-    block: int | None = None,
+    block: int = BLOCK_QUERIES,
 ) -> torch.Tensor:
     """Causal attention of T queries over the same T positions, [B, H, T, dv]; differentiable.
-    `block`: query positions per block (default `block_queries`)."""
+    `block`: query positions per block."""
     B, H, T, d = q_BHTd.shape
     G = k_BGTd.shape[1]
     if H % G or k_BGTd.shape[:3] != (B, G, T) or v_BGTv.shape[:3] != (B, G, T) or k_BGTd.shape[3] != d:
@@ -60,7 +58,6 @@ def blocked_causal_attention(
             f"v {tuple(v_BGTv.shape)} are not [B, H, T, d], [B, G, T, d], [B, G, T, dv] with G | H"
         )
     scale = d**-0.5 if scale is None else float(scale)
-    block = block_queries(B, G) if block is None else block
     if block < 1:
         raise ValueError(f"blocked_causal_attention: block must be >= 1, got {block}")
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHTd, k_BGTd, v_BGTv))

@@ -47,11 +47,11 @@ capabilities, once (`cpu_kernels()`), because native is not always faster there:
   path would copy them), except causal self-attention under autograd (training) up to
   `MAX_BLOCKED_LEN` positions and `MAX_BLOCKED_SCORES` scores (B x H x T^2) per call: it goes through
   `asyncrl.model.blocked_attention`, batched matmuls over blocks of queries, because torch's flash
-  kernel runs bf16 no faster than fp32 there while oneDNN's bf16 matmuls run ~2x faster (its
-  forward + backward measured 1.1-1.6x faster than the flash kernel's at 1-4 rows of 128-1024
-  positions; figures in docs/trainer.md, "bf16 on CPU"). Without autograd (the engine's prefill)
-  the flash kernel is as fast or faster. `set_cpu_blocked_attention(True | False | None)` forces
-  the choice.
+  kernel runs bf16 no faster than fp32 there while oneDNN's bf16 matmuls run ~2x faster
+  (BENCHMARKS.md, "Training attention (CPU bf16)"; docs/trainer.md, "bf16 on CPU"). Inference (no
+  autograd: the engine's prefill, logprob passes) keeps the flash kernel: the forward alone gains
+  less, and the engine's steps have not been measured with it.
+  `set_cpu_blocked_attention(True | False | None)` forces the choice.
 
 `set_cpu_upcast(True | False | None)` forces the choice (None: detect), for tests and benchmarks:
 True takes the fp32 path everywhere, False the native kernels everywhere.
@@ -117,8 +117,9 @@ MIN_PACKED = 65536
 _PACK_ROWS = 64
 _PACK_FORCED: bool | None = None
 # Causal self-attention under autograd on native bf16 without AMX takes asyncrl.model.blocked_attention
-# up to this length (at 2048 positions of one row it measured ~0.93x the flash kernel) and this many
-# scores per call (its backward keeps about half of them in fp32: 64 MiB at the limit).
+# up to this length (past it the gain fades: ~1.05x the flash kernel at 2048 positions of one row,
+# while the backward's memory grows with T^2) and this many scores per call (its backward keeps
+# about half of them in fp32: 64 MiB at the limit).
 MAX_BLOCKED_LEN = 1024
 MAX_BLOCKED_SCORES = 1 << 25
 _BLOCKED_FORCED: bool | None = None

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.model.blocked_attention import block_queries, blocked_causal_attention
+from asyncrl.model.blocked_attention import BLOCK_QUERIES, blocked_causal_attention
 
 _NAMES = ("o", "q", "k", "v")
 
@@ -79,8 +79,10 @@ def test_the_first_query_sees_only_the_first_key():
     assert torch.allclose(out[0, :, 0], v[0, 0, 0].expand(2, 4))
 
 
-def test_block_size_follows_the_rows_of_a_call():
-    assert block_queries(1, 4) == 64 and block_queries(4, 4) == 32 and block_queries(2, 4) == 32
+def test_the_default_block_covers_a_short_sequence_in_one_block():
+    q, k, v, _ = _inputs(1, 2, 1, BLOCK_QUERIES, 8, 8, torch.float32)
+    one_block = blocked_causal_attention(q, k, v)
+    assert torch.allclose(one_block, blocked_causal_attention(q, k, v, block=7), atol=1e-6)
 
 
 def test_bad_shapes_are_named():
