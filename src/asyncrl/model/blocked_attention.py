@@ -36,7 +36,7 @@ __all__ = ["BLOCK_QUERIES", "blocked_causal_attention"]
 
 # Query positions per block: smaller blocks skip more of the masked half, larger ones make larger
 # matmuls. benchmarks/bench_attention.py (BENCHMARKS.md, "Training attention (CPU bf16)") times 32
-# and 64: 64 as fast or faster at 1-4 rows of 128-2048 positions in all but one of twelve rows.
+# and 64: 64 faster in most rows of 1-4 rows of 128-2048 positions, 32 by 5-10% at 4 rows of 512.
 BLOCK_QUERIES = 64
 
 
