@@ -21,8 +21,8 @@ AVX512_BF16)"). `blocked_causal_attention` computes the same function from whole
     o_BHTd = blocked_causal_attention(q_BHTd, k_BGTd, v_BGTv)   # = sdpa(..., is_causal=True, enable_gqa=True)
 
 Inputs are [B, H, T, d] queries and [B, G, T, d] keys / [B, G, T, dv] values, H a multiple of G;
-any float dtype (fp32 gives fp32 matmuls throughout). `compute.sdpa` chooses this path (see
-`compute.blocked_attention_note`).
+any float dtype (fp32 gives fp32 matmuls throughout). `compute.sdpa` takes this path where
+`compute.blocked_attention` says so.
 """
 
 from __future__ import annotations
