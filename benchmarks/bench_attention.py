@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -31,7 +29,7 @@ import torch.nn.functional as F
 
 from asyncrl.model.blocked_attention import BLOCK_QUERIES, blocked_causal_attention
 from asyncrl.model.compute import cpu_kernels
-from report import machine, write_section
+from report import machine, time_interleaved, write_section
 
 SHAPES = [  # (B, H, G, T)
     (1, 8, 4, 128),
@@ -80,19 +78,6 @@ def _fwd(fn: Callable, q, k, v) -> Callable[[], None]:
     return run
 
 
-def _time(runs: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    """Median ms of process CPU time per call, the runs alternating, each timed call after an
-    untimed one of the same run."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            run()
-            start = time.process_time()
-            run()
-            times[name].append(1000 * (time.process_time() - start))
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def _error(fn: Callable, q, k, v, do) -> float:
     """Largest relative error of the output and input gradients against SDPA in fp64."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -109,17 +94,15 @@ def _error(fn: Callable, q, k, v, do) -> float:
 def bench(shape: tuple[int, int, int, int], rounds: int) -> dict:
     B, H, G, T = shape
     q, k, v, do = _inputs(B, H, G, T)
-    default = BLOCK_QUERIES
     fns = {"flash": _flash, "blocked 32": _blocked(32), "blocked 64": _blocked(64)}
     runs = {f"{name} fwd+bwd": _fwd_bwd(fn, q, k, v, do) for name, fn in fns.items()}
-    runs |= {"flash fwd": _fwd(_flash, q, k, v), "blocked fwd": _fwd(_blocked(default), q, k, v)}
-    ms = _time(runs, rounds)
+    runs |= {"flash fwd": _fwd(_flash, q, k, v), "blocked fwd": _fwd(_blocked(BLOCK_QUERIES), q, k, v)}
+    seconds = time_interleaved([(run, rounds) for run in runs.values()])
     return {
         "shape": shape,
-        "default": default,
-        "ms": ms,
+        "ms": {name: 1000 * t for name, t in zip(runs, seconds, strict=True)},
         "err_flash": _error(_flash, q, k, v, do),
-        "err_blocked": _error(_blocked(default), q, k, v, do),
+        "err_blocked": _error(_blocked(BLOCK_QUERIES), q, k, v, do),
     }
 
 
@@ -132,10 +115,10 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         B, H, G, T = r["shape"]
         ms = r["ms"]
-        chosen = ms[f"blocked {r['default']} fwd+bwd"]
+        chosen = ms[f"blocked {BLOCK_QUERIES} fwd+bwd"]
         lines.append(
             f"| {B} x {H} ({G}) x {T} | {ms['flash fwd+bwd']:.1f} | {ms['blocked 32 fwd+bwd']:.1f} | "
-            f"{ms['blocked 64 fwd+bwd']:.1f} | {ms['flash fwd+bwd'] / chosen:.2f}x ({r['default']}) | "
+            f"{ms['blocked 64 fwd+bwd']:.1f} | {ms['flash fwd+bwd'] / chosen:.2f}x ({BLOCK_QUERIES}) | "
             f"{ms['flash fwd'] / ms['blocked fwd']:.2f}x | {r['err_flash']:.1e}, {r['err_blocked']:.1e} |"
         )
     return lines

@@ -5,7 +5,7 @@
 
 Both implementations get the same weights and inputs in one process, in fp32 and in bf16: the four
 (implementation, dtype) runs of a row alternate round by round, each timed step right after an
-untimed step of the same run (`_time_interleaved`), and each gets the median of its steps
+untimed step of the same run (`report.time_interleaved`), and each gets the median of its steps
 (--steps in fp32, --bf16-steps in bf16: by default as many on a CPU with native
 bf16 kernels, 1 elsewhere, where transformers' bf16 runs torch's reference loops). The main shape is
 the issue-17 one: a ~57M Qwen3-MoE (16 experts top-2, d512, 8 layers, ~13M active) on 4 x 512
@@ -24,7 +24,6 @@ import copy
 import dataclasses
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,28 +38,9 @@ from asyncrl.model.args import ModelArgs
 from asyncrl.model.compute import blocked_attention, cpu_kernels, linear, set_cpu_blocked_attention
 from asyncrl.model.moe import MoE
 from asyncrl.trainer.metrics import flops_per_token
-from report import write_section
+from report import time_interleaved, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _time_interleaved(runs: list[tuple[Callable[[], None], int]]) -> list[float]:
-    """Median CPU seconds per call of each (function, steps), the functions alternating round by round
-    so that machine noise hits them alike (one that has had its steps drops out). Each timed call
-    follows an untimed call of the same function: a training loop runs one step after another, so
-    the allocator holds what the step needs; timed straight after another model's step, a step pays
-    for its memory again (page faults, counted as system CPU time): up to ~15% of this
-    benchmark's bf16 step, unevenly between the implementations. CPU time, not wall time: on one
-    thread it is what a step costs, whatever else a shared machine runs meanwhile."""
-    times: list[list[float]] = [[] for _ in runs]
-    for step in range(max(steps for _, steps in runs)):
-        for (fn, steps), ts in zip(runs, times, strict=True):
-            if step < steps:
-                fn()  # settles the allocator (and, the first time, warms up)
-                start = time.process_time()
-                fn()
-                ts.append(time.process_time() - start)
-    return [statistics.median(ts) for ts in times]
 
 
 def _fwd_bwd(module, x, **kw):
@@ -137,7 +117,7 @@ def _rows(
         if dtype == torch.bfloat16 and isinstance(ours, Transformer) and _blocked_attention_rule():
             flash[dtype] = len(runs)
             runs.append((_with_flash(_fwd_bwd(copy.deepcopy(ours).to(dtype), x_d)), steps[dtype]))
-    times = _time_interleaved(runs)
+    times = time_interleaved(runs)
     rows = []
     for dtype, i in first.items():
         rows.append(_row(what, dtype, tokens, times[i], times[i + 1], flops))

@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: write one section of BENCHMARKS.md in place.
+"""Shared by the benchmark scripts: write one section of BENCHMARKS.md in place, name the machine,
+time interleaved runs.
 
 Run a script as `python benchmarks/<name>.py`: Python puts this folder on sys.path, so
 `from report import write_section` resolves here.
@@ -8,11 +9,14 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 
-__all__ = ["BENCHMARKS", "machine", "write_section"]
+__all__ = ["BENCHMARKS", "machine", "time_interleaved", "write_section"]
 
 
 def _cpuinfo(key: str) -> str:
@@ -56,3 +60,22 @@ def write_section(title: str, body: str, path: Path = BENCHMARKS) -> None:
         end = text.find("\n## ", start + len(title))
         text = text[:start] + body.rstrip("\n") + "\n" + ("\n" + text[end + 1 :] if end >= 0 else "")
     path.write_text(text)
+
+
+def time_interleaved(runs: list[tuple[Callable[[], None], int]]) -> list[float]:
+    """Median CPU seconds per call of each (function, steps), the functions alternating round by round
+    so that machine noise hits them alike (one that has had its steps drops out). Each timed call
+    follows an untimed call of the same function: a training loop runs one step after another, so
+    the allocator holds what the step needs; timed straight after another model's step, a step pays
+    for its memory again (page faults, counted as system CPU time): up to ~15% of bench_model's
+    bf16 step, unevenly between the implementations. CPU time, not wall time: on one
+    thread it is what a step costs, whatever else a shared machine runs meanwhile."""
+    times: list[list[float]] = [[] for _ in runs]
+    for step in range(max(steps for _, steps in runs)):
+        for (fn, steps), ts in zip(runs, times, strict=True):
+            if step < steps:
+                fn()  # settles the allocator (and, the first time, warms up)
+                start = time.process_time()
+                fn()
+                ts.append(time.process_time() - start)
+    return [statistics.median(ts) for ts in times]
