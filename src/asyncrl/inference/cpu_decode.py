@@ -5,15 +5,12 @@ Each decode sequence has one query token. Torch's CPU flash kernel runs it as ti
 per (sequence, kv head) and over every position up to the step's widest context, masked; the
 kernel reads each sequence's keys and values once, only up to its own length, and shares them
 between the query heads of a kv group (scores and softmax in fp32; bf16 keys and values widened
-exactly). It runs on torch's own OpenMP threads: the library is built with `-fopenmp` and loaded
-after torch, so it binds to the OpenMP runtime torch loaded (one thread pool, torch's thread count
-for the calling thread). ctypes releases the GIL for the call.
+exactly). It runs on torch's own OpenMP threads.
 
-The shared library is built once per source, compiler and CPU (`-march=native`) into
-`$ASYNCRL_KERNEL_CACHE`, else `$XDG_CACHE_HOME/asyncrl/kernels` or `~/.cache/asyncrl/kernels`,
-with `$CC` (default: the first of cc, gcc, clang on PATH). Loading it checks it against SDPA on a
-small random case. Anything that fails (no compiler, a build error, a wrong result) leaves the
-engine on SDPA, and `load()`'s note says why; the server's start-up line states which runs.
+`asyncrl.inference.cpu_build` builds the shared library once per source, compiler and CPU, where it
+says. Loading it checks it against SDPA on a small random case. Anything that fails (no compiler,
+a build error, a wrong result) leaves the engine on SDPA, and `load()`'s note says why; the
+server's start-up line states which runs.
 
 Shape legend: R decode rows, G kv heads, r query heads per kv head, W positions of the widest row,
 Dh head dim.
@@ -23,28 +20,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from asyncrl.inference.cpu_build import Unavailable, build
+
 __all__ = ["KERNEL_DTYPES", "DecodeKernel", "KernelBuild", "load"]
 
 log = logging.getLogger(__name__)
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# -ffast-math lets the softmax's exp vectorise (glibc's vector expf); the kernel sees finite values only.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
-_BUILD_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -106,90 +97,16 @@ class DecodeKernel:
 def load() -> KernelBuild:
     """Build (or find built) and load the kernel, once per process."""
     try:
-        path = _build()
+        path = build(_SOURCE, "CPU decode kernel")
         kernel = DecodeKernel(ctypes.CDLL(str(path)))
         _self_check(kernel)
-    except _Unavailable as e:
+    except Unavailable as e:
         log.info("CPU decode kernel not used: %s", e)
         return KernelBuild(None, f"decode attention SDPA ({e})")
     except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
         log.warning("CPU decode kernel not used (SDPA instead): %s", e)
         return KernelBuild(None, f"decode attention SDPA (kernel failed: {e})")
     return KernelBuild(kernel, "decode attention C kernel")
-
-
-class _Unavailable(Exception):
-    pass
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC")
-    if cc:
-        found = shutil.which(cc)
-        if found is None:
-            raise _Unavailable(f"CC={cc!r} not found")
-        return found
-    for name in ("cc", "gcc", "clang"):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise _Unavailable("no C compiler on PATH (cc, gcc, clang; or set CC)")
-
-
-def _cpu_id() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-    return "\n".join(dict.fromkeys(keep)) or platform.processor()
-
-
-def _cache_dir() -> Path:
-    if os.environ.get("ASYNCRL_KERNEL_CACHE"):
-        return Path(os.environ["ASYNCRL_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "asyncrl" / "kernels"
-
-
-def _build() -> Path:
-    cc = _compiler()
-    source = _SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                source,
-                " ".join(FLAGS).encode(),
-                cc.encode(),
-                version.encode(),
-                _cpu_id().encode(),
-                platform.machine().encode(),
-            ]
-        )
-    ).hexdigest()[:16]
-    directory = _cache_dir()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        directory = Path(tempfile.gettempdir()) / f"asyncrl-kernels-{os.getuid()}"
-        directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"cpu_decode-{key}.so"
-    if path.exists():
-        return path
-    partial = directory / f".{path.name}.{os.getpid()}.tmp"
-    log.info("building the CPU decode kernel with %s (once per compiler and CPU) into %s", cc, path)
-    done = subprocess.run(
-        [cc, *FLAGS, "-o", str(partial), str(_SOURCE), "-lm"],
-        capture_output=True,
-        text=True,
-        timeout=_BUILD_TIMEOUT_S,
-    )
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"{Path(cc).name} exited {done.returncode}: {done.stderr.strip()[-500:]}")
-    os.replace(partial, path)  # atomic: processes building at once each leave a whole file
-    return path
 
 
 def _self_check(kernel: DecodeKernel) -> None:
