@@ -43,6 +43,10 @@ per second when every step costs what the curve says for the sequences in it (pr
 the contexts' growth left out). With mixed lengths the last requests run in ever smaller batches;
 the modeled mixed / fixed ratio says what that tail costs on this curve.
 
+`--compare-moe-kernel` does the same for the CPU MoE kernel (`asyncrl.inference.cpu_moe`, the
+default on CPUs with AVX-512) against torch's experts path (the packed matmuls), on the same
+engine; like the decode kernel it runs on torch's OpenMP threads.
+
 `--compare-decode-kernel` does the same for the CPU decode attention kernel
 (`asyncrl.inference.cpu_decode`, the default) against SDPA over the same dense rows. The kernel
 runs on torch's own OpenMP threads, so the clocks are the same as for packing: with one torch
@@ -210,19 +214,27 @@ def profile(model_dir: Path, dtype: str, args: argparse.Namespace) -> tuple[dict
 
 
 def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) -> dict[str, float]:
-    """Median ms per decode step with `what` ("packing" or "decode kernel") off and on, and off / on."""
+    """Median ms per decode step with `what` ("packing", "decode kernel" or "MoE kernel") off and on,
+    and off / on."""
     engine = build_engine(model_dir, dtype, args.concurrency)
     max_tokens = args.warm_tokens + 2 * args.rounds * (args.window + 1) + 8
     start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
     kernel = engine.decode_kernel
     if what == "decode kernel" and kernel is None:
         raise SystemExit(f"no decode kernel to compare: {engine.decode_attention_note}")
+    experts = [m for m in engine.model.modules() if isinstance(m, GroupedExperts)]
+    moe_kernel = experts[0].cpu_kernel if experts else None
+    if what == "MoE kernel" and moe_kernel is None:
+        raise SystemExit(f"no MoE kernel to compare: {engine.moe_kernel_note or 'no routed experts'}")
 
     def switch(on: bool) -> None:
         if what == "packing":
             compute.set_cpu_packing(None if on else False)  # on: the default rule
-        else:
+        elif what == "decode kernel":
             engine.decode_kernel = kernel if on else None
+        else:
+            for module in experts:
+                module.cpu_kernel = moe_kernel if on else None
 
     clock = step_clock()
     times: dict[str, list[float]] = {"off": [], "on": []}
@@ -240,6 +252,18 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
         switch(True)
     med = {mode: sorted(v)[len(v) // 2] for mode, v in times.items()}
     return med | {"ratio": med["off"] / med["on"]}
+
+
+COMPARED = {  # what --compare-* times: its argument
+    "packing": "compare_packing",
+    "decode kernel": "compare_decode_kernel",
+    "MoE kernel": "compare_moe_kernel",
+}
+COMPARED_NAMES = {
+    "packing": ("packed weights", "unpacked"),
+    "decode kernel": ("decode kernel", "SDPA"),
+    "MoE kernel": ("MoE kernel", "torch's experts"),
+}
 
 
 def step_clock() -> Callable[[], float]:
@@ -342,6 +366,9 @@ def main() -> None:
         "--compare-decode-kernel", action="store_true", help="the CPU decode kernel against SDPA (see above)"
     )
     p.add_argument(
+        "--compare-moe-kernel", action="store_true", help="the CPU MoE kernel against torch's (see above)"
+    )
+    p.add_argument(
         "--batch-sweep", metavar="SIZES", help="decode step time at these batch sizes, e.g. 1,4,16,64 (above)"
     )
     p.add_argument("--rounds", type=int, default=12, help="--compare-*: windows of each mode")
@@ -364,12 +391,11 @@ def main() -> None:
                     curve = batch_sweep(model_dir, dtype, [int(x) for x in args.batch_sweep.split(",")], args)
                     print_sweep(f"{preset} {dtype}", curve, args.concurrency)
                     continue
-                if args.compare_packing or args.compare_decode_kernel:
-                    what = "packing" if args.compare_packing else "decode kernel"
+                compared = [w for w, flag in COMPARED.items() if getattr(args, flag)]
+                if compared:
+                    what = compared[0]
                     r = compare(model_dir, dtype, what, args)
-                    on, off = (
-                        ("packed weights", "unpacked") if args.compare_packing else ("decode kernel", "SDPA")
-                    )
+                    on, off = COMPARED_NAMES[what]
                     print(
                         f"{preset} {dtype} c={args.concurrency}: {on} {r['on']:.2f} ms per decode step, "
                         f"{off} {r['off']:.2f} ms: {r['ratio']:.2f}x (median of {args.rounds} windows of "

@@ -36,6 +36,7 @@ from asyncrl.config.sampling import (
 from asyncrl.inference.block_pool import BlockPool
 from asyncrl.inference.cpu_decode import KERNEL_DTYPES, DecodeKernel
 from asyncrl.inference.cpu_decode import load as load_decode_kernel
+from asyncrl.inference.cpu_moe import load as load_moe_kernel
 from asyncrl.inference.decode_kv import DecodeKV, DecodePlan
 from asyncrl.inference.kv_cache import AttentionPaths, KVCache, PagedAttention, SeqSlice
 from asyncrl.inference.request import (
@@ -53,6 +54,7 @@ from asyncrl.model.compute import set_cpu_packing
 from asyncrl.model.devices import resolve_device
 from asyncrl.model.fp8 import apply_fp8
 from asyncrl.model.hf import check_state_dict, load_into, load_state_dict
+from asyncrl.model.moe import GroupedExperts
 
 __all__ = ["Engine"]
 
@@ -102,6 +104,7 @@ class Engine:
         self._log_kv_memory()
         self.decode_kv = self._build_decode_kv()
         self.decode_kernel, self.decode_attention_note = self._load_decode_kernel()
+        self.moe_kernel_note = self._attach_moe_kernel()
         self.scheduler = Scheduler(
             self.pool,
             block_size=bs,
@@ -158,6 +161,25 @@ class Engine:
             return None, f"decode attention SDPA (no kernel for {self.dtype})"
         build = load_decode_kernel()
         return build.kernel, build.note
+
+    def _attach_moe_kernel(self) -> str:
+        """The CPU MoE kernel (cpu_moe) on each routed-experts module it can compute, and how the
+        experts run (the start-up line's part; empty on other devices, for models without routed
+        experts and for FP8 experts)."""
+        modules = self.model.modules()
+        experts = [m for m in modules if isinstance(m, GroupedExperts) and m.expert_linear is None]
+        if self.device.type != "cpu" or not experts:
+            return ""
+        if not self.config.cpu_moe_kernel:
+            return "MoE experts torch (cpu_moe_kernel = false)"
+        build = load_moe_kernel()
+        if build.kernel is None:
+            return build.note
+        if self.dtype not in build.kernel.dtypes:
+            return f"MoE experts torch (no kernel for {self.dtype} on this CPU)"
+        for module in experts:
+            module.cpu_kernel = build.kernel
+        return build.note
 
     @classmethod
     def from_config(cls, config: InferenceConfig, **kwargs) -> Engine:

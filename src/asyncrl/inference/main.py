@@ -75,10 +75,11 @@ def _kernels_note(engine: Engine) -> str:
     packed; empty elsewhere."""
     if engine.device.type != "cpu":
         return ""
-    attention = f"; {engine.decode_attention_note}" if engine.decode_attention_note else ""
+    notes = (engine.decode_attention_note, engine.moe_kernel_note)
+    kernels = "".join(f"; {note}" for note in notes if note)
     if engine.dtype == torch.float32:
-        return f"; {packing_note()}{attention}"
-    return f"; {cpu_kernels().describe()}{attention}"
+        return f"; {packing_note()}{kernels}"
+    return f"; {cpu_kernels().describe()}{kernels}"
 
 
 def main(argv: list[str]) -> int:

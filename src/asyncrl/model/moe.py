@@ -18,6 +18,8 @@ module's output through torch's pytree, which knows NamedTuples.
 
 `GroupedExperts.expert_linear` is a hook for the per-expert matmul (`fn(x_NK, w_OK) -> x @ w.T`);
 `asyncrl.model.fp8.apply_fp8` sets it to the FP8 block-scale matmul. None keeps the plain path.
+`GroupedExperts.cpu_kernel` (an `ExpertsKernel`) computes a whole call where it `takes` it: the
+inference engine sets its CPU MoE kernel there (asyncrl.inference.cpu_moe).
 
 Shape legend: N tokens (flattened), D model dim, E experts, I expert hidden dim, K top_k.
 """
@@ -25,7 +27,7 @@ Shape legend: N tokens (flattened), D model dim, E experts, I expert hidden dim,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,7 @@ from asyncrl.model.args import ModelArgs
 from asyncrl.model.compute import as_fp32, cpu_upcast, kept, pack, packed_linear, packs
 from asyncrl.model.layers import MLP
 
-__all__ = ["GroupedExperts", "MoE", "MoEOutput", "Router", "Routing", "grouped_swiglu"]
+__all__ = ["ExpertsKernel", "GroupedExperts", "MoE", "MoEOutput", "Router", "Routing", "grouped_swiglu"]
 
 
 class Routing(NamedTuple):
@@ -89,6 +91,22 @@ class Router(nn.Module):
         )
 
 
+class ExpertsKernel(Protocol):
+    """A whole `GroupedExperts.forward` computed elsewhere (asyncrl.inference.cpu_moe)."""
+
+    def takes(self, x_ND: torch.Tensor, num_experts: int, top_k: int) -> bool: ...
+
+    def __call__(
+        self,
+        x_ND: torch.Tensor,
+        ids_NK: torch.Tensor,
+        weights_NK: torch.Tensor,
+        gate_EID: torch.Tensor,
+        up_EID: torch.Tensor,
+        down_EDI: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as stacked weights, in HF's (out, in) orientation per expert."""
 
@@ -99,9 +117,13 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # [E, I, D]
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))  # [E, D, I]
         self.expert_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.cpu_kernel: ExpertsKernel | None = None
 
     def forward(self, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         N, K = ids_NK.shape
+        kernel = self.cpu_kernel
+        if kernel is not None and self.expert_linear is None and kernel.takes(x_ND, self.num_experts, K):
+            return kernel(x_ND, ids_NK, weights_NK, self.gate_proj, self.up_proj, self.down_proj)
         flat_ids = ids_NK.reshape(-1)
         order = flat_ids.argsort(stable=True)
         counts_E = torch.bincount(flat_ids, minlength=self.num_experts)

@@ -61,13 +61,18 @@ def test_bfloat16_engine_tracks_the_bf16_model(make_engine, tiny_moe):
     assert (ref - torch.tensor(res.logprobs)).abs().max() < 0.1  # bf16: close, not exact
 
 
-def test_startup_line_states_the_cpu_bf16_kernels_the_packing_and_the_decode_attention(make_engine, tiny_moe):
+def test_startup_line_states_the_cpu_bf16_kernels_the_packing_the_decode_attention_and_the_experts(
+    make_engine, tiny_moe
+):
     engine = make_engine()
     attention = engine.decode_attention_note  # test_cpu_decode.py checks its cases
-    assert attention.startswith("decode attention ")
-    assert _kernels_note(engine) == f"; {packing_note()}; {attention}"  # fp32: no bf16 kernels to state
-    note = _kernels_note(make_engine(copy.deepcopy(tiny_moe).bfloat16(), dtype="bfloat16"))
-    assert note == f"; {cpu_kernels().describe()}; {attention}" and "CPU AVX" in note
+    experts = engine.moe_kernel_note  # and test_cpu_moe.py these
+    assert attention.startswith("decode attention ") and experts.startswith("MoE experts ")
+    # fp32: no bf16 kernels to state
+    assert _kernels_note(engine) == f"; {packing_note()}; {attention}; {experts}"
+    bf16 = make_engine(copy.deepcopy(tiny_moe).bfloat16(), dtype="bfloat16")
+    note = _kernels_note(bf16)
+    assert note == f"; {cpu_kernels().describe()}; {attention}; {bf16.moe_kernel_note}" and "CPU AVX" in note
 
 
 def test_cpu_packed_weights_false_turns_packing_off_for_the_process(make_engine):

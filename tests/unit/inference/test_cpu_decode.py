@@ -171,7 +171,7 @@ def test_config_false_and_other_dtypes_run_sdpa(make_engine, tiny_moe):
     engine = make_engine(cpu_decode_kernel=False)
     assert engine.decode_kernel is None
     assert engine.decode_attention_note == "decode attention SDPA (cpu_decode_kernel = false)"
-    assert _kernels_note(engine).endswith("; decode attention SDPA (cpu_decode_kernel = false)")
+    assert "; decode attention SDPA (cpu_decode_kernel = false)" in _kernels_note(engine)
     half = make_engine(copy.deepcopy(tiny_moe).half())  # a model handed over in fp16
     assert (
         half.decode_kernel is None

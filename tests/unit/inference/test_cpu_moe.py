@@ -1,0 +1,209 @@
+"""The CPU MoE kernel (asyncrl.inference.cpu_moe): torch's experts in fp32 and, rounding where
+torch's bf16 path rounds, in bf16, on sizes that are not multiples of its blocks; when it takes a
+call and when it leaves it to torch; its input checks and weight updates; the engine's tokens and
+logprobs against the same engine on torch's experts; and torch's path whenever it cannot be built."""
+
+import copy
+import shutil
+
+import pytest
+import torch
+from inference_helpers import drain, random_prompts, teacher_logprobs
+
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.inference import Engine, SamplingOptions, cpu_moe
+from asyncrl.model.moe import GroupedExperts, grouped_swiglu
+
+HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_moe.MoEKernel:
+    if not HAS_CC:
+        pytest.skip("no C compiler on PATH: the engine runs torch's experts (tested below)")
+    build = cpu_moe.load()
+    if build.kernel is None and "no AVX-512" in build.note:
+        pytest.skip(f"this CPU has no kernel: {build.note}")
+    assert build.kernel is not None, build.note
+    return build.kernel
+
+
+def _experts(E: int, D: int, H: int, dtype: torch.dtype, seed: int) -> GroupedExperts:
+    g = torch.Generator().manual_seed(seed)
+    module = GroupedExperts(E, D, H)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return module.to(dtype)
+
+
+def _routing(N: int, K: int, E: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K distinct experts per token out of the first E - 1 (the last one gets no token)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(N)])
+    return ids, torch.rand(N, K, generator=g).softmax(-1).to(dtype)
+
+
+def _count_runs(monkeypatch) -> list[int]:
+    """The token count of each kernel run from now on."""
+    calls = []
+    real = cpu_moe.MoEKernel.run
+
+    def counted(self, *args):
+        calls.append(args[0].shape[0])
+        return real(self, *args)
+
+    monkeypatch.setattr(cpu_moe.MoEKernel, "run", counted)
+    return calls
+
+
+def _torch_rounding_each_step(x, ids, weights, m: GroupedExperts) -> torch.Tensor:
+    """GroupedExperts.forward's arithmetic with every matmul in x's dtype (the per-expert loop with a
+    plain matmul: torch's native bf16 path, which rounds after each op)."""
+    N, K = ids.shape
+    order = ids.reshape(-1).argsort(stable=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=m.num_experts)
+    weights_of = (m.gate_proj, m.up_proj, m.down_proj)
+    y = grouped_swiglu(x.index_select(0, order // K), counts, *weights_of, linear=lambda a, w: a @ w.T)
+    y_NKD = torch.empty_like(y).index_copy_(0, order, y)
+    return (y_NKD.view(N, K, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+@pytest.mark.parametrize(
+    ("N", "K", "E", "D", "H"), [(1, 2, 5, 34, 20), (7, 3, 9, 64, 48), (40, 2, 4, 96, 130)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_computes_torchs_experts(kernel, N, K, E, D, H, dtype):
+    if dtype not in kernel.dtypes:
+        pytest.skip(f"no {dtype} kernel on this CPU (bf16 needs AVX-512 BF16)")
+    m = _experts(E, D, H, dtype, seed=N + D)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(N)).to(dtype)
+    ids, weights = _routing(N, K, E, seed=H, dtype=dtype)
+    with torch.inference_mode():
+        got = kernel.run(x, ids, weights, m.gate_proj, m.up_proj, m.down_proj, dtype)
+        want = _torch_rounding_each_step(x, ids, weights, m)
+        exact = _torch_rounding_each_step(x.double(), ids, weights.double(), m.double())
+    assert got.dtype == dtype and got.shape == (N, D)
+    if dtype == torch.float32:
+        assert (got - want).abs().max() < 1e-5
+        return
+    # bf16: the same roundings as torch's, so the same values but where an fp32 sum lands on a
+    # rounding boundary in one order and not in the other (none in these cases, rare in general).
+    assert (got != want).float().mean() <= 0.01
+    assert (got.double() - exact).abs().max() <= 1.01 * (want.double() - exact).abs().max()
+
+
+def test_bf16_experts_torch_upcasts_go_through_the_fp32_kernel(kernel):
+    # tiny experts (under compute.MIN_NATIVE_EXPERT weights): torch computes them in fp32 and rounds
+    # once; so does the kernel, and its output is torch's up to that last rounding.
+    if torch.bfloat16 not in kernel.dtypes:
+        pytest.skip("no bf16 kernel on this CPU (needs AVX-512 BF16)")
+    m = _experts(8, 64, 32, torch.bfloat16, seed=1)
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ids, weights = _routing(12, 2, 8, seed=3, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = kernel(x, ids, weights, m.gate_proj, m.up_proj, m.down_proj)
+        want = m(x, ids, weights)  # no kernel set: torch's path
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()
+    assert "cpu_moe_torch.float32" in m.gate_proj._asyncrl_kept, "packed for the fp32 kernel"
+
+
+def test_module_uses_the_kernel_only_where_it_takes_the_call(kernel, monkeypatch):
+    m = _experts(4, 32, 16, torch.float32, seed=5)
+    m.cpu_kernel = kernel
+    calls = _count_runs(monkeypatch)
+    ids, weights = _routing(8, 2, 4, seed=0, dtype=torch.float32)
+    x = torch.randn(8, 32)
+    with torch.inference_mode():
+        m(x, ids, weights)
+    assert calls == [8]
+    m(x, ids, weights)  # under autograd: torch's path
+    with torch.inference_mode():
+        big = cpu_moe.MAX_ROWS_PER_EXPERT * 4 // 2 + 1  # one row over the limit per expert, on average
+        ids_big, w_big = _routing(big, 2, 4, seed=1, dtype=torch.float32)
+        m(torch.randn(big, 32), ids_big, w_big)  # a prefill-sized call: torch's path
+        assert not kernel.takes(torch.randn(4, 32).half(), 4, 2)
+        assert not kernel.takes(torch.randn(0, 32), 4, 2)
+    assert calls == [8]
+
+
+def test_kernel_follows_weight_updates_and_rejects_bad_input(kernel):
+    m = _experts(4, 32, 16, torch.float32, seed=6)
+    ids, weights = _routing(5, 2, 4, seed=2, dtype=torch.float32)
+    x = torch.randn(5, 32)
+    args = (m.gate_proj, m.up_proj, m.down_proj)
+    with torch.inference_mode():
+        before = kernel(x, ids, weights, *args)
+    with torch.no_grad():
+        m.down_proj.mul_(2.0)  # in place, as a weight update writes
+    with torch.inference_mode():
+        assert torch.allclose(kernel(x, ids, weights, *args), 2 * before, atol=1e-6)
+        with pytest.raises(ValueError, match=r"an expert id outside \[0, E\)"):
+            kernel(x, torch.tensor([[0, 4]] * 5), weights, *args)
+        with pytest.raises(ValueError, match=r"ids \(4, 2\) and weights \(5, 2\) for 5 tokens"):
+            kernel(x, ids[:4], weights, *args)
+        with pytest.raises(ValueError, match="expert weights: gate"):
+            kernel(x, ids, weights, m.gate_proj, m.up_proj, m.down_proj[:, :16])
+
+
+def _two_engines(model, **overrides) -> tuple[Engine, Engine]:
+    cfg = {"model": "unused", "block_size": 4, "kv_cache_tokens": 4096, "max_num_batched_tokens": 64}
+    cfg |= overrides
+    on = Engine(copy.deepcopy(model), InferenceConfig(**cfg))
+    off = Engine(copy.deepcopy(model), InferenceConfig(**cfg, cpu_moe_kernel=False))
+    return on, off
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_on_the_kernel_matches_the_engine_on_torchs_experts(kernel, tiny_moe, monkeypatch, dtype):
+    model = copy.deepcopy(tiny_moe).to(getattr(torch, dtype))
+    calls = _count_runs(monkeypatch)
+    prompts = random_prompts([5, 37, 13, 3, 29, 8, 50], seed=12)
+    engines = _two_engines(model, dtype=dtype, max_num_seqs=3)
+    assert engines[0].moe_kernel_note.startswith("MoE experts C kernel")
+    assert engines[1].moe_kernel_note == "MoE experts torch (cpu_moe_kernel = false)"
+    results = []
+    for engine in engines:
+        for i, p in enumerate(prompts):
+            opts = SamplingOptions(temperature=0.0, max_tokens=4 + 5 * (i % 4), ignore_eos=True)
+            engine.add_request(f"r{i}", p, opts)
+        results.append(drain(engine))
+    got, want = results
+    assert set(calls) >= {1, 2, 3}, "decode steps of 1-3 sequences went through the kernel"
+    if dtype == "float32":
+        for rid in want:
+            assert got[rid].tokens == want[rid].tokens, rid
+            diff = (torch.tensor(got[rid].logprobs) - torch.tensor(want[rid].logprobs)).abs().max()
+            assert diff < 1e-5, rid
+        return
+    # bf16: each engine's answers held to the model itself, teacher-forced (as in test_cpu_decode.py)
+    worst = []
+    for answers in (got, want):
+        errors = []
+        for i, p in enumerate(prompts):
+            answer = answers[f"r{i}"]
+            teacher = teacher_logprobs(model, p, answer.tokens, 1.0)
+            errors.append((teacher - torch.tensor(answer.logprobs)).abs().max())
+        worst.append(float(max(errors)))
+    assert worst[0] <= 1.25 * worst[1] + 0.01 and worst[1] < 0.25, worst
+
+
+def test_no_kernel_means_torchs_experts_and_says_why(tiny_moe, monkeypatch, tmp_path):
+    monkeypatch.setenv("ASYNCRL_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CC", "no-such-compiler-asyncrl")
+    cpu_moe.load.cache_clear()
+    try:
+        build = cpu_moe.load()
+        assert build.kernel is None
+        assert build.note == "MoE experts torch (CC='no-such-compiler-asyncrl' not found)"
+        engine = Engine(
+            copy.deepcopy(tiny_moe),
+            InferenceConfig(model="unused", block_size=4, kv_cache_tokens=4096, cpu_decode_kernel=False),
+        )
+    finally:
+        cpu_moe.load.cache_clear()
+    assert engine.moe_kernel_note == build.note
+    assert all(m.cpu_kernel is None for m in engine.model.modules() if isinstance(m, GroupedExperts))
+    engine.add_request("a", [1, 2, 3], SamplingOptions(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(drain(engine)["a"].tokens) == 3
