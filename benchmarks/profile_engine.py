@@ -43,9 +43,10 @@ per second when every step costs what the curve says for the sequences in it (pr
 the contexts' growth left out). With mixed lengths the last requests run in ever smaller batches;
 the modeled mixed / fixed ratio says what that tail costs on this curve.
 
-`--compare-moe-kernel` does the same for the CPU MoE kernel (`asyncrl.inference.cpu_moe`, the
-default on CPUs with AVX-512) against torch's experts path (the packed matmuls), on the same
-engine; like the decode kernel it runs on torch's OpenMP threads.
+`--compare-matmul-kernel` does the same for the CPU matmul kernels (`asyncrl.inference.cpu_matmul`:
+the MoE experts and the linears of few rows, the default on CPUs with AVX-512) against torch's
+matmuls (oneDNN's packed weights), on the same engine; like the decode kernel they run on torch's
+OpenMP threads.
 
 `--compare-decode-kernel` does the same for the CPU decode attention kernel
 (`asyncrl.inference.cpu_decode`, the default) against SDPA over the same dense rows. The kernel
@@ -214,18 +215,18 @@ def profile(model_dir: Path, dtype: str, args: argparse.Namespace) -> tuple[dict
 
 
 def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) -> dict[str, float]:
-    """Median ms per decode step with `what` ("packing", "decode kernel" or "MoE kernel") off and on,
-    and off / on."""
+    """Median ms per decode step with `what` ("packing", "decode kernel" or "matmul kernel") off and
+    on, and off / on."""
     engine = build_engine(model_dir, dtype, args.concurrency)
     max_tokens = args.warm_tokens + 2 * args.rounds * (args.window + 1) + 8
     start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
     kernel = engine.decode_kernel
     if what == "decode kernel" and kernel is None:
         raise SystemExit(f"no decode kernel to compare: {engine.decode_attention_note}")
-    experts = [m for m in engine.model.modules() if isinstance(m, GroupedExperts)]
-    moe_kernel = experts[0].cpu_kernel if experts else None
-    if what == "MoE kernel" and moe_kernel is None:
-        raise SystemExit(f"no MoE kernel to compare: {engine.moe_kernel_note or 'no routed experts'}")
+    hooked = [m for m in engine.model.modules() if isinstance(m, GroupedExperts | compute.Linear)]
+    matmul_kernels = {m: m.cpu_kernel for m in hooked}
+    if what == "matmul kernel" and not any(matmul_kernels.values()):
+        raise SystemExit(f"no matmul kernel to compare: {engine.matmul_kernel_note}")
 
     def switch(on: bool) -> None:
         if what == "packing":
@@ -233,8 +234,8 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
         elif what == "decode kernel":
             engine.decode_kernel = kernel if on else None
         else:
-            for module in experts:
-                module.cpu_kernel = moe_kernel if on else None
+            for module, kernel_of in matmul_kernels.items():
+                module.cpu_kernel = kernel_of if on else None
 
     clock = step_clock()
     times: dict[str, list[float]] = {"off": [], "on": []}
@@ -257,12 +258,12 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
 COMPARED = {  # what --compare-* times: its argument
     "packing": "compare_packing",
     "decode kernel": "compare_decode_kernel",
-    "MoE kernel": "compare_moe_kernel",
+    "matmul kernel": "compare_matmul_kernel",
 }
 COMPARED_NAMES = {
     "packing": ("packed weights", "unpacked"),
     "decode kernel": ("decode kernel", "SDPA"),
-    "MoE kernel": ("MoE kernel", "torch's experts"),
+    "matmul kernel": ("matmul kernels", "torch's matmuls"),
 }
 
 
@@ -366,7 +367,7 @@ def main() -> None:
         "--compare-decode-kernel", action="store_true", help="the CPU decode kernel against SDPA (see above)"
     )
     p.add_argument(
-        "--compare-moe-kernel", action="store_true", help="the CPU MoE kernel against torch's (see above)"
+        "--compare-matmul-kernel", action="store_true", help="the CPU matmul kernels against torch's (above)"
     )
     p.add_argument(
         "--batch-sweep", metavar="SIZES", help="decode step time at these batch sizes, e.g. 1,4,16,64 (above)"

@@ -96,11 +96,11 @@ class InferenceConfig(BaseConfig):
         "with the system's compiler on first use (each sequence read to its own length); false, or "
         "no compiler: SDPA",
     )
-    cpu_moe_kernel: bool = Field(
+    cpu_matmul_kernel: bool = Field(
         True,
-        description="on a CPU with AVX-512, the MoE experts of decode-sized steps through a small C "
-        "kernel built with the system's compiler on first use (AVX-512 BF16 for bf16); false, or no "
-        "compiler: torch's path",
+        description="on a CPU with AVX-512, the MoE experts and the linears of decode-sized steps "
+        "through a small C kernel built with the system's compiler on first use (AVX-512 BF16 for "
+        "bf16); false, or no compiler: torch's matmuls",
     )
     seed: int = Field(0, description="seed of the engine's generator for requests without a seed")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="server log level")

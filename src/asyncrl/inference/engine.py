@@ -36,7 +36,7 @@ from asyncrl.config.sampling import (
 from asyncrl.inference.block_pool import BlockPool
 from asyncrl.inference.cpu_decode import KERNEL_DTYPES, DecodeKernel
 from asyncrl.inference.cpu_decode import load as load_decode_kernel
-from asyncrl.inference.cpu_moe import load as load_moe_kernel
+from asyncrl.inference.cpu_matmul import load as load_matmul_kernels
 from asyncrl.inference.decode_kv import DecodeKV, DecodePlan
 from asyncrl.inference.kv_cache import AttentionPaths, KVCache, PagedAttention, SeqSlice
 from asyncrl.inference.request import (
@@ -50,7 +50,7 @@ from asyncrl.inference.sampler import sample
 from asyncrl.inference.scheduler import ScheduledSeq, Scheduler
 from asyncrl.inference.stopping import check_stop
 from asyncrl.model import Transformer, from_pretrained, torch_dtype
-from asyncrl.model.compute import set_cpu_packing
+from asyncrl.model.compute import Linear, set_cpu_packing
 from asyncrl.model.devices import resolve_device
 from asyncrl.model.fp8 import apply_fp8
 from asyncrl.model.hf import check_state_dict, load_into, load_state_dict
@@ -104,7 +104,7 @@ class Engine:
         self._log_kv_memory()
         self.decode_kv = self._build_decode_kv()
         self.decode_kernel, self.decode_attention_note = self._load_decode_kernel()
-        self.moe_kernel_note = self._attach_moe_kernel()
+        self.matmul_kernel_note = self._attach_matmul_kernels()
         self.scheduler = Scheduler(
             self.pool,
             block_size=bs,
@@ -162,23 +162,25 @@ class Engine:
         build = load_decode_kernel()
         return build.kernel, build.note
 
-    def _attach_moe_kernel(self) -> str:
-        """The CPU MoE kernel (cpu_moe) on each routed-experts module it can compute, and how the
-        experts run (the start-up line's part; empty on other devices, for models without routed
-        experts and for FP8 experts)."""
-        modules = self.model.modules()
+    def _attach_matmul_kernels(self) -> str:
+        """The CPU matmul kernels (cpu_matmul) on the routed experts and linears they can compute, and
+        how those run (the start-up line's part; empty on other devices)."""
+        modules = list(self.model.modules())
         experts = [m for m in modules if isinstance(m, GroupedExperts) and m.expert_linear is None]
-        if self.device.type != "cpu" or not experts:
+        linears = [m for m in modules if isinstance(m, Linear)]
+        if self.device.type != "cpu" or not (experts or linears):
             return ""
-        if not self.config.cpu_moe_kernel:
-            return "MoE experts torch (cpu_moe_kernel = false)"
-        build = load_moe_kernel()
-        if build.kernel is None:
+        if not self.config.cpu_matmul_kernel:
+            return "decode matmuls torch (cpu_matmul_kernel = false)"
+        build = load_matmul_kernels()
+        if build.kernels is None:
             return build.note
-        if self.dtype not in build.kernel.dtypes:
-            return f"MoE experts torch (no kernel for {self.dtype} on this CPU)"
+        if self.dtype not in build.kernels.dtypes:
+            return f"decode matmuls torch (no kernel for {self.dtype} on this CPU)"
         for module in experts:
-            module.cpu_kernel = build.kernel
+            module.cpu_kernel = build.kernels.experts
+        for module in linears:
+            module.cpu_kernel = build.kernels.linear
         return build.note
 
     @classmethod

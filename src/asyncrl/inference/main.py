@@ -75,7 +75,7 @@ def _kernels_note(engine: Engine) -> str:
     packed; empty elsewhere."""
     if engine.device.type != "cpu":
         return ""
-    notes = (engine.decode_attention_note, engine.moe_kernel_note)
+    notes = (engine.decode_attention_note, engine.matmul_kernel_note)
     kernels = "".join(f"; {note}" for note in notes if note)
     if engine.dtype == torch.float32:
         return f"; {packing_note()}{kernels}"

@@ -73,6 +73,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -360,8 +361,22 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tenso
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
 
 
+class LinearKernel(Protocol):
+    """A linear computed elsewhere where it `takes` the call (asyncrl.inference.cpu_matmul)."""
+
+    def takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool: ...
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+
 class Linear(nn.Linear):
-    """nn.Linear through `linear`: same parameters and state-dict keys."""
+    """nn.Linear through `linear`: same parameters and state-dict keys. `cpu_kernel`, where set (the
+    inference engine's CPU matmul kernel), computes the calls it takes."""
+
+    cpu_kernel: LinearKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.cpu_kernel
+        if kernel is not None and kernel.takes(x, self.weight, self.bias):
+            return kernel(x, self.weight)
         return linear(x, self.weight, self.bias)

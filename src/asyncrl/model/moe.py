@@ -19,7 +19,7 @@ module's output through torch's pytree, which knows NamedTuples.
 `GroupedExperts.expert_linear` is a hook for the per-expert matmul (`fn(x_NK, w_OK) -> x @ w.T`);
 `asyncrl.model.fp8.apply_fp8` sets it to the FP8 block-scale matmul. None keeps the plain path.
 `GroupedExperts.cpu_kernel` (an `ExpertsKernel`) computes a whole call where it `takes` it: the
-inference engine sets its CPU MoE kernel there (asyncrl.inference.cpu_moe).
+inference engine sets its CPU MoE kernel there (asyncrl.inference.cpu_matmul).
 
 Shape legend: N tokens (flattened), D model dim, E experts, I expert hidden dim, K top_k.
 """
@@ -92,7 +92,7 @@ class Router(nn.Module):
 
 
 class ExpertsKernel(Protocol):
-    """A whole `GroupedExperts.forward` computed elsewhere (asyncrl.inference.cpu_moe)."""
+    """A whole `GroupedExperts.forward` computed elsewhere (asyncrl.inference.cpu_matmul)."""
 
     def takes(self, x_ND: torch.Tensor, num_experts: int, top_k: int) -> bool: ...
 

@@ -61,18 +61,20 @@ def test_bfloat16_engine_tracks_the_bf16_model(make_engine, tiny_moe):
     assert (ref - torch.tensor(res.logprobs)).abs().max() < 0.1  # bf16: close, not exact
 
 
-def test_startup_line_states_the_cpu_bf16_kernels_the_packing_the_decode_attention_and_the_experts(
+def test_startup_line_states_the_cpu_bf16_kernels_the_packing_the_decode_attention_and_matmuls(
     make_engine, tiny_moe
 ):
     engine = make_engine()
     attention = engine.decode_attention_note  # test_cpu_decode.py checks its cases
-    experts = engine.moe_kernel_note  # and test_cpu_moe.py these
-    assert attention.startswith("decode attention ") and experts.startswith("MoE experts ")
+    matmuls = engine.matmul_kernel_note  # and test_cpu_matmul.py these
+    assert attention.startswith("decode attention ") and matmuls.startswith("decode matmuls ")
     # fp32: no bf16 kernels to state
-    assert _kernels_note(engine) == f"; {packing_note()}; {attention}; {experts}"
+    assert _kernels_note(engine) == f"; {packing_note()}; {attention}; {matmuls}"
     bf16 = make_engine(copy.deepcopy(tiny_moe).bfloat16(), dtype="bfloat16")
     note = _kernels_note(bf16)
-    assert note == f"; {cpu_kernels().describe()}; {attention}; {bf16.moe_kernel_note}" and "CPU AVX" in note
+    assert (
+        note == f"; {cpu_kernels().describe()}; {attention}; {bf16.matmul_kernel_note}" and "CPU AVX" in note
+    )
 
 
 def test_cpu_packed_weights_false_turns_packing_off_for_the_process(make_engine):

@@ -69,9 +69,9 @@ def test_fp8_engine_on_mla_families_follows_the_fp8_model(preset):
     fp8 = copy.deepcopy(hp)
     report = apply_fp8(fp8, backend="emulated")
     assert "model.layers.1.self_attn.kv_b_proj" in report.converted
-    engine = Engine(
-        copy.deepcopy(fp8).eval(), InferenceConfig(model="unused", block_size=4, kv_cache_tokens=4096)
-    )
+    # cpu_matmul_kernel off: its linears of few rows sum in another order than the full forward's
+    cfg = InferenceConfig(model="unused", block_size=4, kv_cache_tokens=4096, cpu_matmul_kernel=False)
+    engine = Engine(copy.deepcopy(fp8).eval(), cfg)
     (prompt,) = random_prompts([12], seed=4)
     engine.add_request("a", prompt, SamplingOptions(temperature=1.0, max_tokens=16, ignore_eos=True, seed=1))
     res = drain(engine)["a"]

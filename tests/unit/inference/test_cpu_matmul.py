@@ -1,7 +1,8 @@
-"""The CPU MoE kernel (asyncrl.inference.cpu_moe): torch's experts in fp32 and, rounding where
-torch's bf16 path rounds, in bf16, on sizes that are not multiples of its blocks; when it takes a
-call and when it leaves it to torch; its input checks and weight updates; the engine's tokens and
-logprobs against the same engine on torch's experts; and torch's path whenever it cannot be built."""
+"""The CPU matmul kernels (asyncrl.inference.cpu_matmul): torch's experts and linears in fp32 and,
+rounding where torch's bf16 path rounds, in bf16, on sizes that are not multiples of their blocks;
+when they take a call and when they leave it to torch; input checks and weight updates; the
+engine's tokens and logprobs against the same engine on torch's matmuls; and torch's matmuls
+whenever the kernels cannot be built."""
 
 import copy
 import shutil
@@ -11,21 +12,27 @@ import torch
 from inference_helpers import drain, random_prompts, teacher_logprobs
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference import Engine, SamplingOptions, cpu_moe
+from asyncrl.inference import Engine, SamplingOptions, cpu_matmul
+from asyncrl.model import compute
 from asyncrl.model.moe import GroupedExperts, grouped_swiglu
 
 HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 
 
 @pytest.fixture(scope="module")
-def kernel() -> cpu_moe.MoEKernel:
+def kernels() -> cpu_matmul.Kernels:
     if not HAS_CC:
-        pytest.skip("no C compiler on PATH: the engine runs torch's experts (tested below)")
-    build = cpu_moe.load()
-    if build.kernel is None and "no AVX-512" in build.note:
+        pytest.skip("no C compiler on PATH: the engine runs torch's matmuls (tested below)")
+    build = cpu_matmul.load()
+    if build.kernels is None and "no AVX-512" in build.note:
         pytest.skip(f"this CPU has no kernel: {build.note}")
-    assert build.kernel is not None, build.note
-    return build.kernel
+    assert build.kernels is not None, build.note
+    return build.kernels
+
+
+@pytest.fixture(scope="module")
+def kernel(kernels) -> cpu_matmul.MoEKernel:
+    return kernels.experts
 
 
 def _experts(E: int, D: int, H: int, dtype: torch.dtype, seed: int) -> GroupedExperts:
@@ -44,16 +51,16 @@ def _routing(N: int, K: int, E: int, seed: int, dtype: torch.dtype) -> tuple[tor
     return ids, torch.rand(N, K, generator=g).softmax(-1).to(dtype)
 
 
-def _count_runs(monkeypatch) -> list[int]:
-    """The token count of each kernel run from now on."""
+def _count_runs(monkeypatch, cls=cpu_matmul.MoEKernel) -> list[int]:
+    """The row count of each run of `cls`'s kernel from now on."""
     calls = []
-    real = cpu_moe.MoEKernel.run
+    real = cls.run
 
     def counted(self, *args):
         calls.append(args[0].shape[0])
         return real(self, *args)
 
-    monkeypatch.setattr(cpu_moe.MoEKernel, "run", counted)
+    monkeypatch.setattr(cls, "run", counted)
     return calls
 
 
@@ -120,7 +127,7 @@ def test_module_uses_the_kernel_only_where_it_takes_the_call(kernel, monkeypatch
     assert calls == [8]
     m(x, ids, weights)  # under autograd: torch's path
     with torch.inference_mode():
-        big = cpu_moe.MAX_ROWS_PER_EXPERT * 4 // 2 + 1  # one row over the limit per expert, on average
+        big = cpu_matmul.MAX_ROWS_PER_EXPERT * 4 // 2 + 1  # one row over the limit per expert, on average
         ids_big, w_big = _routing(big, 2, 4, seed=1, dtype=torch.float32)
         m(torch.randn(big, 32), ids_big, w_big)  # a prefill-sized call: torch's path
         assert not kernel.takes(torch.randn(4, 32).half(), 4, 2)
@@ -147,22 +154,68 @@ def test_kernel_follows_weight_updates_and_rejects_bad_input(kernel):
             kernel(x, ids, weights, m.gate_proj, m.up_proj, m.down_proj[:, :16])
 
 
+@pytest.mark.parametrize(
+    ("shape", "P", "C"), [((1, 64), 100, 64), ((2, 3, 48), 32, 48), ((16, 200), 33, 200)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_kernel_computes_torchs_linear(kernels, shape, P, C, dtype):
+    if dtype not in kernels.dtypes:
+        pytest.skip(f"no {dtype} kernel on this CPU (bf16 needs AVX-512 BF16)")
+    g = torch.Generator().manual_seed(P + C)
+    x = torch.randn(shape, generator=g).to(dtype)
+    w = (torch.randn(P, C, generator=g) * C**-0.5).to(dtype)
+    with torch.inference_mode():
+        got = kernels.linear.run(x, w, dtype)
+        want = x @ w.T  # bf16: one rounding of an fp32 sum, as the kernel's
+    assert got.dtype == dtype and got.shape == (*shape[:-1], P)
+    if dtype == torch.float32:
+        assert (got - want).abs().max() < 1e-5
+    else:
+        assert (got != want).float().mean() <= 0.01
+        assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+
+
+def test_linear_module_uses_the_kernel_for_few_rows_only(kernels, monkeypatch):
+    calls = _count_runs(monkeypatch, cpu_matmul.LinearKernel)
+    layer = compute.Linear(64, 40, bias=False)
+    layer.cpu_kernel = kernels.linear
+    biased = compute.Linear(64, 40)
+    biased.cpu_kernel = kernels.linear
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), x @ layer.weight.T, atol=1e-5)
+        layer(torch.randn(cpu_matmul.MAX_LINEAR_ROWS + 1, 64))  # more rows: torch
+        biased(x)  # a bias: torch
+        assert not kernels.linear.takes(x.half(), layer.weight.half(), None)
+    layer(x)  # under autograd: torch
+    assert calls == [3]
+    with torch.no_grad():
+        layer.weight.mul_(-1.0)  # a weight update in place: the kept copy follows
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), x @ layer.weight.T, atol=1e-5)
+        with pytest.raises(ValueError, match="input of 48 features for a weight of 64"):
+            kernels.linear.run(torch.randn(2, 48), layer.weight, torch.float32)
+
+
 def _two_engines(model, **overrides) -> tuple[Engine, Engine]:
     cfg = {"model": "unused", "block_size": 4, "kv_cache_tokens": 4096, "max_num_batched_tokens": 64}
     cfg |= overrides
     on = Engine(copy.deepcopy(model), InferenceConfig(**cfg))
-    off = Engine(copy.deepcopy(model), InferenceConfig(**cfg, cpu_moe_kernel=False))
+    off = Engine(copy.deepcopy(model), InferenceConfig(**cfg, cpu_matmul_kernel=False))
     return on, off
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_on_the_kernel_matches_the_engine_on_torchs_experts(kernel, tiny_moe, monkeypatch, dtype):
+def test_engine_on_the_kernels_matches_the_engine_on_torchs_matmuls(kernels, tiny_moe, monkeypatch, dtype):
     model = copy.deepcopy(tiny_moe).to(getattr(torch, dtype))
     calls = _count_runs(monkeypatch)
+    linear_calls = _count_runs(monkeypatch, cpu_matmul.LinearKernel)
     prompts = random_prompts([5, 37, 13, 3, 29, 8, 50], seed=12)
     engines = _two_engines(model, dtype=dtype, max_num_seqs=3)
-    assert engines[0].moe_kernel_note.startswith("MoE experts C kernel")
-    assert engines[1].moe_kernel_note == "MoE experts torch (cpu_moe_kernel = false)"
+    assert engines[0].matmul_kernel_note.startswith(
+        "decode matmuls C kernels (MoE experts, linears of <= 16 rows"
+    )
+    assert engines[1].matmul_kernel_note == "decode matmuls torch (cpu_matmul_kernel = false)"
     results = []
     for engine in engines:
         for i, p in enumerate(prompts):
@@ -170,7 +223,8 @@ def test_engine_on_the_kernel_matches_the_engine_on_torchs_experts(kernel, tiny_
             engine.add_request(f"r{i}", p, opts)
         results.append(drain(engine))
     got, want = results
-    assert set(calls) >= {1, 2, 3}, "decode steps of 1-3 sequences went through the kernel"
+    assert set(calls) >= {1, 2, 3}, "decode steps of 1-3 sequences went through the experts kernel"
+    assert set(linear_calls) >= {1, 2, 3} and max(linear_calls) <= cpu_matmul.MAX_LINEAR_ROWS
     if dtype == "float32":
         for rid in want:
             assert got[rid].tokens == want[rid].tokens, rid
@@ -189,21 +243,22 @@ def test_engine_on_the_kernel_matches_the_engine_on_torchs_experts(kernel, tiny_
     assert worst[0] <= 1.25 * worst[1] + 0.01 and worst[1] < 0.25, worst
 
 
-def test_no_kernel_means_torchs_experts_and_says_why(tiny_moe, monkeypatch, tmp_path):
+def test_no_kernel_means_torchs_matmuls_and_says_why(tiny_moe, monkeypatch, tmp_path):
     monkeypatch.setenv("ASYNCRL_KERNEL_CACHE", str(tmp_path / "kernels"))
     monkeypatch.setenv("CC", "no-such-compiler-asyncrl")
-    cpu_moe.load.cache_clear()
+    cpu_matmul.load.cache_clear()
     try:
-        build = cpu_moe.load()
-        assert build.kernel is None
-        assert build.note == "MoE experts torch (CC='no-such-compiler-asyncrl' not found)"
+        build = cpu_matmul.load()
+        assert build.kernels is None
+        assert build.note == "decode matmuls torch (CC='no-such-compiler-asyncrl' not found)"
         engine = Engine(
             copy.deepcopy(tiny_moe),
             InferenceConfig(model="unused", block_size=4, kv_cache_tokens=4096, cpu_decode_kernel=False),
         )
     finally:
-        cpu_moe.load.cache_clear()
-    assert engine.moe_kernel_note == build.note
-    assert all(m.cpu_kernel is None for m in engine.model.modules() if isinstance(m, GroupedExperts))
+        cpu_matmul.load.cache_clear()
+    assert engine.matmul_kernel_note == build.note
+    hooked = [m for m in engine.model.modules() if isinstance(m, GroupedExperts | compute.Linear)]
+    assert hooked and all(m.cpu_kernel is None for m in hooked)
     engine.add_request("a", [1, 2, 3], SamplingOptions(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(drain(engine)["a"].tokens) == 3

@@ -1,6 +1,8 @@
-/* The MoE experts of one layer on a CPU, for decode-sized batches: SwiGLU experts over the tokens
- * routed to them, in one call. Built and loaded by asyncrl/inference/cpu_moe.py.
+/* The matmuls of decode-sized steps on a CPU: the MoE experts of one layer (SwiGLU experts over the
+ * tokens routed to them) in one call, and linears of a few rows. Built and loaded by
+ * asyncrl/inference/cpu_matmul.py.
  *
+ * The experts:
  * Three passes, each shared out between OpenMP threads:
  *   1. gate and up: per (expert, 16 hidden units), the expert's rows of x read in place (no sorted
  *      copy), the gate and up columns of those units computed together, and h = silu(gate) * up
@@ -16,7 +18,7 @@
  * bf16 products, exact, added in fp32), the same pairing oneDNN's bf16 matmul uses. In fp32 the
  * same passes run with fp32 FMAs and no rounding between them.
  *
- * Weight layouts (made by cpu_moe.py, once per weight version):
+ * Weight layouts (made by cpu_matmul.py, once per weight version):
  *   gate_up [E][Ip/16][D/2][32][2]: per 16 hidden units, 16 gate then 16 up columns, each column's
  *     inputs in pairs (bf16), or [E][Ip/16][D][32] (fp32);
  *   down [E][Dp/32][Ip/2][32][2] (bf16) or [E][Dp/32][Ip][32] (fp32).
@@ -292,6 +294,50 @@ done:
   free(h);
   free(y);
   return code;
+}
+
+/* y [M, N] = x [M, K] . w^T for a few rows (a decode step's linears at small batches): w packed as
+ * down is, [Np/32][K/2][32][2] (bf16, K even) or [Np/32][K][32] (fp32); y rounded once (bf16). */
+#if defined(__AVX512BF16__)
+void asyncrl_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t K, int64_t N) {
+  const int64_t panels = (N + 31) / 32;
+#pragma omp parallel for schedule(static) if (M * N * K >= (1 << 18))
+  for (int64_t c = 0; c < panels; c++) {
+    const __mmask16 m0 = tail(N - c * 32), m1 = tail(N - c * 32 - 16);
+    for (int64_t r0 = 0; r0 < M; r0 += RB) {
+      const int mr = M - r0 < RB ? (int)(M - r0) : RB;
+      const uint16_t *rows[RB];
+      for (int i = 0; i < mr; i++) rows[i] = x + (r0 + i) * K;
+      float res[RB * 32];
+      block_bf16[mr](rows, K / 2, w + c * (K / 2) * 64, res);
+      for (int i = 0; i < mr; i++) {
+        uint16_t *dst = y + (r0 + i) * N + c * 32;
+        _mm256_mask_storeu_epi16(dst, m0, round_bf16(_mm512_loadu_ps(res + i * 32)));
+        _mm256_mask_storeu_epi16(dst + 16, m1, round_bf16(_mm512_loadu_ps(res + i * 32 + 16)));
+      }
+    }
+  }
+}
+#endif
+
+void asyncrl_linear_f32(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N) {
+  const int64_t panels = (N + 31) / 32;
+#pragma omp parallel for schedule(static) if (M * N * K >= (1 << 18))
+  for (int64_t c = 0; c < panels; c++) {
+    const __mmask16 m0 = tail(N - c * 32), m1 = tail(N - c * 32 - 16);
+    for (int64_t r0 = 0; r0 < M; r0 += RB) {
+      const int mr = M - r0 < RB ? (int)(M - r0) : RB;
+      const float *rows[RB];
+      for (int i = 0; i < mr; i++) rows[i] = x + (r0 + i) * K;
+      float res[RB * 32];
+      block_f32[mr](rows, K, w + c * K * 32, res);
+      for (int i = 0; i < mr; i++) {
+        float *dst = y + (r0 + i) * N + c * 32;
+        _mm512_mask_storeu_ps(dst, m0, _mm512_loadu_ps(res + i * 32));
+        _mm512_mask_storeu_ps(dst + 16, m1, _mm512_loadu_ps(res + i * 32 + 16));
+      }
+    }
+  }
 }
 
 #endif
