@@ -2,8 +2,7 @@
  * tokens routed to them) in one call, and linears of a few rows. Built and loaded by
  * asyncrl/inference/cpu_matmul.py.
  *
- * The experts:
- * Three passes, each shared out between OpenMP threads:
+ * The experts (asyncrl_moe_*) run in three passes, each shared out between OpenMP threads:
  *   1. gate and up: per (expert, 16 hidden units), the expert's rows of x read in place (no sorted
  *      copy), the gate and up columns of those units computed together, and h = silu(gate) * up
  *      written to scratch;
@@ -23,6 +22,12 @@
  *     inputs in pairs (bf16), or [E][Ip/16][D][32] (fp32);
  *   down [E][Dp/32][Ip/2][32][2] (bf16) or [E][Dp/32][Ip][32] (fp32).
  * Ip is I rounded up to 16 and Dp is D rounded up to 32, the padding zeros; D is even in bf16.
+ *
+ * A linear (asyncrl_linear_*) is down's pass without the scaling: y = x . w^T over a few rows, the
+ * weight [P, C] laid out as down is, [Pp/32][C/2][32][2] or [Pp/32][C][32], and y rounded once.
+ *
+ * Both multiply in register blocks of up to RB rows by 32 columns: per input pair (bf16) or input
+ * (fp32), two loads of 16 columns of weights, each row's input broadcast, 2 x RB accumulators.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -31,7 +36,7 @@
 #include <string.h>
 
 /* Which dtypes this build computes: 1 fp32 (AVX-512 F/BW/VL), 2 bf16 (also AVX-512 BF16). */
-int asyncrl_moe_dtypes(void) {
+int asyncrl_matmul_dtypes(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #if defined(__AVX512BF16__)
   return 3;
@@ -70,6 +75,13 @@ static inline __m512 silu16(__m512 g) {
   return _mm512_loadu_ps(a);
 }
 
+/* the bf16 pair of inputs 2p, 2p + 1 of a row, as one 32-bit lane */
+static inline int32_t load_pair(const uint16_t *row, int64_t p) {
+  int32_t v;
+  memcpy(&v, row + 2 * p, sizeof v);
+  return v;
+}
+
 static inline __mmask16 tail(int64_t left) {
   return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
@@ -81,16 +93,12 @@ static inline __mmask16 tail(int64_t left) {
   static void block_bf16_##MR(const uint16_t *const *rows, int64_t pairs, const uint16_t *w,       \
                               float *res) {                                                        \
     __m512 a0[MR], a1[MR];                                                                         \
-    const int32_t *r[MR];                                                                          \
-    _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                        \
-      a0[i] = a1[i] = _mm512_setzero_ps();                                                         \
-      r[i] = (const int32_t *)rows[i];                                                             \
-    }                                                                                              \
+    _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();     \
     for (int64_t p = 0; p < pairs; p++) {                                                          \
       __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * 64);                                     \
       __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * 64 + 32);                                \
       _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                      \
-        __m512bh b = (__m512bh)_mm512_set1_epi32(r[i][p]);                                         \
+        __m512bh b = (__m512bh)_mm512_set1_epi32(load_pair(rows[i], p));                           \
         a0[i] = _mm512_dpbf16_ps(a0[i], b, w0);                                                    \
         a1[i] = _mm512_dpbf16_ps(a1[i], b, w1);                                                    \
       }                                                                                            \

@@ -60,7 +60,7 @@ _SOURCE = Path(__file__).with_name("cpu_matmul.c")
 # Above these many rows oneDNN's packed matmuls are about as fast (AVX-512 BF16, no AMX).
 MAX_ROWS_PER_EXPERT = 64  # on average over a layer's experts
 MAX_LINEAR_ROWS = 16
-_DTYPE_BITS = {torch.float32: 1, torch.bfloat16: 2}  # asyncrl_moe_dtypes()
+_DTYPE_BITS = {torch.float32: 1, torch.bfloat16: 2}  # asyncrl_matmul_dtypes()
 _ERRORS = {1: "no memory for the kernel's scratch", 2: "an expert id outside [0, E)"}
 
 
@@ -82,8 +82,8 @@ class MatmulBuild:
 
 
 def _dtypes(lib: ctypes.CDLL) -> tuple[torch.dtype, ...]:
-    lib.asyncrl_moe_dtypes.restype = ctypes.c_int
-    bits = lib.asyncrl_moe_dtypes()
+    lib.asyncrl_matmul_dtypes.restype = ctypes.c_int
+    bits = lib.asyncrl_matmul_dtypes()
     return tuple(dt for dt, bit in _DTYPE_BITS.items() if bits & bit)
 
 
