@@ -101,6 +101,12 @@ class MoEKernel:
                 fn.restype = ctypes.c_int
                 self._fns[dtype] = fn
 
+    def __deepcopy__(self, memo: dict) -> MoEKernel:
+        return self  # one per process, as the library (a model copied with its modules keeps it)
+
+    def __reduce__(self) -> tuple:
+        return (_loaded, ("experts",))  # pickled with a model: the unpickling process loads its own
+
     def takes(self, x_ND: torch.Tensor, num_experts: int, top_k: int) -> bool:
         """Whether the kernel computes this call (else the caller runs torch's path): a plain CPU
         tensor of a dtype it has, outside autograd, at most MAX_ROWS_PER_EXPERT rows per expert."""
@@ -200,6 +206,12 @@ class LinearKernel:
                 fn.restype = None
                 self._fns[dtype] = fn
 
+    def __deepcopy__(self, memo: dict) -> LinearKernel:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_loaded, ("linear",))
+
     def takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the kernel computes this call (else the caller runs torch's): plain CPU tensors
         of one dtype it has, outside autograd, no bias, 1 to MAX_LINEAR_ROWS rows."""
@@ -265,6 +277,12 @@ def load() -> MatmulBuild:
     return MatmulBuild(
         kernels, f"decode matmuls C kernels (MoE experts, linears of <= {MAX_LINEAR_ROWS} rows; {names})"
     )
+
+
+def _loaded(which: str) -> MoEKernel | LinearKernel | None:
+    """This process's kernel `which` ("experts" or "linear"); None where it has none."""
+    kernels = load().kernels
+    return None if kernels is None else getattr(kernels, which)
 
 
 def _self_check(kernels: Kernels) -> None:

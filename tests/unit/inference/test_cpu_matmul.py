@@ -5,6 +5,7 @@ engine's tokens and logprobs against the same engine on torch's matmuls; and tor
 whenever the kernels cannot be built."""
 
 import copy
+import pickle
 import shutil
 
 import pytest
@@ -195,6 +196,19 @@ def test_linear_module_uses_the_kernel_for_few_rows_only(kernels, monkeypatch):
         assert torch.allclose(layer(x), x @ layer.weight.T, atol=1e-5)
         with pytest.raises(ValueError, match="input of 48 features for a weight of 64"):
             kernels.linear.run(torch.randn(2, 48), layer.weight, torch.float32)
+
+
+def test_a_model_with_kernels_set_copies_and_pickles(kernels, tiny_moe):
+    engine = Engine(
+        copy.deepcopy(tiny_moe), InferenceConfig(model="unused", block_size=4, kv_cache_tokens=4096)
+    )
+    copied = copy.deepcopy(engine.model)
+    restored = pickle.loads(pickle.dumps(engine.model))
+    for model in (copied, restored):
+        experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+        linears = [m for m in model.modules() if isinstance(m, compute.Linear)]
+        assert experts and all(m.cpu_kernel is kernels.experts for m in experts)
+        assert linears and all(m.cpu_kernel is kernels.linear for m in linears)
 
 
 def _two_engines(model, **overrides) -> tuple[Engine, Engine]:
