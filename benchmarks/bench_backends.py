@@ -341,10 +341,12 @@ def format_tables(args, kinds, tok_s, cpu_ms, pauses) -> str:
 
 
 def _rate_table(args, kinds: list[str], rate: dict[tuple[str, str], float], unit: str) -> list[str]:
-    """One row per workload: each server's rate, then ratios against vLLM, bf16 / fp32 and baseline."""
+    """One row per workload: each server's rate, then ratios against vLLM (and embedded fp32 against
+    vLLM fp32), bf16 / fp32 and baseline."""
     ref = next((k for k in kinds if k.startswith("vllm")), None)
     ratios = [(k, ref) for k in kinds if ref and not k.startswith("vllm")]
     pairs = (
+        ("embedded", "vllm-fp32"),  # fp32 against fp32 (the first vLLM server is the reference above)
         ("embedded-bf16", "embedded"),
         ("baseline-bf16", "baseline"),
         ("vllm", "vllm-fp32"),
