@@ -66,8 +66,6 @@ static inline __m512 widen_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-static inline __m512 rounded(__m512 v) { return widen_bf16(round_bf16(v)); }
-
 static inline __m512 silu16(__m512 g) {
   float a[16];
   _mm512_storeu_ps(a, g);
@@ -75,32 +73,62 @@ static inline __m512 silu16(__m512 g) {
   return _mm512_loadu_ps(a);
 }
 
-/* the bf16 pair of inputs 2p, 2p + 1 of a row, as one 32-bit lane */
-static inline int32_t load_pair(const uint16_t *row, int64_t p) {
-  int32_t v;
-  memcpy(&v, row + 2 * p, sizeof v);
-  return v;
-}
-
 static inline __mmask16 tail(int64_t left) {
   return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
-/* res[i][0..32) = rows[i] . w for MR rows: 32 columns of packed weights, over `pairs` input pairs
- * (bf16) or `inputs` inputs (fp32). One function per row count, so that the accumulators stay in
- * registers (2 x MR of them, 2 weight registers and a broadcast). */
-#define BLOCK_BF16(MR)                                                                             \
-  static void block_bf16_##MR(const uint16_t *const *rows, int64_t pairs, const uint16_t *w,       \
-                              float *res) {                                                        \
+/* What differs between the dtypes, each op named with its dtype's suffix; the blocks and the
+ * passes below are written once over them (the macros' S is the suffix, T the element type).
+ *   vec:   a register of weights (and a broadcast input): 32 bf16 (16 column pairs) or 16 fp32;
+ *   PER:   inputs consumed per multiply-add step (a bf16 pair, or one fp32);
+ *   wload, bcast, mac: load 16 columns of weights for one step, broadcast a row's input(s) of
+ *          step p, multiply-add them into 16 fp32 accumulators;
+ *   rnd:   the rounding between ops (bf16: to bf16 and back; fp32: none);
+ *   ld, st: 16 values of T from and to memory under a mask (st rounds to bf16);
+ *   scalar: one T as a float. */
+enum { PER_f32 = 1, PER_bf16 = 2 };
+typedef __m512 vec_f32;
+static inline vec_f32 wload_f32(const float *w) { return _mm512_loadu_ps(w); }
+static inline vec_f32 bcast_f32(const float *row, int64_t p) { return _mm512_set1_ps(row[p]); }
+static inline __m512 mac_f32(__m512 acc, vec_f32 b, vec_f32 w) { return _mm512_fmadd_ps(b, w, acc); }
+static inline __m512 rnd_f32(__m512 v) { return v; }
+static inline __m512 ld_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline void st_f32(float *p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+static inline float scalar_f32(float v) { return v; }
+
+static inline __m512 rnd_bf16(__m512 v) { return widen_bf16(round_bf16(v)); }
+static inline __m512 ld_bf16(const uint16_t *p, __mmask16 m) { return widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
+static inline void st_bf16(uint16_t *p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, round_bf16(v)); }
+static inline float scalar_bf16(uint16_t v) {
+  union { uint32_t u; float f; } x = {.u = (uint32_t)v << 16};
+  return x.f;
+}
+#if defined(__AVX512BF16__)
+typedef __m512bh vec_bf16;
+static inline vec_bf16 wload_bf16(const uint16_t *w) { return (__m512bh)_mm512_loadu_si512(w); }
+/* the bf16 pair of inputs 2p, 2p + 1 of a row, broadcast as one 32-bit lane */
+static inline vec_bf16 bcast_bf16(const uint16_t *row, int64_t p) {
+  int32_t v;
+  memcpy(&v, row + 2 * p, sizeof v);
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+static inline __m512 mac_bf16(__m512 acc, vec_bf16 b, vec_bf16 w) { return _mm512_dpbf16_ps(acc, b, w); }
+#endif
+
+/* res[i][0..32) = rows[i] . w for MR rows: 32 columns of packed weights over `inputs` inputs. One
+ * function per row count, so that the accumulators stay in registers (2 x MR of them, 2 weight
+ * registers and a broadcast). */
+#define BLOCK(S, T, MR)                                                                            \
+  static void block_##S##_##MR(const T *const *rows, int64_t inputs, const T *w, float *res) {      \
     __m512 a0[MR], a1[MR];                                                                         \
     _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();     \
-    for (int64_t p = 0; p < pairs; p++) {                                                          \
-      __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * 64);                                     \
-      __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * 64 + 32);                                \
+    for (int64_t p = 0; p < inputs / PER_##S; p++) {                                               \
+      vec_##S w0 = wload_##S(w + p * 32 * PER_##S);                                                \
+      vec_##S w1 = wload_##S(w + p * 32 * PER_##S + 16 * PER_##S);                                 \
       _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                      \
-        __m512bh b = (__m512bh)_mm512_set1_epi32(load_pair(rows[i], p));                           \
-        a0[i] = _mm512_dpbf16_ps(a0[i], b, w0);                                                    \
-        a1[i] = _mm512_dpbf16_ps(a1[i], b, w1);                                                    \
+        vec_##S b = bcast_##S(rows[i], p);                                                         \
+        a0[i] = mac_##S(a0[i], b, w0);                                                             \
+        a1[i] = mac_##S(a1[i], b, w1);                                                             \
       }                                                                                            \
     }                                                                                              \
     _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                        \
@@ -109,43 +137,13 @@ static inline __mmask16 tail(int64_t left) {
     }                                                                                              \
   }
 
-#define BLOCK_F32(MR)                                                                              \
-  static void block_f32_##MR(const float *const *rows, int64_t inputs, const float *w, float *res) { \
-    __m512 a0[MR], a1[MR];                                                                         \
-    const float *r[MR];                                                                            \
-    _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                        \
-      a0[i] = a1[i] = _mm512_setzero_ps();                                                         \
-      r[i] = rows[i];                                                                              \
-    }                                                                                              \
-    for (int64_t p = 0; p < inputs; p++) {                                                         \
-      __m512 w0 = _mm512_loadu_ps(w + p * 32);                                                     \
-      __m512 w1 = _mm512_loadu_ps(w + p * 32 + 16);                                                \
-      _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                      \
-        __m512 b = _mm512_set1_ps(r[i][p]);                                                        \
-        a0[i] = _mm512_fmadd_ps(b, w0, a0[i]);                                                     \
-        a1[i] = _mm512_fmadd_ps(b, w1, a1[i]);                                                     \
-      }                                                                                            \
-    }                                                                                              \
-    _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                        \
-      _mm512_storeu_ps(res + i * 32, a0[i]);                                                       \
-      _mm512_storeu_ps(res + i * 32 + 16, a1[i]);                                                  \
-    }                                                                                              \
-  }
-
-#define BLOCKS(B) B(1) B(2) B(3) B(4) B(5) B(6) B(7) B(8)
-
-#if defined(__AVX512BF16__)
-BLOCKS(BLOCK_BF16)
-typedef void (*block_bf16_fn)(const uint16_t *const *, int64_t, const uint16_t *, float *);
-static const block_bf16_fn block_bf16[RB + 1] = {
-    NULL, block_bf16_1, block_bf16_2, block_bf16_3, block_bf16_4,
-    block_bf16_5, block_bf16_6, block_bf16_7, block_bf16_8};
-#endif
-BLOCKS(BLOCK_F32)
-typedef void (*block_f32_fn)(const float *const *, int64_t, const float *, float *);
-static const block_f32_fn block_f32[RB + 1] = {
-    NULL, block_f32_1, block_f32_2, block_f32_3, block_f32_4,
-    block_f32_5, block_f32_6, block_f32_7, block_f32_8};
+/* the blocks of 1..RB rows and their table, block_S[mr] */
+#define BLOCKS(S, T)                                                                               \
+  BLOCK(S, T, 1) BLOCK(S, T, 2) BLOCK(S, T, 3) BLOCK(S, T, 4)                                      \
+  BLOCK(S, T, 5) BLOCK(S, T, 6) BLOCK(S, T, 7) BLOCK(S, T, 8)                                      \
+  static void (*const block_##S[RB + 1])(const T *const *, int64_t, const T *, float *) = {        \
+      NULL, block_##S##_1, block_##S##_2, block_##S##_3, block_##S##_4,                            \
+      block_##S##_5, block_##S##_6, block_##S##_7, block_##S##_8};
 
 /* The (token, choice) pairs a = n * K + k sorted by expert, stable: order[starts[e] .. starts[e+1]). */
 static int sort_by_expert(const int64_t *ids, int64_t A, int64_t E, int64_t *order, int64_t *starts) {
@@ -163,189 +161,103 @@ static int sort_by_expert(const int64_t *ids, int64_t A, int64_t E, int64_t *ord
   return 0;
 }
 
+/* asyncrl_moe_S returns 0, 1 (no memory for scratch) or 2 (an expert id outside [0, E)).
+ * asyncrl_linear_S: y [M, N] = x [M, K] . w^T for a few rows (a decode step's linears at small
+ * batches), w packed as down is, [Np/32][K/2][32][2] (bf16, K even) or [Np/32][K][32] (fp32); y
+ * rounded once (bf16). */
+#define MATMULS(S, T)                                                                              \
+  int asyncrl_moe_##S(const T *x, const int64_t *ids, const T *weights, const T *gate_up,           \
+                      const T *down, T *out, int64_t N, int64_t K, int64_t E, int64_t D,           \
+                      int64_t Ip) {                                                                \
+    const int64_t A = N * K, Dp = (D + 31) / 32 * 32, units = Ip / 16, dpanels = Dp / 32;          \
+    int64_t *order = malloc(sizeof(int64_t) * (A ? A : 1));                                        \
+    int64_t *starts = malloc(sizeof(int64_t) * (E + 1));                                           \
+    T *h = malloc(sizeof(T) * (A ? A : 1) * Ip);                                                   \
+    T *y = malloc(sizeof(T) * (A ? A : 1) * D);                                                    \
+    int code = (order && starts && h && y) ? sort_by_expert(ids, A, E, order, starts) : 1;         \
+    if (code) goto done;                                                                           \
+    _Pragma("omp parallel if (A * D * Ip >= (1 << 16))") {                                         \
+      /* 1. gate and up per (expert, 16 hidden units): h = silu(gate) * up */                      \
+      _Pragma("omp for schedule(dynamic, 4)") for (int64_t task = 0; task < E * units; task++) {   \
+        const int64_t e = task / units, u = task % units, n_e = starts[e + 1] - starts[e];         \
+        const T *w = gate_up + (e * units + u) * D * 32;                                           \
+        for (int64_t r0 = 0; r0 < n_e; r0 += RB) {                                                 \
+          const int mr = n_e - r0 < RB ? (int)(n_e - r0) : RB;                                     \
+          const T *rows[RB];                                                                       \
+          for (int i = 0; i < mr; i++) rows[i] = x + (order[starts[e] + r0 + i] / K) * D;          \
+          float res[RB * 32];                                                                      \
+          block_##S[mr](rows, D, w, res);                                                          \
+          for (int i = 0; i < mr; i++) {                                                           \
+            __m512 g = rnd_##S(_mm512_loadu_ps(res + i * 32));                                     \
+            __m512 up = rnd_##S(_mm512_loadu_ps(res + i * 32 + 16));                               \
+            st_##S(h + (starts[e] + r0 + i) * Ip + u * 16, 0xFFFF,                                 \
+                   _mm512_mul_ps(rnd_##S(silu16(g)), up));                                         \
+          }                                                                                        \
+        }                                                                                          \
+      }                                                                                            \
+      /* 2. down per (expert, 32 columns), scaled by the routing weight, to the pair's slot */     \
+      _Pragma("omp for schedule(dynamic, 2)") for (int64_t task = 0; task < E * dpanels; task++) { \
+        const int64_t e = task / dpanels, c = task % dpanels, n_e = starts[e + 1] - starts[e];     \
+        const T *w = down + (e * dpanels + c) * Ip * 32;                                           \
+        const __mmask16 m0 = tail(D - c * 32), m1 = tail(D - c * 32 - 16);                         \
+        for (int64_t r0 = 0; r0 < n_e; r0 += RB) {                                                 \
+          const int mr = n_e - r0 < RB ? (int)(n_e - r0) : RB;                                     \
+          const T *rows[RB];                                                                       \
+          for (int i = 0; i < mr; i++) rows[i] = h + (starts[e] + r0 + i) * Ip;                    \
+          float res[RB * 32];                                                                      \
+          block_##S[mr](rows, Ip, w, res);                                                         \
+          for (int i = 0; i < mr; i++) {                                                           \
+            const int64_t a = order[starts[e] + r0 + i];                                           \
+            const __m512 s = _mm512_set1_ps(scalar_##S(weights[a]));                               \
+            T *dst = y + a * D + c * 32;                                                           \
+            st_##S(dst, m0, _mm512_mul_ps(rnd_##S(_mm512_loadu_ps(res + i * 32)), s));             \
+            st_##S(dst + 16, m1, _mm512_mul_ps(rnd_##S(_mm512_loadu_ps(res + i * 32 + 16)), s));   \
+          }                                                                                        \
+        }                                                                                          \
+      }                                                                                            \
+      /* 3. each token's sum over its choices */                                                   \
+      _Pragma("omp for schedule(static)") for (int64_t n = 0; n < N; n++) {                        \
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {                                                   \
+          const __mmask16 m = tail(D - d0);                                                        \
+          __m512 sum = _mm512_setzero_ps();                                                        \
+          for (int64_t k = 0; k < K; k++) sum = _mm512_add_ps(sum, ld_##S(y + (n * K + k) * D + d0, m)); \
+          st_##S(out + n * D + d0, m, sum);                                                        \
+        }                                                                                          \
+      }                                                                                            \
+    }                                                                                              \
+  done:                                                                                            \
+    free(order);                                                                                   \
+    free(starts);                                                                                  \
+    free(h);                                                                                       \
+    free(y);                                                                                       \
+    return code;                                                                                   \
+  }                                                                                                \
+                                                                                                   \
+  void asyncrl_linear_##S(const T *x, const T *w, T *y, int64_t M, int64_t K, int64_t N) {          \
+    const int64_t panels = (N + 31) / 32;                                                          \
+    _Pragma("omp parallel for schedule(static) if (M * N * K >= (1 << 18))")                       \
+    for (int64_t c = 0; c < panels; c++) {                                                         \
+      const __mmask16 m0 = tail(N - c * 32), m1 = tail(N - c * 32 - 16);                           \
+      for (int64_t r0 = 0; r0 < M; r0 += RB) {                                                     \
+        const int mr = M - r0 < RB ? (int)(M - r0) : RB;                                           \
+        const T *rows[RB];                                                                         \
+        for (int i = 0; i < mr; i++) rows[i] = x + (r0 + i) * K;                                   \
+        float res[RB * 32];                                                                        \
+        block_##S[mr](rows, K, w + c * K * 32, res);                                               \
+        for (int i = 0; i < mr; i++) {                                                             \
+          T *dst = y + (r0 + i) * N + c * 32;                                                      \
+          st_##S(dst, m0, _mm512_loadu_ps(res + i * 32));                                          \
+          st_##S(dst + 16, m1, _mm512_loadu_ps(res + i * 32 + 16));                                \
+        }                                                                                          \
+      }                                                                                            \
+    }                                                                                              \
+  }
+
+BLOCKS(f32, float)
+MATMULS(f32, float)
 #if defined(__AVX512BF16__)
-/* Returns 0, 1 (no memory for scratch) or 2 (an expert id outside [0, E)). */
-int asyncrl_moe_bf16(const uint16_t *x, const int64_t *ids, const uint16_t *weights, const uint16_t *gate_up,
-                     const uint16_t *down, uint16_t *out, int64_t N, int64_t K, int64_t E, int64_t D,
-                     int64_t Ip) {
-  const int64_t A = N * K, Dp = (D + 31) / 32 * 32, units = Ip / 16, dpanels = Dp / 32;
-  int64_t *order = malloc(sizeof(int64_t) * (A ? A : 1));
-  int64_t *starts = malloc(sizeof(int64_t) * (E + 1));
-  uint16_t *h = malloc(sizeof(uint16_t) * (A ? A : 1) * Ip);
-  uint16_t *y = malloc(sizeof(uint16_t) * (A ? A : 1) * D);
-  int code = (order && starts && h && y) ? sort_by_expert(ids, A, E, order, starts) : 1;
-  if (code) goto done;
-  const int parallel = A * D * Ip >= (1 << 16);
-
-#pragma omp parallel if (parallel)
-  {
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t task = 0; task < E * units; task++) {
-      const int64_t e = task / units, u = task % units, n_e = starts[e + 1] - starts[e];
-      const uint16_t *w = gate_up + (e * units + u) * (D / 2) * 64;
-      for (int64_t r0 = 0; r0 < n_e; r0 += RB) {
-        const int mr = n_e - r0 < RB ? (int)(n_e - r0) : RB;
-        const uint16_t *rows[RB];
-        for (int i = 0; i < mr; i++) rows[i] = x + (order[starts[e] + r0 + i] / K) * D;
-        float res[RB * 32];
-        block_bf16[mr](rows, D / 2, w, res);
-        for (int i = 0; i < mr; i++) {
-          __m512 g = rounded(_mm512_loadu_ps(res + i * 32)), up = rounded(_mm512_loadu_ps(res + i * 32 + 16));
-          __m512 hv = _mm512_mul_ps(rounded(silu16(g)), up);
-          _mm256_storeu_si256((__m256i *)(h + (starts[e] + r0 + i) * Ip + u * 16), round_bf16(hv));
-        }
-      }
-    }
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t task = 0; task < E * dpanels; task++) {
-      const int64_t e = task / dpanels, c = task % dpanels, n_e = starts[e + 1] - starts[e];
-      const uint16_t *w = down + (e * dpanels + c) * (Ip / 2) * 64;
-      const __mmask16 m0 = tail(D - c * 32), m1 = tail(D - c * 32 - 16);
-      for (int64_t r0 = 0; r0 < n_e; r0 += RB) {
-        const int mr = n_e - r0 < RB ? (int)(n_e - r0) : RB;
-        const uint16_t *rows[RB];
-        for (int i = 0; i < mr; i++) rows[i] = h + (starts[e] + r0 + i) * Ip;
-        float res[RB * 32];
-        block_bf16[mr](rows, Ip / 2, w, res);
-        for (int i = 0; i < mr; i++) {
-          const int64_t a = order[starts[e] + r0 + i];
-          union { uint32_t u; float f; } wa = {.u = (uint32_t)weights[a] << 16};
-          __m512 s = _mm512_set1_ps(wa.f);
-          uint16_t *dst = y + a * D + c * 32;
-          _mm256_mask_storeu_epi16(dst, m0, round_bf16(_mm512_mul_ps(rounded(_mm512_loadu_ps(res + i * 32)), s)));
-          _mm256_mask_storeu_epi16(dst + 16, m1, round_bf16(_mm512_mul_ps(rounded(_mm512_loadu_ps(res + i * 32 + 16)), s)));
-        }
-      }
-    }
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-      for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        const __mmask16 m = tail(D - d0);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k++)
-          sum = _mm512_add_ps(sum, widen_bf16(_mm256_maskz_loadu_epi16(m, y + (n * K + k) * D + d0)));
-        _mm256_mask_storeu_epi16(out + n * D + d0, m, round_bf16(sum));
-      }
-    }
-  }
-done:
-  free(order);
-  free(starts);
-  free(h);
-  free(y);
-  return code;
-}
-
+BLOCKS(bf16, uint16_t)
+MATMULS(bf16, uint16_t)
 #endif
-
-int asyncrl_moe_f32(const float *x, const int64_t *ids, const float *weights, const float *gate_up,
-                    const float *down, float *out, int64_t N, int64_t K, int64_t E, int64_t D, int64_t Ip) {
-  const int64_t A = N * K, Dp = (D + 31) / 32 * 32, units = Ip / 16, dpanels = Dp / 32;
-  int64_t *order = malloc(sizeof(int64_t) * (A ? A : 1));
-  int64_t *starts = malloc(sizeof(int64_t) * (E + 1));
-  float *h = malloc(sizeof(float) * (A ? A : 1) * Ip);
-  float *y = malloc(sizeof(float) * (A ? A : 1) * D);
-  int code = (order && starts && h && y) ? sort_by_expert(ids, A, E, order, starts) : 1;
-  if (code) goto done;
-  const int parallel = A * D * Ip >= (1 << 16);
-
-#pragma omp parallel if (parallel)
-  {
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t task = 0; task < E * units; task++) {
-      const int64_t e = task / units, u = task % units, n_e = starts[e + 1] - starts[e];
-      const float *w = gate_up + (e * units + u) * D * 32;
-      for (int64_t r0 = 0; r0 < n_e; r0 += RB) {
-        const int mr = n_e - r0 < RB ? (int)(n_e - r0) : RB;
-        const float *rows[RB];
-        for (int i = 0; i < mr; i++) rows[i] = x + (order[starts[e] + r0 + i] / K) * D;
-        float res[RB * 32];
-        block_f32[mr](rows, D, w, res);
-        for (int i = 0; i < mr; i++)
-          _mm512_storeu_ps(h + (starts[e] + r0 + i) * Ip + u * 16,
-                           _mm512_mul_ps(silu16(_mm512_loadu_ps(res + i * 32)), _mm512_loadu_ps(res + i * 32 + 16)));
-      }
-    }
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t task = 0; task < E * dpanels; task++) {
-      const int64_t e = task / dpanels, c = task % dpanels, n_e = starts[e + 1] - starts[e];
-      const float *w = down + (e * dpanels + c) * Ip * 32;
-      const __mmask16 m0 = tail(D - c * 32), m1 = tail(D - c * 32 - 16);
-      for (int64_t r0 = 0; r0 < n_e; r0 += RB) {
-        const int mr = n_e - r0 < RB ? (int)(n_e - r0) : RB;
-        const float *rows[RB];
-        for (int i = 0; i < mr; i++) rows[i] = h + (starts[e] + r0 + i) * Ip;
-        float res[RB * 32];
-        block_f32[mr](rows, Ip, w, res);
-        for (int i = 0; i < mr; i++) {
-          const int64_t a = order[starts[e] + r0 + i];
-          __m512 s = _mm512_set1_ps(weights[a]);
-          float *dst = y + a * D + c * 32;
-          _mm512_mask_storeu_ps(dst, m0, _mm512_mul_ps(_mm512_loadu_ps(res + i * 32), s));
-          _mm512_mask_storeu_ps(dst + 16, m1, _mm512_mul_ps(_mm512_loadu_ps(res + i * 32 + 16), s));
-        }
-      }
-    }
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-      for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        const __mmask16 m = tail(D - d0);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k++) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(m, y + (n * K + k) * D + d0));
-        _mm512_mask_storeu_ps(out + n * D + d0, m, sum);
-      }
-    }
-  }
-done:
-  free(order);
-  free(starts);
-  free(h);
-  free(y);
-  return code;
-}
-
-/* y [M, N] = x [M, K] . w^T for a few rows (a decode step's linears at small batches): w packed as
- * down is, [Np/32][K/2][32][2] (bf16, K even) or [Np/32][K][32] (fp32); y rounded once (bf16). */
-#if defined(__AVX512BF16__)
-void asyncrl_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t K, int64_t N) {
-  const int64_t panels = (N + 31) / 32;
-#pragma omp parallel for schedule(static) if (M * N * K >= (1 << 18))
-  for (int64_t c = 0; c < panels; c++) {
-    const __mmask16 m0 = tail(N - c * 32), m1 = tail(N - c * 32 - 16);
-    for (int64_t r0 = 0; r0 < M; r0 += RB) {
-      const int mr = M - r0 < RB ? (int)(M - r0) : RB;
-      const uint16_t *rows[RB];
-      for (int i = 0; i < mr; i++) rows[i] = x + (r0 + i) * K;
-      float res[RB * 32];
-      block_bf16[mr](rows, K / 2, w + c * (K / 2) * 64, res);
-      for (int i = 0; i < mr; i++) {
-        uint16_t *dst = y + (r0 + i) * N + c * 32;
-        _mm256_mask_storeu_epi16(dst, m0, round_bf16(_mm512_loadu_ps(res + i * 32)));
-        _mm256_mask_storeu_epi16(dst + 16, m1, round_bf16(_mm512_loadu_ps(res + i * 32 + 16)));
-      }
-    }
-  }
-}
-#endif
-
-void asyncrl_linear_f32(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N) {
-  const int64_t panels = (N + 31) / 32;
-#pragma omp parallel for schedule(static) if (M * N * K >= (1 << 18))
-  for (int64_t c = 0; c < panels; c++) {
-    const __mmask16 m0 = tail(N - c * 32), m1 = tail(N - c * 32 - 16);
-    for (int64_t r0 = 0; r0 < M; r0 += RB) {
-      const int mr = M - r0 < RB ? (int)(M - r0) : RB;
-      const float *rows[RB];
-      for (int i = 0; i < mr; i++) rows[i] = x + (r0 + i) * K;
-      float res[RB * 32];
-      block_f32[mr](rows, K, w + c * K * 32, res);
-      for (int i = 0; i < mr; i++) {
-        float *dst = y + (r0 + i) * N + c * 32;
-        _mm512_mask_storeu_ps(dst, m0, _mm512_loadu_ps(res + i * 32));
-        _mm512_mask_storeu_ps(dst + 16, m1, _mm512_loadu_ps(res + i * 32 + 16));
-      }
-    }
-  }
-}
 
 #endif
