@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["FLAGS", "Unavailable", "build"]
+__all__ = ["BUILD_ERRORS", "FLAGS", "Unavailable", "build"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,10 @@ _BUILD_TIMEOUT_S = 120
 
 class Unavailable(Exception):
     """No kernel on this machine for a reason that is not a fault (no compiler, no such ISA)."""
+
+
+# What a failed build, load or self-check of a kernel raises (the caller falls back to torch's path).
+BUILD_ERRORS = (OSError, subprocess.SubprocessError, RuntimeError, ValueError)
 
 
 def compiler() -> str:

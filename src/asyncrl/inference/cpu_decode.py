@@ -21,14 +21,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from asyncrl.inference.cpu_build import Unavailable, build
+from asyncrl.inference.cpu_build import BUILD_ERRORS, Unavailable, build
 
 __all__ = ["KERNEL_DTYPES", "DecodeKernel", "KernelBuild", "load"]
 
@@ -103,7 +102,7 @@ def load() -> KernelBuild:
     except Unavailable as e:
         log.info("CPU decode kernel not used: %s", e)
         return KernelBuild(None, f"decode attention SDPA ({e})")
-    except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
+    except BUILD_ERRORS as e:
         log.warning("CPU decode kernel not used (SDPA instead): %s", e)
         return KernelBuild(None, f"decode attention SDPA (kernel failed: {e})")
     return KernelBuild(kernel, "decode attention C kernel")

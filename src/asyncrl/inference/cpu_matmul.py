@@ -33,14 +33,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from asyncrl.inference.cpu_build import Unavailable, build
+from asyncrl.inference.cpu_build import BUILD_ERRORS, Unavailable, build
 from asyncrl.model.compute import cpu_upcast, kept
 from asyncrl.model.moe import grouped_swiglu
 
@@ -61,6 +60,7 @@ _SOURCE = Path(__file__).with_name("cpu_matmul.c")
 MAX_ROWS_PER_EXPERT = 64  # on average over a layer's experts
 MAX_LINEAR_ROWS = 16
 _DTYPE_BITS = {torch.float32: 1, torch.bfloat16: 2}  # asyncrl_matmul_dtypes()
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # of the C functions
 _ERRORS = {1: "no memory for the kernel's scratch", 2: "an expert id outside [0, E)"}
 
 
@@ -70,7 +70,10 @@ class Kernels:
 
     experts: MoEKernel
     linear: LinearKernel
-    dtypes: tuple[torch.dtype, ...]
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return self.experts.dtypes  # one build: both kernels have the same
 
 
 @dataclass(frozen=True)
@@ -87,25 +90,37 @@ def _dtypes(lib: ctypes.CDLL) -> tuple[torch.dtype, ...]:
     return tuple(dt for dt, bit in _DTYPE_BITS.items() if bits & bit)
 
 
-class MoEKernel:
+class _LibraryKernel:
+    """One of the library's kernels: its C function per dtype the build computes (`<prefix>_f32`,
+    `<prefix>_bf16`). One per process, as the library: a model copied with the modules it is set on
+    keeps it, and a pickled one refers to the unpickling process's own (ctypes pointers neither copy
+    nor pickle)."""
+
+    which: str  # its field of `Kernels`
+
+    def __init__(self, lib: ctypes.CDLL, prefix: str, argtypes: list, restype: type | None) -> None:
+        self.dtypes = _dtypes(lib)
+        self._fns = {}
+        for dtype in self.dtypes:
+            fn = getattr(lib, f"{prefix}_{_SUFFIX[dtype]}")
+            fn.argtypes, fn.restype = argtypes, restype
+            self._fns[dtype] = fn
+
+    def __deepcopy__(self, memo: dict) -> _LibraryKernel:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_loaded, (self.which,))
+
+
+class MoEKernel(_LibraryKernel):
     """`(x_ND, ids_NK, weights_NK, gate_EID, up_EID, down_EDI) -> out_ND`: SwiGLU experts, each token's
     outputs weighted and summed over its choices (as `GroupedExperts.forward`)."""
 
+    which = "experts"
+
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.dtypes = _dtypes(lib)
-        self._fns = {}
-        for dtype, name in ((torch.float32, "asyncrl_moe_f32"), (torch.bfloat16, "asyncrl_moe_bf16")):
-            if dtype in self.dtypes:
-                fn = getattr(lib, name)
-                fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
-                fn.restype = ctypes.c_int
-                self._fns[dtype] = fn
-
-    def __deepcopy__(self, memo: dict) -> MoEKernel:
-        return self  # one per process, as the library (a model copied with its modules keeps it)
-
-    def __reduce__(self) -> tuple:
-        return (_loaded, ("experts",))  # pickled with a model: the unpickling process loads its own
+        super().__init__(lib, "asyncrl_moe", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5, ctypes.c_int)
 
     def takes(self, x_ND: torch.Tensor, num_experts: int, top_k: int) -> bool:
         """Whether the kernel computes this call (else the caller runs torch's path): a plain CPU
@@ -193,24 +208,13 @@ def pack_experts(
     return gate_up.contiguous(), down.contiguous()
 
 
-class LinearKernel:
+class LinearKernel(_LibraryKernel):
     """`(x, weight) -> x @ weight.T` for inputs of at most MAX_LINEAR_ROWS rows (no bias)."""
 
+    which = "linear"
+
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.dtypes = _dtypes(lib)
-        self._fns = {}
-        for dtype, name in ((torch.float32, "asyncrl_linear_f32"), (torch.bfloat16, "asyncrl_linear_bf16")):
-            if dtype in self.dtypes:
-                fn = getattr(lib, name)
-                fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-                fn.restype = None
-                self._fns[dtype] = fn
-
-    def __deepcopy__(self, memo: dict) -> LinearKernel:
-        return self
-
-    def __reduce__(self) -> tuple:
-        return (_loaded, ("linear",))
+        super().__init__(lib, "asyncrl_linear", [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3, None)
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the kernel computes this call (else the caller runs torch's): plain CPU tensors
@@ -263,14 +267,14 @@ def load() -> MatmulBuild:
     """Build (or find built) and load the kernels, once per process."""
     try:
         lib = ctypes.CDLL(str(build(_SOURCE, "CPU matmul kernels")))
-        kernels = Kernels(experts=MoEKernel(lib), linear=LinearKernel(lib), dtypes=_dtypes(lib))
+        kernels = Kernels(experts=MoEKernel(lib), linear=LinearKernel(lib))
         if not kernels.dtypes:
             raise Unavailable("this CPU has no AVX-512")
         _self_check(kernels)
     except Unavailable as e:
         log.info("CPU matmul kernels not used: %s", e)
         return MatmulBuild(None, f"decode matmuls torch ({e})")
-    except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
+    except BUILD_ERRORS as e:
         log.warning("CPU matmul kernels not used (torch's instead): %s", e)
         return MatmulBuild(None, f"decode matmuls torch (kernels failed: {e})")
     names = "/".join({torch.float32: "fp32", torch.bfloat16: "bf16"}[dt] for dt in kernels.dtypes)
@@ -279,7 +283,7 @@ def load() -> MatmulBuild:
     )
 
 
-def _loaded(which: str) -> MoEKernel | LinearKernel | None:
+def _loaded(which: str) -> _LibraryKernel | None:
     """This process's kernel `which` ("experts" or "linear"); None where it has none."""
     kernels = load().kernels
     return None if kernels is None else getattr(kernels, which)
