@@ -1,4 +1,5 @@
-"""Helpers of the engine tests: run to completion, teacher-forced logprobs, step-by-step greedy."""
+"""Helpers of the engine tests: run to completion, teacher-forced logprobs, step-by-step greedy, and
+two engines held to each other on the same requests."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.inference import Engine, RequestOutput
+from asyncrl.inference import Engine, RequestOutput, SamplingOptions
 from asyncrl.model import Transformer
 
 
@@ -59,3 +60,31 @@ def greedy_reference(model: Transformer, prompt: list[int], n: int) -> list[int]
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def serve_greedy(engine: Engine, prompts: list[list[int]]) -> dict[str, Result]:
+    """Greedy answers of 4 to 19 tokens (by position), EOS ignored, to `prompts` as requests r0,
+    r1, ... submitted together, run to completion."""
+    for i, p in enumerate(prompts):
+        engine.add_request(
+            f"r{i}", p, SamplingOptions(temperature=0.0, max_tokens=4 + 5 * (i % 4), ignore_eos=True)
+        )
+    return drain(engine)
+
+
+def assert_same_answers(got: dict[str, Result], want: dict[str, Result], tol: float) -> None:
+    """The same tokens in every answer, and logprobs within `tol` of each other."""
+    for rid in want:
+        assert got[rid].tokens == want[rid].tokens, rid
+        assert (torch.tensor(got[rid].logprobs) - torch.tensor(want[rid].logprobs)).abs().max() < tol, rid
+
+
+def worst_teacher_error(model: Transformer, prompts: list[list[int]], answers: dict[str, Result]) -> float:
+    """The largest |logprob - the model's teacher-forced logprob| over `serve_greedy`'s answers."""
+    errors = []
+    for i, p in enumerate(prompts):
+        answer = answers[f"r{i}"]
+        errors.append(
+            (teacher_logprobs(model, p, answer.tokens, 1.0) - torch.tensor(answer.logprobs)).abs().max()
+        )
+    return float(max(errors))

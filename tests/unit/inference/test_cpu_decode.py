@@ -10,7 +10,7 @@ import stat
 import pytest
 import torch
 import torch.nn.functional as F
-from inference_helpers import drain, random_prompts, teacher_logprobs
+from inference_helpers import assert_same_answers, drain, random_prompts, serve_greedy, worst_teacher_error
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions, cpu_decode
@@ -117,36 +117,15 @@ def test_engine_on_the_kernel_matches_the_engine_on_sdpa(tiny_moe, monkeypatch, 
     engines = _two_engines(model, dtype=dtype, max_num_seqs=3, **budget)
     assert (engines[0].decode_kv is None) == (rows == "gather")
     assert engines[0].decode_kernel is not None and engines[1].decode_kernel is None
-    results = []
-    for engine in engines:
-        for i, p in enumerate(prompts):
-            opts = SamplingOptions(temperature=0.0, max_tokens=4 + 5 * (i % 4), ignore_eos=True)
-            engine.add_request(f"r{i}", p, opts)
-        results.append(drain(engine))
-    got, want = results
+    got, want = (serve_greedy(engine, prompts) for engine in engines)
     assert any(len(set(lengths)) > 1 for lengths in calls), "rows of unequal lengths went through the kernel"
     assert len(calls) % model.args.num_hidden_layers == 0 and len(calls) > 0
     if dtype == "float32":
-        for rid in want:
-            assert got[rid].tokens == want[rid].tokens, rid
-            assert (torch.tensor(got[rid].logprobs) - torch.tensor(want[rid].logprobs)).abs().max() < 1e-5, (
-                rid
-            )
+        assert_same_answers(got, want, tol=1e-5)
         return
     # bf16: near-ties may go either way, so each engine's answers are held to the model itself,
     # teacher-forced: the kernel's worst logprob error is no worse than SDPA's.
-    worst = []
-    for answers in (got, want):
-        errors = [
-            (
-                teacher_logprobs(model, p, answers[f"r{i}"].tokens, 1.0)
-                - torch.tensor(answers[f"r{i}"].logprobs)
-            )
-            .abs()
-            .max()
-            for i, p in enumerate(prompts)
-        ]
-        worst.append(float(max(errors)))
+    worst = [worst_teacher_error(model, prompts, answers) for answers in (got, want)]
     assert worst[0] <= 1.25 * worst[1] + 0.01 and worst[1] < 0.25, worst
 
 

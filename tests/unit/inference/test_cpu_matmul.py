@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from inference_helpers import drain, random_prompts, teacher_logprobs
+from inference_helpers import assert_same_answers, drain, random_prompts, serve_greedy, worst_teacher_error
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions, cpu_matmul
@@ -230,30 +230,14 @@ def test_engine_on_the_kernels_matches_the_engine_on_torchs_matmuls(kernels, tin
         "decode matmuls C kernels (MoE experts, linears of <= 16 rows"
     )
     assert engines[1].matmul_kernel_note == "decode matmuls torch (cpu_matmul_kernel = false)"
-    results = []
-    for engine in engines:
-        for i, p in enumerate(prompts):
-            opts = SamplingOptions(temperature=0.0, max_tokens=4 + 5 * (i % 4), ignore_eos=True)
-            engine.add_request(f"r{i}", p, opts)
-        results.append(drain(engine))
-    got, want = results
+    got, want = (serve_greedy(engine, prompts) for engine in engines)
     assert set(calls) >= {1, 2, 3}, "decode steps of 1-3 sequences went through the experts kernel"
     assert set(linear_calls) >= {1, 2, 3} and max(linear_calls) <= cpu_matmul.MAX_LINEAR_ROWS
     if dtype == "float32":
-        for rid in want:
-            assert got[rid].tokens == want[rid].tokens, rid
-            diff = (torch.tensor(got[rid].logprobs) - torch.tensor(want[rid].logprobs)).abs().max()
-            assert diff < 1e-5, rid
+        assert_same_answers(got, want, tol=1e-5)
         return
     # bf16: each engine's answers held to the model itself, teacher-forced (as in test_cpu_decode.py)
-    worst = []
-    for answers in (got, want):
-        errors = []
-        for i, p in enumerate(prompts):
-            answer = answers[f"r{i}"]
-            teacher = teacher_logprobs(model, p, answer.tokens, 1.0)
-            errors.append((teacher - torch.tensor(answer.logprobs)).abs().max())
-        worst.append(float(max(errors)))
+    worst = [worst_teacher_error(model, prompts, answers) for answers in (got, want)]
     assert worst[0] <= 1.25 * worst[1] + 0.01 and worst[1] < 0.25, worst
 
 
