@@ -33,7 +33,7 @@ from torch import nn
 from transformers import Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from asyncrl.model import Transformer, preset_args, to_hf_state_dict
+from asyncrl.model import Transformer, cpu_norm, preset_args, to_hf_state_dict
 from asyncrl.model.args import ModelArgs
 from asyncrl.model.compute import blocked_attention, cpu_kernels, linear, set_cpu_blocked_attention
 from asyncrl.model.moe import MoE
@@ -105,10 +105,12 @@ def _rows(
 ) -> list[dict]:
     """Time fwd+bwd of copies of `ours` and `hf` in each dtype of `steps`, all interleaved; where our
     bf16 attention takes the blocked matmuls (`asyncrl.model.compute.blocked_attention`), ours with
-    torch's flash kernel instead too (the row's "ours_flash")."""
+    torch's flash kernel instead too (the row's "ours_flash"), and where the RMSNorm kernel loads,
+    ours in bf16 with torch's RMSNorm ops instead ("ours_torch_norm")."""
     runs: list[tuple[Callable[[], None], int]] = []
     first: dict[torch.dtype, int] = {}  # dtype -> index of its (ours, hf) runs
     flash: dict[torch.dtype, int] = {}  # dtype -> index of ours with the flash kernel
+    torch_norm: dict[torch.dtype, int] = {}  # dtype -> index of ours with torch's RMSNorm ops
     for dtype in steps:
         x_d = x.to(dtype) if x.is_floating_point() else x
         first[dtype] = len(runs)
@@ -117,12 +119,17 @@ def _rows(
         if dtype == torch.bfloat16 and isinstance(ours, Transformer) and _blocked_attention_rule():
             flash[dtype] = len(runs)
             runs.append((_with_flash(_fwd_bwd(copy.deepcopy(ours).to(dtype), x_d)), steps[dtype]))
+        if dtype == torch.bfloat16 and isinstance(ours, Transformer) and cpu_norm.load()[0] is not None:
+            torch_norm[dtype] = len(runs)
+            runs.append((_with_torch_norm(_fwd_bwd(copy.deepcopy(ours).to(dtype), x_d)), steps[dtype]))
     times = time_interleaved(runs)
     rows = []
     for dtype, i in first.items():
         rows.append(_row(what, dtype, tokens, times[i], times[i + 1], flops))
         if dtype in flash:
             rows[-1]["ours_flash"] = tokens / times[flash[dtype]]
+        if dtype in torch_norm:
+            rows[-1]["ours_torch_norm"] = tokens / times[torch_norm[dtype]]
     return rows
 
 
@@ -141,6 +148,17 @@ def _with_flash(run: Callable[[], None]) -> Callable[[], None]:
             set_cpu_blocked_attention(None)
 
     return flash
+
+
+def _with_torch_norm(run: Callable[[], None]) -> Callable[[], None]:
+    def torch_norm() -> None:
+        cpu_norm.set_enabled(False)
+        try:
+            run()
+        finally:
+            cpu_norm.set_enabled(True)
+
+    return torch_norm
 
 
 def paired_models(
@@ -341,6 +359,7 @@ def _summary(
         f"share). With every matmul FLOP at the bf16 peak below and the rest unchanged it would take "
         f"{ideal:.2f} s: {b16['tokens'] / b16['hf'] / ideal:.2f}x transformers.",
         *_flash_line(b16),
+        *_norm_line(b16),
         f"Matmul peak per CPU second (best of 3 in this run, 1024^2, through asyncrl.model.compute): "
         f"fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s; "
         f"torch's plain bf16 matmul: {native_bf16 / 1e9:.2f} GFLOP/s.",
@@ -354,6 +373,17 @@ def _flash_line(b16: dict) -> list[str]:
         f"asyncrl's bf16 step with torch's flash kernel instead of the blocked attention (timed in the "
         f"same interleaving): {b16['ours_flash']:.0f} tok/s, {b16['ours_flash'] / b16['hf']:.2f}x "
         f"transformers; the blocked attention makes the step {b16['ours'] / b16['ours_flash']:.2f}x faster."
+    ]
+
+
+def _norm_line(b16: dict) -> list[str]:
+    if "ours_torch_norm" not in b16:
+        return []
+    return [
+        f"asyncrl's bf16 step with torch's ops for RMSNorm instead of the C kernel "
+        f"(asyncrl.model.cpu_norm; timed in the same interleaving): {b16['ours_torch_norm']:.0f} tok/s, "
+        f"{b16['ours_torch_norm'] / b16['hf']:.2f}x transformers; the kernel makes the step "
+        f"{b16['ours'] / b16['ours_torch_norm']:.2f}x faster."
     ]
 
 
@@ -406,8 +436,11 @@ matmuls and torch's CPU flash attention (profile table), so removing Python and 
 brings asyncrl to parity or a little past it, not further. In bf16 on a CPU with AVX-512 BF16 and
 no AMX, torch's flash kernel runs no faster than in fp32 while bf16 matmuls run ~2x faster:
 asyncrl's training attention there comes from bf16 batched matmuls over blocks of queries (scores
-in fp32; docs/trainer.md, "bf16 on CPU"), which is where its bf16 lead over transformers comes
-from (the step timed with the flash kernel instead shows it). The bf16 rows depend on the CPU:
+in fp32; docs/trainer.md, "bf16 on CPU"), which is where much of its bf16 lead over transformers
+comes from (the step timed with the flash kernel instead shows it). Its RMSNorm forward and backward
+are one C pass each (asyncrl.model.cpu_norm) where torch runs a dozen elementwise ops, bf16 ones
+among the slowest (the step timed with torch's ops instead shows the difference; in fp32 the two
+are closer). The bf16 rows depend on the CPU:
 without AVX-512 BF16 / AMX, torch's bf16 matmul is a reference loop (its peak is printed above),
 which transformers runs into; asyncrl computes bf16 matmuls, attention and experts in fp32 on bf16
 values there, so its bf16 runs at about its fp32 speed less the casts. With AMX both use torch's

@@ -7,7 +7,7 @@ kernel reads each sequence's keys and values once, only up to its own length, an
 between the query heads of a kv group (scores and softmax in fp32; bf16 keys and values widened
 exactly). It runs on torch's own OpenMP threads.
 
-`asyncrl.inference.cpu_build` builds the shared library once per source, compiler and CPU, where it
+`asyncrl.cpu_build` builds the shared library once per source, compiler and CPU, where it
 says. Loading it checks it against SDPA on a small random case. Anything that fails (no compiler,
 a build error, a wrong result) leaves the engine on SDPA, and `load()`'s note says why; the
 server's start-up line states which runs.
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from asyncrl.inference.cpu_build import BUILD_ERRORS, Unavailable, build
+from asyncrl.cpu_build import BUILD_ERRORS, Unavailable, build
 
 __all__ = ["KERNEL_DTYPES", "DecodeKernel", "KernelBuild", "load"]
 

@@ -1,5 +1,5 @@
 """The matmuls of the engine's decode-sized steps on CPUs with AVX-512: a small C kernel
-(cpu_matmul.c), built with the system's C compiler on first use (`asyncrl.inference.cpu_build`), for
+(cpu_matmul.c), built with the system's C compiler on first use (`asyncrl.cpu_build`), for
 the MoE experts and for linears of a few rows.
 
 At decode sizes each expert sees a few rows (64 sequences, top-2 over 8 experts: ~16 rows each),
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from asyncrl.inference.cpu_build import BUILD_ERRORS, Unavailable, build
+from asyncrl.cpu_build import BUILD_ERRORS, Unavailable, build
 from asyncrl.model.compute import cpu_upcast, kept
 from asyncrl.model.moe import grouped_swiglu
 

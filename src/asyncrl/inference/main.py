@@ -21,7 +21,7 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.async_engine import AsyncEngine
 from asyncrl.inference.engine import Engine
 from asyncrl.inference.server import build_app
-from asyncrl.model import ModelConfigError, Transformer
+from asyncrl.model import ModelConfigError, Transformer, cpu_norm
 from asyncrl.model.compute import cpu_kernels, packing_note
 from asyncrl.model.mtp import PREFIX as MTP_PREFIX
 from asyncrl.model.serving import serving_format
@@ -75,7 +75,7 @@ def _kernels_note(engine: Engine) -> str:
     packed; empty elsewhere."""
     if engine.device.type != "cpu":
         return ""
-    notes = (engine.decode_attention_note, engine.matmul_kernel_note)
+    notes = (engine.decode_attention_note, engine.matmul_kernel_note, cpu_norm.note())
     kernels = "".join(f"; {note}" for note in notes if note)
     if engine.dtype == torch.float32:
         return f"; {packing_note()}{kernels}"

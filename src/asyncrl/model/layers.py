@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncrl.model import cpu_norm
 from asyncrl.model.args import ModelArgs, YarnScaling
 from asyncrl.model.compute import Linear, sdpa
 from asyncrl.model.latent_attention import LatentProjections, attend_masked, attend_selected
@@ -42,6 +43,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_norm.takes(x, self.weight):
+            return cpu_norm.rms_norm(x, self.weight, self.eps)  # a C kernel: one pass each way
         if not torch.is_grad_enabled():
             # torch's fused kernel: the same values bit for bit, ~2x faster per call (decode runs many
             # small ones); under autograd it decomposes into a slower backward, so training keeps ours.

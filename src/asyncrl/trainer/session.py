@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from asyncrl.config.trainer import CommonTrainConfig
 from asyncrl.distributed import DistInfo, init_distributed
-from asyncrl.model import Transformer, from_pretrained, torch_dtype
+from asyncrl.model import Transformer, cpu_norm, from_pretrained, torch_dtype
+from asyncrl.model.compute import cpu_kernels
 from asyncrl.model.fp8 import apply_fp8
 from asyncrl.run_dir import checkpoints_root
 from asyncrl.trainer.checkpoint import (
@@ -110,6 +111,8 @@ class TrainSession:
             parallel=parallel,
         )
         peak = cfg.peak_flops or measure_matmul_peak(info.device, dtype)
+        if info.is_main and info.device.type == "cpu":
+            print(f"asyncrl trainer: CPU {cpu_kernels().isa}; {cpu_norm.note()}", flush=True)
         session = cls(
             cfg=cfg,
             info=info,

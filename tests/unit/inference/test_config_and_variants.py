@@ -10,7 +10,7 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import SamplingOptions
 from asyncrl.inference.main import _kernels_note
-from asyncrl.model import Transformer, compute, preset_args
+from asyncrl.model import Transformer, compute, cpu_norm, preset_args
 from asyncrl.model.compute import cpu_kernels, packing_note
 
 
@@ -61,19 +61,22 @@ def test_bfloat16_engine_tracks_the_bf16_model(make_engine, tiny_moe):
     assert (ref - torch.tensor(res.logprobs)).abs().max() < 0.1  # bf16: close, not exact
 
 
-def test_startup_line_states_the_cpu_bf16_kernels_the_packing_the_decode_attention_and_matmuls(
+def test_startup_line_states_the_cpu_bf16_kernels_the_packing_the_decode_attention_matmuls_and_norm(
     make_engine, tiny_moe
 ):
     engine = make_engine()
     attention = engine.decode_attention_note  # test_cpu_decode.py checks its cases
-    matmuls = engine.matmul_kernel_note  # and test_cpu_matmul.py these
+    matmuls = engine.matmul_kernel_note  # test_cpu_matmul.py these
+    norm = cpu_norm.note()  # and tests/unit/model/test_cpu_norm.py this one
     assert attention.startswith("decode attention ") and matmuls.startswith("decode matmuls ")
+    assert norm.startswith("RMSNorm ")
     # fp32: no bf16 kernels to state
-    assert _kernels_note(engine) == f"; {packing_note()}; {attention}; {matmuls}"
+    assert _kernels_note(engine) == f"; {packing_note()}; {attention}; {matmuls}; {norm}"
     bf16 = make_engine(copy.deepcopy(tiny_moe).bfloat16(), dtype="bfloat16")
     note = _kernels_note(bf16)
     assert (
-        note == f"; {cpu_kernels().describe()}; {attention}; {bf16.matmul_kernel_note}" and "CPU AVX" in note
+        note == f"; {cpu_kernels().describe()}; {attention}; {bf16.matmul_kernel_note}; {norm}"
+        and "CPU AVX" in note
     )
 
 

@@ -90,7 +90,9 @@ def test_a_kill_between_checkpoint_and_line_is_logged_once_on_resume(
     # json.dumps compares NaN metrics (a step without stale tokens) as equal too
     assert json.dumps(_without_header(lines[1])) == json.dumps(lost[0])
     assert lost[0]["publish_s"] > 0 and "wait_s" in lost[0]  # the record is complete when stored
-    assert capsys.readouterr().out.startswith("step 2 | loss ")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("asyncrl trainer: CPU ")  # the start-up line
+    assert out[1].startswith("step 2 | loss ")
 
     run_rl(_cfg(model_dir, run_dir, resume=True))  # resumed again: the line is there now
     assert read_metrics(run_dir, "trainer") == lines

@@ -1,4 +1,5 @@
-"""Building the engine's small C kernels (cpu_decode.c, cpu_matmul.c) with the system's C compiler.
+"""Building the small C kernels of the engine (inference/cpu_decode.c, cpu_matmul.c) and the model
+(model/cpu_norm.c) with the system's C compiler.
 
 Each shared library is built once per source, flags, compiler and CPU (`-march=native`) into
 `$ASYNCRL_KERNEL_CACHE`, else `$XDG_CACHE_HOME/asyncrl/kernels` or `~/.cache/asyncrl/kernels`, with
