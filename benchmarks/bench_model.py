@@ -437,14 +437,14 @@ brings asyncrl to parity or a little past it, not further. In bf16 on a CPU with
 no AMX, torch's flash kernel runs no faster than in fp32 while bf16 matmuls run ~2x faster:
 asyncrl's training attention there comes from bf16 batched matmuls over blocks of queries (scores
 in fp32; docs/trainer.md, "bf16 on CPU"), which is where much of its bf16 lead over transformers
-comes from (the step timed with the flash kernel instead shows it). Its RMSNorm forward and backward
-are one C pass each (asyncrl.model.cpu_norm) where torch runs a dozen elementwise ops, bf16 ones
-among the slowest (the step timed with torch's ops instead shows the difference; in fp32 the two
-are closer). The bf16 rows depend on the CPU:
-without AVX-512 BF16 / AMX, torch's bf16 matmul is a reference loop (its peak is printed above),
-which transformers runs into; asyncrl computes bf16 matmuls, attention and experts in fp32 on bf16
-values there, so its bf16 runs at about its fp32 speed less the casts. With AMX both use torch's
-own kernels (attention included), the MoE experts through torch's grouped GEMM."""
+comes from (the step timed with the flash kernel instead shows it). Its RMSNorm forward and
+backward are one C pass each (asyncrl.model.cpu_norm) where torch runs a dozen elementwise ops,
+bf16 ones among the slowest (the step timed with torch's ops instead shows the difference; in fp32
+the two are closer). The bf16 rows depend on the CPU: without AVX-512 BF16 / AMX, torch's bf16
+matmul is a reference loop (its peak is printed above), which transformers runs into; asyncrl
+computes bf16 matmuls, attention and experts in fp32 on bf16 values there, so its bf16 runs at
+about its fp32 speed less the casts. With AMX both use torch's own kernels (attention included),
+the MoE experts through torch's grouped GEMM."""
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -48,6 +48,9 @@ the MoE experts and the linears of few rows, the default on CPUs with AVX-512) a
 matmuls (oneDNN's packed weights), on the same engine; like the decode kernel they run on torch's
 OpenMP threads.
 
+`--compare-norm-kernel` does the same for the CPU RMSNorm kernel (`asyncrl.model.cpu_norm`, the
+default wherever it builds) against torch's fused norm and the multiply by the weight.
+
 `--compare-decode-kernel` does the same for the CPU decode attention kernel
 (`asyncrl.inference.cpu_decode`, the default) against SDPA over the same dense rows. The kernel
 runs on torch's own OpenMP threads, so the clocks are the same as for packing: with one torch
@@ -76,7 +79,7 @@ import asyncrl.inference.engine as engine_mod
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions
 from asyncrl.inference.kv_cache import PagedAttention
-from asyncrl.model import compute, from_pretrained, torch_dtype
+from asyncrl.model import compute, cpu_norm, from_pretrained, torch_dtype
 from asyncrl.model.moe import GroupedExperts, Router
 from asyncrl.tools.init_model import init_model
 
@@ -215,8 +218,8 @@ def profile(model_dir: Path, dtype: str, args: argparse.Namespace) -> tuple[dict
 
 
 def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) -> dict[str, float]:
-    """Median ms per decode step with `what` ("packing", "decode kernel" or "matmul kernel") off and
-    on, and off / on."""
+    """Median ms per decode step with `what` ("packing", "decode kernel", "matmul kernel" or "norm
+    kernel") off and on, and off / on."""
     engine = build_engine(model_dir, dtype, args.concurrency)
     max_tokens = args.warm_tokens + 2 * args.rounds * (args.window + 1) + 8
     start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
@@ -227,12 +230,16 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
     matmul_kernels = {m: m.cpu_kernel for m in hooked}
     if what == "matmul kernel" and not any(matmul_kernels.values()):
         raise SystemExit(f"no matmul kernel to compare: {engine.matmul_kernel_note}")
+    if what == "norm kernel" and cpu_norm.load()[0] is None:
+        raise SystemExit(f"no RMSNorm kernel to compare: {cpu_norm.note()}")
 
     def switch(on: bool) -> None:
         if what == "packing":
             compute.set_cpu_packing(None if on else False)  # on: the default rule
         elif what == "decode kernel":
             engine.decode_kernel = kernel if on else None
+        elif what == "norm kernel":
+            cpu_norm.set_enabled(on)
         else:
             for module, kernel_of in matmul_kernels.items():
                 module.cpu_kernel = kernel_of if on else None
@@ -259,11 +266,13 @@ COMPARED = {  # what --compare-* times: its argument
     "packing": "compare_packing",
     "decode kernel": "compare_decode_kernel",
     "matmul kernel": "compare_matmul_kernel",
+    "norm kernel": "compare_norm_kernel",
 }
 COMPARED_NAMES = {
     "packing": ("packed weights", "unpacked"),
     "decode kernel": ("decode kernel", "SDPA"),
     "matmul kernel": ("matmul kernels", "torch's matmuls"),
+    "norm kernel": ("RMSNorm kernel", "torch's norm"),
 }
 
 
@@ -368,6 +377,9 @@ def main() -> None:
     )
     p.add_argument(
         "--compare-matmul-kernel", action="store_true", help="the CPU matmul kernels against torch's (above)"
+    )
+    p.add_argument(
+        "--compare-norm-kernel", action="store_true", help="the CPU RMSNorm kernel against torch's (above)"
     )
     p.add_argument(
         "--batch-sweep", metavar="SIZES", help="decode step time at these batch sizes, e.g. 1,4,16,64 (above)"
