@@ -33,7 +33,7 @@ from torch import nn
 from transformers import Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from asyncrl.model import Transformer, cpu_norm, preset_args, to_hf_state_dict
+from asyncrl.model import Transformer, cpu_norm, cpu_scores, preset_args, to_hf_state_dict
 from asyncrl.model.args import ModelArgs
 from asyncrl.model.compute import blocked_attention, cpu_kernels, linear, set_cpu_blocked_attention
 from asyncrl.model.moe import MoE
@@ -105,12 +105,15 @@ def _rows(
 ) -> list[dict]:
     """Time fwd+bwd of copies of `ours` and `hf` in each dtype of `steps`, all interleaved; where our
     bf16 attention takes the blocked matmuls (`asyncrl.model.compute.blocked_attention`), ours with
-    torch's flash kernel instead too (the row's "ours_flash"), and where the RMSNorm kernel loads,
-    ours in bf16 with torch's RMSNorm ops instead ("ours_torch_norm")."""
+    torch's flash kernel instead too (the row's "ours_flash") and with the blocked attention's scores
+    from fp32 matmuls instead of the score kernel ("ours_fp32_scores", where that kernel runs), and
+    where the RMSNorm kernel loads, ours in bf16 with torch's RMSNorm ops instead
+    ("ours_torch_norm")."""
     runs: list[tuple[Callable[[], None], int]] = []
     first: dict[torch.dtype, int] = {}  # dtype -> index of its (ours, hf) runs
     flash: dict[torch.dtype, int] = {}  # dtype -> index of ours with the flash kernel
     torch_norm: dict[torch.dtype, int] = {}  # dtype -> index of ours with torch's RMSNorm ops
+    fp32_scores: dict[torch.dtype, int] = {}  # dtype -> index of ours with fp32 score matmuls
     for dtype in steps:
         x_d = x.to(dtype) if x.is_floating_point() else x
         first[dtype] = len(runs)
@@ -122,6 +125,9 @@ def _rows(
         if dtype == torch.bfloat16 and isinstance(ours, Transformer) and cpu_norm.load()[0] is not None:
             torch_norm[dtype] = len(runs)
             runs.append((_with_torch_norm(_fwd_bwd(copy.deepcopy(ours).to(dtype), x_d)), steps[dtype]))
+        if dtype in flash and cpu_scores.available():
+            fp32_scores[dtype] = len(runs)
+            runs.append((_with_fp32_scores(_fwd_bwd(copy.deepcopy(ours).to(dtype), x_d)), steps[dtype]))
     times = time_interleaved(runs)
     rows = []
     for dtype, i in first.items():
@@ -130,6 +136,8 @@ def _rows(
             rows[-1]["ours_flash"] = tokens / times[flash[dtype]]
         if dtype in torch_norm:
             rows[-1]["ours_torch_norm"] = tokens / times[torch_norm[dtype]]
+        if dtype in fp32_scores:
+            rows[-1]["ours_fp32_scores"] = tokens / times[fp32_scores[dtype]]
     return rows
 
 
@@ -151,14 +159,24 @@ def _with_flash(run: Callable[[], None]) -> Callable[[], None]:
 
 
 def _with_torch_norm(run: Callable[[], None]) -> Callable[[], None]:
-    def torch_norm() -> None:
-        cpu_norm.set_enabled(False)
+    return _without(cpu_norm, run)
+
+
+def _with_fp32_scores(run: Callable[[], None]) -> Callable[[], None]:
+    return _without(cpu_scores, run)
+
+
+def _without(kernel_module, run: Callable[[], None]) -> Callable[[], None]:
+    """`run` with the C kernel of `kernel_module` (cpu_norm, cpu_scores) turned off."""
+
+    def without() -> None:
+        kernel_module.set_enabled(False)
         try:
             run()
         finally:
-            cpu_norm.set_enabled(True)
+            kernel_module.set_enabled(True)
 
-    return torch_norm
+    return without
 
 
 def paired_models(
@@ -360,6 +378,7 @@ def _summary(
         f"{ideal:.2f} s: {b16['tokens'] / b16['hf'] / ideal:.2f}x transformers.",
         *_flash_line(b16),
         *_norm_line(b16),
+        *_scores_line(b16),
         f"Matmul peak per CPU second (best of 3 in this run, 1024^2, through asyncrl.model.compute): "
         f"fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s; "
         f"torch's plain bf16 matmul: {native_bf16 / 1e9:.2f} GFLOP/s.",
@@ -384,6 +403,17 @@ def _norm_line(b16: dict) -> list[str]:
         f"(asyncrl.model.cpu_norm; timed in the same interleaving): {b16['ours_torch_norm']:.0f} tok/s, "
         f"{b16['ours_torch_norm'] / b16['hf']:.2f}x transformers; the kernel makes the step "
         f"{b16['ours'] / b16['ours_torch_norm']:.2f}x faster."
+    ]
+
+
+def _scores_line(b16: dict) -> list[str]:
+    if "ours_fp32_scores" not in b16:
+        return []
+    return [
+        f"asyncrl's bf16 step with the blocked attention's scores and dP from fp32 matmuls instead of "
+        f"the C kernel (asyncrl.model.cpu_scores; timed in the same interleaving): "
+        f"{b16['ours_fp32_scores']:.0f} tok/s, {b16['ours_fp32_scores'] / b16['hf']:.2f}x transformers; "
+        f"the kernel makes the step {b16['ours'] / b16['ours_fp32_scores']:.2f}x faster."
     ]
 
 
@@ -436,15 +466,16 @@ matmuls and torch's CPU flash attention (profile table), so removing Python and 
 brings asyncrl to parity or a little past it, not further. In bf16 on a CPU with AVX-512 BF16 and
 no AMX, torch's flash kernel runs no faster than in fp32 while bf16 matmuls run ~2x faster:
 asyncrl's training attention there comes from bf16 batched matmuls over blocks of queries (scores
-in fp32; docs/trainer.md, "bf16 on CPU"), which is where much of its bf16 lead over transformers
-comes from (the step timed with the flash kernel instead shows it). Its RMSNorm forward and
-backward are one C pass each (asyncrl.model.cpu_norm) where torch runs a dozen elementwise ops,
-bf16 ones among the slowest (the step timed with torch's ops instead shows the difference; in fp32
-the two are closer). The bf16 rows depend on the CPU: without AVX-512 BF16 / AMX, torch's bf16
-matmul is a reference loop (its peak is printed above), which transformers runs into; asyncrl
-computes bf16 matmuls, attention and experts in fp32 on bf16 values there, so its bf16 runs at
-about its fp32 speed less the casts. With AMX both use torch's own kernels (attention included),
-the MoE experts through torch's grouped GEMM."""
+in fp32, from a C kernel at the bf16 rate; docs/trainer.md, "bf16 on CPU"), which is where much of
+its bf16 lead over transformers comes from (the steps timed with the flash kernel, and with fp32
+score matmuls, instead show it). Its RMSNorm forward and backward are one C pass each
+(asyncrl.model.cpu_norm) where torch runs a dozen elementwise ops, bf16 ones among the slowest
+(the step timed with torch's ops instead shows the difference; in fp32 the two are closer). The
+bf16 rows depend on the CPU: without AVX-512 BF16 / AMX, torch's bf16 matmul is a reference loop
+(its peak is printed above), which transformers runs into; asyncrl computes bf16 matmuls,
+attention and experts in fp32 on bf16 values there, so its bf16 runs at about its fp32 speed less
+the casts. With AMX both use torch's own kernels (attention included), the MoE experts through
+torch's grouped GEMM."""
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -1,5 +1,5 @@
 """Building the small C kernels of the engine (inference/cpu_decode.c, cpu_matmul.c) and the model
-(model/cpu_norm.c) with the system's C compiler.
+(model/cpu_norm.c, cpu_scores.c) with the system's C compiler.
 
 Each shared library is built once per source, flags, compiler and CPU (`-march=native`) into
 `$ASYNCRL_KERNEL_CACHE`, else `$XDG_CACHE_HOME/asyncrl/kernels` or `~/.cache/asyncrl/kernels`, with
@@ -10,6 +10,7 @@ pool with torch's thread count for the calling thread; ctypes releases the GIL f
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -17,11 +18,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-__all__ = ["BUILD_ERRORS", "FLAGS", "Unavailable", "build"]
+__all__ = ["BUILD_ERRORS", "FLAGS", "Unavailable", "build", "load_checked"]
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K")
 
 # -ffast-math lets exp vectorise (glibc's vector expf); the kernels see finite values only.
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
@@ -106,3 +111,19 @@ def build(source_path: Path, what: str) -> Path:
         raise RuntimeError(f"{Path(cc).name} exited {done.returncode}: {done.stderr.strip()[-500:]}")
     os.replace(partial, path)  # atomic: processes building at once each leave a whole file
     return path
+
+
+def load_checked(source_path: Path, what: str, wrap: Callable[[ctypes.CDLL], K]) -> tuple[K | None, str]:
+    """`wrap` of the loaded library of `source_path` (built now or found built), or None and why.
+
+    `wrap` binds the library's functions and checks them, raising Unavailable (no such kernel on this
+    CPU) or one of BUILD_ERRORS (a wrong result). The reason is the Unavailable message or "kernel
+    failed: ..."; it is logged once, as info or as a warning."""
+    try:
+        return wrap(ctypes.CDLL(str(build(source_path, what)))), ""
+    except Unavailable as e:
+        log.info("%s not used: %s", what, e)
+        return None, str(e)
+    except BUILD_ERRORS as e:
+        log.warning("%s not used (torch's ops instead): %s", what, e)
+        return None, f"kernel failed: {e}"

@@ -9,13 +9,15 @@ AVX512_BF16)"). `blocked_causal_attention` computes the same function from whole
 
 - queries go in blocks of `block` positions (all query heads of a kv group together, so GQA needs no
   copy of K/V); a block sees keys 0 .. its last position only, which skips most of the masked half;
-- scores come from an fp32 matmul (bf16 inputs are exact in fp32), so they are not rounded to bf16
-  (a bf16 matmul would round every score: several times the flash kernel's error); the softmax is
-  in fp32; probabilities are rounded to bf16 for the bf16 matmul with V, as the flash kernel does;
+- scores are fp32 products of the bf16 values, not rounded to bf16 (a bf16 matmul would round every
+  score: several times the flash kernel's error): from `asyncrl.model.cpu_scores`'s C kernel where
+  it runs (bf16 dot products summed in fp32, at the bf16 rate), else from an fp32 matmul (bf16
+  inputs are exact in fp32); the softmax is in fp32; probabilities are rounded to bf16 for the bf16
+  matmul with V, as the flash kernel does;
 - the backward recomputes nothing: it keeps each block's fp32 probabilities (memory ~ B x H x T^2 /
   2 x 4 bytes per call, which is why `compute.sdpa` takes this path only up to
-  `MAX_BLOCKED_SCORES`), takes dP from an fp32 matmul, rounds dS to bf16 for the two bf16 matmuls
-  that give dQ and dK, and sums dK and dV over the blocks in fp32.
+  `MAX_BLOCKED_SCORES`), takes dP in fp32 as the forward takes the scores, rounds dS to bf16 for the
+  two bf16 matmuls that give dQ and dK, and sums dK and dV over the blocks in fp32.
 
     from asyncrl.model.blocked_attention import blocked_causal_attention
     o_BHTd = blocked_causal_attention(q_BHTd, k_BGTd, v_BGTv)   # = sdpa(..., is_causal=True, enable_gqa=True)
@@ -30,6 +32,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from asyncrl.model import cpu_scores
 
 __all__ = ["BLOCK_QUERIES", "blocked_causal_attention"]
 
@@ -110,13 +114,24 @@ def _forward(
     G, dv = k_BGTd.shape[1], v_BGTv.shape[-1]
     r, low = H // G, q_BHTd.dtype
     qb = _grouped(q_BHTd, G, low)
-    qs = qb.to(torch.float32, copy=True).mul_(scale)
     kb, vb = k_BGTd.reshape(B * G, T, -1), v_BGTv.reshape(B * G, T, dv)
-    kt = _transposed(kb, torch.float32)
+    if cpu_scores.supports(qb, kb):  # fp32 scores at the bf16 rate, from bf16 operands
+        kp = cpu_scores.pack(kb)
+
+        def scores(a: int, b: int) -> torch.Tensor:
+            return cpu_scores.scores(qb[:, a * r : b * r], kp, b, scale)
+
+    else:
+        qs = qb.to(torch.float32, copy=True).mul_(scale)
+        kt = _transposed(kb, torch.float32)
+
+        def scores(a: int, b: int) -> torch.Tensor:
+            return torch.bmm(qs[:, a * r : b * r], kt[:, :, :b])
+
     out = torch.empty(B * G, T * r, dv, dtype=low, device=q_BHTd.device)
     kept = []
     for a, b in _blocks(T, block):
-        s = torch.bmm(qs[:, a * r : b * r], kt[:, :, :b])
+        s = scores(a, b)
         s[:, :, a:].masked_fill_(_future(b - a, r, s.device), float("-inf"))
         p = torch.softmax(s, dim=-1)
         out[:, a * r : b * r] = torch.bmm(p.to(low), vb[:, :b])
@@ -140,17 +155,29 @@ class _Blocked(torch.autograd.Function):
         d, dv = qb.shape[-1], vb.shape[-1]
         r, low, scale = H // G, qb.dtype, ctx.scale
         dob = _grouped(do_BHTv, G, low)
-        # Scores were scale * q.k: with dO scaled, dS comes out scaled as dQ and dK need it.
-        dos = dob.to(torch.float32, copy=True).mul_(scale)
-        D = (dos * out.float()).sum(-1, keepdim=True)  # scale * rowsum(dO * O): softmax's backward
-        vt = _transposed(vb, torch.float32)
+        # Scores were scale * q.k: with dP = dO.v scaled, dS comes out scaled as dQ and dK need it.
+        # D = scale * rowsum(dO * O): softmax's backward.
+        D = (dob.float() * out.float()).sum(-1, keepdim=True).mul_(scale)
+        if cpu_scores.supports(dob, vb):  # fp32 dP at the bf16 rate, as the forward's scores
+            vp = cpu_scores.pack(vb)
+
+            def dp_minus_D(rows: slice, b: int) -> torch.Tensor:
+                return cpu_scores.scores(dob[:, rows], vp, b, scale).sub_(D[:, rows])
+
+        else:
+            dos = dob.to(torch.float32, copy=True).mul_(scale)
+            vt = _transposed(vb, torch.float32)
+
+            def dp_minus_D(rows: slice, b: int) -> torch.Tensor:
+                return torch.baddbmm(D[:, rows], dos[:, rows], vt[:, :, :b], beta=-1)
+
         dq = torch.empty(B * G, T * r, d, dtype=low, device=qb.device)
         dk = torch.zeros(B * G, T, d, dtype=torch.float32, device=qb.device)
         dvv = torch.zeros(B * G, T, dv, dtype=torch.float32, device=qb.device)
         for (a, b), p in zip(_blocks(T, ctx.block), probs, strict=True):
             rows = slice(a * r, b * r)
             dvv[:, :b] += torch.bmm(p.to(low).transpose(1, 2), dob[:, rows])
-            ds = torch.baddbmm(D[:, rows], dos[:, rows], vt[:, :, :b], beta=-1).mul_(p)
+            ds = dp_minus_D(rows, b).mul_(p)
             dsb = ds.to(low)
             dq[:, rows] = torch.bmm(dsb, kb[:, :b])
             dk[:, :b] += torch.bmm(dsb.transpose(1, 2), qb[:, rows])

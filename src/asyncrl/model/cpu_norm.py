@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from asyncrl.cpu_build import BUILD_ERRORS, Unavailable, build
+from asyncrl.cpu_build import load_checked
 
 __all__ = ["load", "note", "rms_norm", "set_enabled", "takes"]
-
-log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_norm.c")
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -56,16 +53,14 @@ class _Library:
 @functools.cache
 def load() -> tuple[_Library | None, str]:
     """The kernel library (None: not available) and a one-line note of why; once per process."""
-    try:
-        lib = _Library(ctypes.CDLL(str(build(_SOURCE, "CPU RMSNorm kernel"))))
-        _self_check(lib)
-    except Unavailable as e:
-        log.info("CPU RMSNorm kernel not used: %s", e)
-        return None, f"RMSNorm torch ({e})"
-    except BUILD_ERRORS as e:
-        log.warning("CPU RMSNorm kernel not used (torch's ops instead): %s", e)
-        return None, f"RMSNorm torch (kernel failed: {e})"
-    return lib, "RMSNorm C kernel"
+    lib, why = load_checked(_SOURCE, "CPU RMSNorm kernel", _checked)
+    return lib, "RMSNorm C kernel" if lib is not None else f"RMSNorm torch ({why})"
+
+
+def _checked(cdll: ctypes.CDLL) -> _Library:
+    lib = _Library(cdll)
+    _self_check(lib)
+    return lib
 
 
 def note() -> str:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from asyncrl.config.trainer import CommonTrainConfig
 from asyncrl.distributed import DistInfo, init_distributed
-from asyncrl.model import Transformer, cpu_norm, from_pretrained, torch_dtype
+from asyncrl.model import Transformer, cpu_norm, cpu_scores, from_pretrained, torch_dtype
 from asyncrl.model.compute import cpu_kernels
 from asyncrl.model.fp8 import apply_fp8
 from asyncrl.run_dir import checkpoints_root
@@ -112,7 +112,7 @@ class TrainSession:
         )
         peak = cfg.peak_flops or measure_matmul_peak(info.device, dtype)
         if info.is_main and info.device.type == "cpu":
-            print(f"asyncrl trainer: CPU {cpu_kernels().isa}; {cpu_norm.note()}", flush=True)
+            print(f"asyncrl trainer: {_cpu_kernels_line(dtype)}", flush=True)
         session = cls(
             cfg=cfg,
             info=info,
@@ -220,3 +220,12 @@ def _build_publisher(
 def _ratio_bounds(cfg: CommonTrainConfig) -> tuple[float, float]:
     mismatch = getattr(cfg, "mismatch", None)  # RL only; SFT has no inference logprobs
     return (mismatch.ratio_low, mismatch.ratio_high) if mismatch is not None else (0.5, 2.0)
+
+
+def _cpu_kernels_line(dtype: torch.dtype) -> str:
+    """The trainer's start-up line on a CPU: the ISA and which C kernels its steps take."""
+    kernels = cpu_kernels()
+    notes = [f"CPU {kernels.isa}", cpu_norm.note()]
+    if dtype == torch.bfloat16 and kernels.native_bf16 and not kernels.amx:
+        notes.append(f"blocked causal attention, {cpu_scores.note()}")
+    return "; ".join(notes)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from asyncrl.model import cpu_scores
 from asyncrl.model.blocked_attention import BLOCK_QUERIES, blocked_causal_attention
 
 _NAMES = ("o", "q", "k", "v")
@@ -33,12 +34,30 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+@pytest.fixture(params=[True, False], ids=["score kernel", "fp32 score matmuls"])
+def score_kernel(request):
+    """Scores and dP from the C kernel (where it runs here) and from fp32 matmuls."""
+    if request.param and not cpu_scores.available():
+        pytest.skip(f"no score kernel here: {cpu_scores.note()}")
+    cpu_scores.set_enabled(request.param)
+    yield request.param
+    cpu_scores.set_enabled(True)
+
+
 @pytest.mark.parametrize(
-    ("B", "H", "G", "T", "block"),
-    [(2, 4, 2, 37, 8), (1, 4, 4, 64, 64), (3, 6, 2, 20, 7), (1, 2, 1, 5, 32)],
+    ("B", "H", "G", "T", "block", "d"),
+    [
+        (2, 4, 2, 37, 8, 16),
+        (1, 4, 4, 64, 64, 64),
+        (3, 6, 2, 20, 7, 16),
+        (1, 2, 1, 5, 32, 16),
+        (1, 2, 1, 9, 4, 15),
+    ],
 )
-def test_bf16_output_and_gradients_match_fp64_sdpa_as_closely_as_the_flash_kernel(B, H, G, T, block):
-    q, k, v, do = _inputs(B, H, G, T, 16, 16, torch.bfloat16)
+def test_bf16_output_and_gradients_match_fp64_sdpa_as_closely_as_the_flash_kernel(
+    B, H, G, T, block, d, score_kernel
+):
+    q, k, v, do = _inputs(B, H, G, T, d, 16, torch.bfloat16)
     ref = _reference(q, k, v, do)
     out = blocked_causal_attention(q, k, v, block=block)
     out.backward(do)

@@ -119,3 +119,17 @@ def test_a_checkpoint_without_a_metrics_record_still_resumes(model_dir, tmp_path
     assert checkpoint_metrics(run_dir, 2) is None
     assert run_rl(_cfg(model_dir, run_dir, resume=True)) == []
     assert [r["step"] for r in read_metrics(run_dir, "trainer")] == [1]
+
+
+def test_cpu_start_up_line_names_the_isa_and_the_kernels_the_steps_take():
+    import torch
+
+    from asyncrl.model import cpu_norm, cpu_scores
+    from asyncrl.model.compute import cpu_kernels
+    from asyncrl.trainer.session import _cpu_kernels_line
+
+    kernels = cpu_kernels()
+    assert _cpu_kernels_line(torch.float32) == f"CPU {kernels.isa}; {cpu_norm.note()}"
+    bf16 = _cpu_kernels_line(torch.bfloat16)
+    blocked = kernels.native_bf16 and not kernels.amx  # where bf16 training takes the blocked attention
+    assert bf16.endswith(f"; blocked causal attention, {cpu_scores.note()}") == blocked
