@@ -9,12 +9,16 @@
  *   forward   y = round(w * round(x * rstd)),  rstd = 1 / sqrt(mean(x^2) + eps)  (kept per row)
  *   backward  gn = round(g * w);  dx = round(rstd * (gn - xh * mean(gn * xh))),  xh = x * rstd
  *             dw = sum over rows of g * round(xh)  (in fp64 per thread, then summed in thread order)
- * Rows are split statically over torch's OpenMP threads, so results depend only on the thread count.
+ * Rows are split statically over torch's OpenMP threads, so results depend only on the thread count;
+ * a call of fewer than PARALLEL_MIN values runs on the calling thread alone (as torch's elementwise
+ * ops do below their grain size), since waking the other threads costs more than such a call.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <omp.h>
+
+#define PARALLEL_MIN 32768
 
 typedef uint16_t bf16;
 
@@ -37,7 +41,7 @@ static inline float f32_round(float f) { return f; }
 #define RMS_NORM(S, T)                                                                              \
     void asyncrl_rms_norm_fwd_##S(const T *x, const T *w, T *y, float *rstd, int64_t rows,         \
                                   int64_t d, float eps) {                                           \
-        _Pragma("omp parallel for schedule(static)")                                                \
+        _Pragma("omp parallel for schedule(static) if (rows * d >= PARALLEL_MIN)")                  \
         for (int64_t i = 0; i < rows; i++) {                                                        \
             const T *xi = x + i * d;                                                                \
             T *yi = y + i * d;                                                                      \
@@ -59,7 +63,7 @@ static inline float f32_round(float f) { return f; }
     void asyncrl_rms_norm_bwd_##S(const T *g, const T *x, const T *w, const float *rstd, T *dx,    \
                                   double *dw_part, float *dw, int64_t threads, int64_t rows,        \
                                   int64_t d) {                                                      \
-        _Pragma("omp parallel num_threads(threads)")                                                \
+        _Pragma("omp parallel num_threads(threads) if (rows * d >= PARALLEL_MIN)")                  \
         {                                                                                           \
             double *acc = dw_part + (int64_t)omp_get_thread_num() * d;                              \
             _Pragma("omp for schedule(static)")                                                     \
