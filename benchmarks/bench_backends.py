@@ -354,7 +354,11 @@ def _rate_table(args, kinds: list[str], rate: dict[tuple[str, str], float], unit
         ("embedded-bf16", "embedded-bf16-sdpa"),
     )
     ratios += [(b, f) for b, f in pairs if b in kinds and f in kinds]
-    ratios += [(k, f"baseline{k[8:]}") for k in ("embedded", "embedded-bf16") if f"baseline{k[8:]}" in kinds]
+    ratios += [
+        (k, f"baseline{k[8:]}")
+        for k in ("embedded", "embedded-bf16")
+        if k in kinds and f"baseline{k[8:]}" in kinds
+    ]
     rows = [
         f"| workload | {' | '.join(f'{k} {unit}' for k in kinds)} |"
         + "".join(f" {a} / {b} |" for a, b in ratios),
