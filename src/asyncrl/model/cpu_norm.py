@@ -10,9 +10,10 @@ BENCHMARKS.md, "Model".
 It computes in fp32 and rounds a bf16 value wherever torch's composition rounds one (cpu_norm.c), so
 its results equal torch's up to the order of the sums. The trainer and the engine both take it, so
 an fp32 run still computes the same norms in both. `asyncrl.cpu_build` builds it on first use, once
-per compiler and CPU; loading it checks it against torch on small random rows. Where it cannot run
-(no C compiler, a failed build or check), RMSNorm keeps torch's ops, and `note()` says why.
-`set_enabled(False)` turns it off (tests, benchmarks).
+per compiler and CPU; loading it checks it against the formulas in fp64 on small random rows. Where
+it cannot run (no C compiler, a failed build or check), RMSNorm keeps torch's ops
+(`layers.torch_rms_norm`), and `note()` says why. `set_enabled(False)` turns it off (tests,
+benchmarks).
 
 Shape legend: R rows (every dim but the last), D normalised dim.
 """
@@ -64,7 +65,7 @@ def _checked(cdll: ctypes.CDLL) -> _Library:
 
 
 def note() -> str:
-    """How training's RMSNorm runs on this CPU, for a start-up line."""
+    """How RMSNorm runs on this CPU, for a start-up line."""
     if not _enabled:
         return "RMSNorm torch (kernel turned off)"
     return load()[1]
@@ -143,13 +144,6 @@ def _backward(
     ptrs = (g, x, weight, rstd_R, dx, dw_part, dw)
     lib.bwd[x.dtype](*(t.data_ptr() for t in ptrs), threads, R, D)
     return dx, dw
-
-
-def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """torch's composition, as `asyncrl.model.layers.RMSNorm` runs it without the kernel."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 @torch.no_grad()

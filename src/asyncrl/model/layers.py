@@ -50,9 +50,15 @@ class RMSNorm(nn.Module):
             # small ones); under autograd it decomposes into a slower backward, so training keeps ours.
             # It computes a bf16/fp16 input in fp32 and rounds once: no casts around it.
             return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return torch_rms_norm(x, self.weight, self.eps)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm from torch's ops, differentiable: what `RMSNorm` runs under autograd without the CPU
+    kernel (`asyncrl.model.cpu_norm`), and what the kernel's tests hold it to."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
