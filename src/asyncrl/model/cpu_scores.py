@@ -84,7 +84,10 @@ def pack(b_XNk: torch.Tensor) -> torch.Tensor:
 def scores(a_XMk: torch.Tensor, packed: torch.Tensor, n: int, scale: float) -> torch.Tensor:
     """fp32 [X, M, n]: scale * a @ b[:, :n].T for `packed` = pack(b), b [X, N >= n, k]; `a` bf16 with
     unit stride along k (any row and batch strides)."""
-    lib = load()[0]
+    return _scores(load()[0], a_XMk, packed, n, scale)
+
+
+def _scores(lib: _Library, a_XMk: torch.Tensor, packed: torch.Tensor, n: int, scale: float) -> torch.Tensor:
     X, M, k = a_XMk.shape
     if a_XMk.stride(2) != 1:
         a_XMk = a_XMk.contiguous()
@@ -126,12 +129,7 @@ def _checked(cdll: ctypes.CDLL) -> _Library:
     a = torch.randn(X, M, k, generator=g).bfloat16()
     b = torch.randn(X, N, k, generator=g).bfloat16()
     want = scale * a.double() @ b[:, :n].double().transpose(1, 2)
-    out = torch.empty(X, M, n)
-    packed = pack(b)
-    lib.scores(
-        a.data_ptr(), M * k, k, packed.data_ptr(), packed.stride(0), packed.stride(1),
-        out.data_ptr(), M * n, n, X, M, n, k, scale,
-    )  # fmt: skip
+    out = _scores(lib, a, pack(b), n, scale)
     err = ((out.double() - want).abs().max() / want.abs().max()).item()
     if not err <= 1e-5:
         raise RuntimeError(f"self-check: scores differ from fp64 by {err:.2e} (> 1e-5)")
