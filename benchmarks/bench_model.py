@@ -376,45 +376,44 @@ def _summary(
         f"asyncrl's bf16 step takes {step:.2f} s, {step * matmul_share:.2f} s of it in matmuls (profiled "
         f"share). With every matmul FLOP at the bf16 peak below and the rest unchanged it would take "
         f"{ideal:.2f} s: {b16['tokens'] / b16['hf'] / ideal:.2f}x transformers.",
-        *_flash_line(b16),
-        *_norm_line(b16),
-        *_scores_line(b16),
+        *_variant_lines(b16),
         f"Matmul peak per CPU second (best of 3 in this run, 1024^2, through asyncrl.model.compute): "
         f"fp32 {peaks[torch.float32] / 1e9:.1f} GFLOP/s, bf16 {peaks[torch.bfloat16] / 1e9:.1f} GFLOP/s; "
         f"torch's plain bf16 matmul: {native_bf16 / 1e9:.2f} GFLOP/s.",
     ]
 
 
-def _flash_line(b16: dict) -> list[str]:
-    if "ours_flash" not in b16:
-        return []
-    return [
-        f"asyncrl's bf16 step with torch's flash kernel instead of the blocked attention (timed in the "
-        f"same interleaving): {b16['ours_flash']:.0f} tok/s, {b16['ours_flash'] / b16['hf']:.2f}x "
-        f"transformers; the blocked attention makes the step {b16['ours'] / b16['ours_flash']:.2f}x faster."
-    ]
+# The variants of ours timed beside the bf16 row: (row key, what replaced what, the module of the
+# replaced kernel or "", what the default gains).
+VARIANTS = (
+    ("ours_flash", "torch's flash kernel instead of the blocked attention", "", "the blocked attention"),
+    (
+        "ours_torch_norm",
+        "torch's ops for RMSNorm instead of the C kernel",
+        "asyncrl.model.cpu_norm",
+        "the kernel",
+    ),
+    (
+        "ours_fp32_scores",
+        "the blocked attention's scores and dP from fp32 matmuls instead of the C kernel",
+        "asyncrl.model.cpu_scores",
+        "the kernel",
+    ),
+)
 
 
-def _norm_line(b16: dict) -> list[str]:
-    if "ours_torch_norm" not in b16:
-        return []
-    return [
-        f"asyncrl's bf16 step with torch's ops for RMSNorm instead of the C kernel "
-        f"(asyncrl.model.cpu_norm; timed in the same interleaving): {b16['ours_torch_norm']:.0f} tok/s, "
-        f"{b16['ours_torch_norm'] / b16['hf']:.2f}x transformers; the kernel makes the step "
-        f"{b16['ours'] / b16['ours_torch_norm']:.2f}x faster."
-    ]
-
-
-def _scores_line(b16: dict) -> list[str]:
-    if "ours_fp32_scores" not in b16:
-        return []
-    return [
-        f"asyncrl's bf16 step with the blocked attention's scores and dP from fp32 matmuls instead of "
-        f"the C kernel (asyncrl.model.cpu_scores; timed in the same interleaving): "
-        f"{b16['ours_fp32_scores']:.0f} tok/s, {b16['ours_fp32_scores'] / b16['hf']:.2f}x transformers; "
-        f"the kernel makes the step {b16['ours'] / b16['ours_fp32_scores']:.2f}x faster."
-    ]
+def _variant_lines(b16: dict) -> list[str]:
+    """One line per variant timed beside the bf16 row: its rate and how much faster the default is."""
+    lines = []
+    for key, instead, module, default in VARIANTS:
+        if key in b16:
+            where = f"{module}; " if module else ""
+            lines.append(
+                f"asyncrl's bf16 step with {instead} ({where}timed in the same interleaving): "
+                f"{b16[key]:.0f} tok/s, {b16[key] / b16['hf']:.2f}x transformers; {default} makes the "
+                f"step {b16['ours'] / b16[key]:.2f}x faster."
+            )
+    return lines
 
 
 def _attention_flops(args: ModelArgs, mean_context: float) -> float:
