@@ -51,6 +51,10 @@ OpenMP threads.
 `--compare-norm-kernel` does the same for the CPU RMSNorm kernel (`asyncrl.model.cpu_norm`, the
 default wherever it builds) against torch's fused norm and the multiply by the weight.
 
+`--compare-linear-rows N` does the same for the linear kernel's row limit: linears of up to
+`cpu_matmul.MAX_LINEAR_ROWS` rows (the default) through the kernel, against up to N rows (e.g. 16,
+the limit before it was raised), larger ones through oneDNN's packed matmuls.
+
 `--compare-decode-kernel` does the same for the CPU decode attention kernel
 (`asyncrl.inference.cpu_decode`, the default) against SDPA over the same dense rows. The kernel
 runs on torch's own OpenMP threads, so the clocks are the same as for packing: with one torch
@@ -77,7 +81,7 @@ import torch
 
 import asyncrl.inference.engine as engine_mod
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference import Engine, SamplingOptions
+from asyncrl.inference import Engine, SamplingOptions, cpu_matmul
 from asyncrl.inference.kv_cache import PagedAttention
 from asyncrl.model import compute, cpu_norm, from_pretrained, torch_dtype
 from asyncrl.model.moe import GroupedExperts, Router
@@ -218,8 +222,8 @@ def profile(model_dir: Path, dtype: str, args: argparse.Namespace) -> tuple[dict
 
 
 def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) -> dict[str, float]:
-    """Median ms per decode step with `what` ("packing", "decode kernel", "matmul kernel" or "norm
-    kernel") off and on, and off / on."""
+    """Median ms per decode step with `what` ("packing", "decode kernel", "matmul kernel", "norm
+    kernel" or "linear rows") off and on, and off / on."""
     engine = build_engine(model_dir, dtype, args.concurrency)
     max_tokens = args.warm_tokens + 2 * args.rounds * (args.window + 1) + 8
     start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
@@ -232,6 +236,10 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
         raise SystemExit(f"no matmul kernel to compare: {engine.matmul_kernel_note}")
     if what == "norm kernel" and cpu_norm.load()[0] is None:
         raise SystemExit(f"no RMSNorm kernel to compare: {cpu_norm.note()}")
+    linear_kernels = [k for k in matmul_kernels.values() if isinstance(k, cpu_matmul.LinearKernel)]
+    if what == "linear rows" and not linear_kernels:
+        raise SystemExit(f"no linear kernel to compare: {engine.matmul_kernel_note}")
+    row_limit = cpu_matmul.MAX_LINEAR_ROWS
 
     def switch(on: bool) -> None:
         if what == "packing":
@@ -240,6 +248,8 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
             engine.decode_kernel = kernel if on else None
         elif what == "norm kernel":
             cpu_norm.set_enabled(on)
+        elif what == "linear rows":
+            cpu_matmul.MAX_LINEAR_ROWS = row_limit if on else args.compare_linear_rows
         else:
             for module, kernel_of in matmul_kernels.items():
                 module.cpu_kernel = kernel_of if on else None
@@ -267,12 +277,14 @@ COMPARED = {  # what --compare-* times: its argument
     "decode kernel": "compare_decode_kernel",
     "matmul kernel": "compare_matmul_kernel",
     "norm kernel": "compare_norm_kernel",
+    "linear rows": "compare_linear_rows",
 }
 COMPARED_NAMES = {
     "packing": ("packed weights", "unpacked"),
     "decode kernel": ("decode kernel", "SDPA"),
     "matmul kernel": ("matmul kernels", "torch's matmuls"),
     "norm kernel": ("RMSNorm kernel", "torch's norm"),
+    "linear rows": (f"linear kernel <= {cpu_matmul.MAX_LINEAR_ROWS} rows", "<= {} rows"),
 }
 
 
@@ -382,6 +394,12 @@ def main() -> None:
         "--compare-norm-kernel", action="store_true", help="the CPU RMSNorm kernel against torch's (above)"
     )
     p.add_argument(
+        "--compare-linear-rows",
+        type=int,
+        metavar="N",
+        help="the linear kernel's row limit against N rows (above)",
+    )
+    p.add_argument(
         "--batch-sweep", metavar="SIZES", help="decode step time at these batch sizes, e.g. 1,4,16,64 (above)"
     )
     p.add_argument("--rounds", type=int, default=12, help="--compare-*: windows of each mode")
@@ -409,6 +427,7 @@ def main() -> None:
                     what = compared[0]
                     r = compare(model_dir, dtype, what, args)
                     on, off = COMPARED_NAMES[what]
+                    off = off.format(args.compare_linear_rows)
                     print(
                         f"{preset} {dtype} c={args.concurrency}: {on} {r['on']:.2f} ms per decode step, "
                         f"{off} {r['off']:.2f} ms: {r['ratio']:.2f}x (median of {args.rounds} windows of "

@@ -1,6 +1,6 @@
 """The matmuls of the engine's decode-sized steps on CPUs with AVX-512: a small C kernel
 (cpu_matmul.c), built with the system's C compiler on first use (`asyncrl.cpu_build`), for
-the MoE experts and for linears of a few rows.
+the MoE experts and for the linears of decode steps.
 
 At decode sizes each expert sees a few rows (64 sequences, top-2 over 8 experts: ~16 rows each),
 and torch's path pays per op and per expert: the sort and copies of the token rows, oneDNN's
@@ -9,7 +9,8 @@ weighted sum as separate passes. `MoEKernel` does a whole layer's experts in one
 read in place, gate and up come out of one pass with silu(gate) * up applied as they are stored,
 down is scaled by the routing weight as it is stored, and each token's choices are summed; all on
 torch's OpenMP threads. `LinearKernel` multiplies up to `MAX_LINEAR_ROWS` rows by a linear's weight
-(a step of a few sequences: q/k/v/o, dense MLPs, lm_head), where oneDNN's cost per call dominates.
+(a decode step's q/k/v/o, dense MLPs, lm_head): at a few rows oneDNN's cost per call dominates, and
+up to 128 rows its packed matmuls were no faster than the kernel (AVX-512 BF16, no AMX).
 
 Results round where torch's path rounds (tests check them against it): in bf16 after each op for
 weights large enough for native bf16, once at the end for those torch computes in fp32
@@ -56,9 +57,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_matmul.c")
-# Above these many rows oneDNN's packed matmuls are about as fast (AVX-512 BF16, no AMX).
+# Up to these many rows the kernels were at least as fast as oneDNN's packed matmuls (AVX-512 BF16,
+# no AMX; linears: 1.0-1.4x at 64 and 128 rows with two threads, 1.0-1.2x with one, hidden 512).
 MAX_ROWS_PER_EXPERT = 64  # on average over a layer's experts
-MAX_LINEAR_ROWS = 16
+MAX_LINEAR_ROWS = 128  # a decode step of 64 sequences and the prefill chunks joining it
 _DTYPE_BITS = {torch.float32: 1, torch.bfloat16: 2}  # asyncrl_matmul_dtypes()
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # of the C functions
 _ERRORS = {1: "no memory for the kernel's scratch", 2: "an expert id outside [0, E)"}

@@ -10,11 +10,12 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from inference_helpers import assert_same_answers, drain, random_prompts, serve_greedy, worst_teacher_error
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions, cpu_matmul
-from asyncrl.model import compute
+from asyncrl.model import compute, cpu_norm
 from asyncrl.model.moe import GroupedExperts, grouped_swiglu
 
 HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
@@ -58,7 +59,7 @@ def _count_runs(monkeypatch, cls=cpu_matmul.MoEKernel) -> list[int]:
     real = cls.run
 
     def counted(self, *args):
-        calls.append(args[0].shape[0])
+        calls.append(args[0].numel() // args[0].shape[-1])  # rows of [N, D] or [B, T, D]
         return real(self, *args)
 
     monkeypatch.setattr(cls, "run", counted)
@@ -99,6 +100,27 @@ def test_kernel_computes_torchs_experts(kernel, N, K, E, D, H, dtype):
     # rounding boundary in one order and not in the other (none in these cases, rare in general).
     assert (got != want).float().mean() <= 0.01
     assert (got.double() - exact).abs().max() <= 1.01 * (want.double() - exact).abs().max()
+
+
+def test_fp32_kernels_silu_is_within_a_few_ulp_over_the_whole_range(kernel):
+    # One expert wired so that its output is silu of its input: gate unit h reads input h, up reads
+    # input H (a constant 1), down copies unit h to output h; every sum adds exact zeros. So the
+    # kernel's vectorised e^x is held to fp64 across the range, and to its clamp beyond it.
+    H, D = 16, 32
+    ends = [-1e4, -200.0, -88.5, -0.0, 88.5, 200.0, 1e4, 1e-30, -1e-30]
+    g = torch.cat([torch.linspace(-30, 30, 2007), torch.tensor(ends)]).view(-1, H)  # 2016 values
+    x = torch.cat([g, torch.ones(len(g), 1), torch.zeros(len(g), D - H - 1)], dim=1)
+    gate, up, down = torch.zeros(1, H, D), torch.zeros(1, H, D), torch.zeros(1, D, H)
+    gate[0, :, :H] = torch.eye(H)
+    up[0, :, H] = 1.0
+    down[0, :H] = torch.eye(H)
+    ids, weights = torch.zeros(len(g), 1, dtype=torch.int64), torch.ones(len(g), 1)
+    with torch.inference_mode():
+        got = kernel.run(x, ids, weights, gate, up, down, torch.float32)[:, :H].double()
+    want = F.silu(g.double())
+    err, normal = (got - want).abs(), want.abs() >= 1e-30
+    assert (err[normal] / (torch.finfo(torch.float32).eps * want[normal].abs())).max() <= 3  # in ulp
+    assert err[~normal].max() <= 1e-30  # silu(g) of g below -88 or near 0
 
 
 def test_bf16_experts_torch_upcasts_go_through_the_fp32_kernel(kernel):
@@ -227,12 +249,13 @@ def test_engine_on_the_kernels_matches_the_engine_on_torchs_matmuls(kernels, tin
     prompts = random_prompts([5, 37, 13, 3, 29, 8, 50], seed=12)
     engines = _two_engines(model, dtype=dtype, max_num_seqs=3)
     assert engines[0].matmul_kernel_note.startswith(
-        "decode matmuls C kernels (MoE experts, linears of <= 16 rows"
+        f"decode matmuls C kernels (MoE experts, linears of <= {cpu_matmul.MAX_LINEAR_ROWS} rows"
     )
     assert engines[1].matmul_kernel_note == "decode matmuls torch (cpu_matmul_kernel = false)"
     got, want = (serve_greedy(engine, prompts) for engine in engines)
     assert set(calls) >= {1, 2, 3}, "decode steps of 1-3 sequences went through the experts kernel"
     assert set(linear_calls) >= {1, 2, 3} and max(linear_calls) <= cpu_matmul.MAX_LINEAR_ROWS
+    assert max(linear_calls) >= 37, "a whole prompt's prefill chunk went through the linear kernel too"
     if dtype == "float32":
         assert_same_answers(got, want, tol=1e-5)
         return
@@ -253,10 +276,13 @@ def test_no_kernel_means_torchs_matmuls_and_says_why(tiny_moe, monkeypatch, tmp_
             copy.deepcopy(tiny_moe),
             InferenceConfig(model="unused", block_size=4, kv_cache_tokens=4096, cpu_decode_kernel=False),
         )
+        assert engine.matmul_kernel_note == build.note
+        hooked = [m for m in engine.model.modules() if isinstance(m, GroupedExperts | compute.Linear)]
+        assert hooked and all(m.cpu_kernel is None for m in hooked)
+        engine.add_request("a", [1, 2, 3], SamplingOptions(temperature=0.0, max_tokens=3, ignore_eos=True))
+        assert len(drain(engine)["a"].tokens) == 3
     finally:
+        # the tests after this one in the process load the kernels anew (the engine's model loaded
+        # the RMSNorm kernel under this CC too)
         cpu_matmul.load.cache_clear()
-    assert engine.matmul_kernel_note == build.note
-    hooked = [m for m in engine.model.modules() if isinstance(m, GroupedExperts | compute.Linear)]
-    assert hooked and all(m.cpu_kernel is None for m in hooked)
-    engine.add_request("a", [1, 2, 3], SamplingOptions(temperature=0.0, max_tokens=3, ignore_eos=True))
-    assert len(drain(engine)["a"].tokens) == 3
+        cpu_norm.load.cache_clear()
