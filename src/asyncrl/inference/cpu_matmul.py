@@ -12,10 +12,11 @@ torch's OpenMP threads. `LinearKernel` multiplies up to `MAX_LINEAR_ROWS` rows b
 (a decode step's q/k/v/o, dense MLPs, lm_head): at a few rows oneDNN's cost per call dominates, and
 up to 128 rows its packed matmuls were no faster than the kernel (AVX-512 BF16, no AMX).
 
-Results round where torch's path rounds (tests check them against it): in bf16 after each op for
-weights large enough for native bf16, once at the end for those torch computes in fp32
-(`asyncrl.model.compute.cpu_upcast`), which go through the fp32 kernel. bf16 needs AVX-512 BF16,
-fp32 AVX-512 F/BW/VL.
+Results round where torch's path rounds (tests check them against it). The experts: in bf16 after
+each op for weights large enough for native bf16, once at the end for those torch computes in fp32
+(`asyncrl.model.compute.cpu_upcast`), which go through the fp32 kernel. A linear rounds once in
+either case, so bf16 linears of any size go through the bf16 kernel. bf16 needs AVX-512 BF16, fp32
+AVX-512 F/BW/VL.
 
 Weights are copied once per version into the kernel's layout (`kept` on the weights, as oneDNN's
 packed copies are): as much memory again as the weights it multiplies. The engine sets the kernels
@@ -236,10 +237,11 @@ class LinearKernel(_LibraryKernel):
         return x.numel() // x.shape[-1] <= MAX_LINEAR_ROWS
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.bfloat16 and cpu_upcast(x, linear_numel=weight.numel()):
-            dtype = torch.float32  # torch computes this linear in fp32 (compute.linear): so do we
-        return self.run(x, weight, dtype).to(x.dtype)
+        # bf16 in the bf16 kernel, whatever the weight's size: its products of bf16 pairs are exact,
+        # summed in fp32 and rounded once, as in torch's fp32 upcast of the linears too small for
+        # native bf16 (compute.cpu_upcast). Only the order of the sum differs, and the casts and
+        # the fp32 copy of the weight are saved.
+        return self.run(x, weight, x.dtype)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The kernel of `dtype` (one of `dtypes`) on x and weight cast to it; output in `dtype`."""

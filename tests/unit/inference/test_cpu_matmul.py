@@ -139,6 +139,26 @@ def test_bf16_experts_torch_upcasts_go_through_the_fp32_kernel(kernel):
     assert "cpu_moe_torch.float32" in m.gate_proj._asyncrl_kept, "packed for the fp32 kernel"
 
 
+def test_bf16_linears_torch_upcasts_go_through_the_bf16_kernel(kernels):
+    # a linear too small for torch's native bf16: torch computes it in fp32 and rounds once; the
+    # bf16 kernel's products of bf16 pairs are exact and summed in fp32, so it rounds the same sum
+    # once, with no casts and no fp32 copy of the weight.
+    if torch.bfloat16 not in kernels.dtypes:
+        pytest.skip("no bf16 kernel on this CPU (needs AVX-512 BF16)")
+    layer = compute.Linear(64, 48, bias=False).bfloat16()
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    with torch.inference_mode():
+        assert compute.cpu_upcast(x, linear_numel=layer.weight.numel()), "torch's path: fp32"
+        want = layer(x)
+        layer.cpu_kernel = kernels.linear
+        got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert (got != want).float().mean() <= 0.01
+    assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+    kept = layer.weight._asyncrl_kept
+    assert "cpu_linear_torch.bfloat16" in kept and "cpu_linear_torch.float32" not in kept
+
+
 def test_module_uses_the_kernel_only_where_it_takes_the_call(kernel, monkeypatch):
     m = _experts(4, 32, 16, torch.float32, seed=5)
     m.cpu_kernel = kernel
