@@ -55,6 +55,11 @@ default wherever it builds) against torch's fused norm and the multiply by the w
 `cpu_matmul.MAX_LINEAR_ROWS` rows (the default) through the kernel, against up to N rows (e.g. 16,
 the limit before it was raised), larger ones through oneDNN's packed matmuls.
 
+`--compare-dtypes` times instead bf16 against fp32: one engine of each dtype over the same model,
+prompts and warm-up, their decode steps alternating in windows as above (fp32 first in even rounds,
+bf16 first in odd ones); it prints each one's median step time and bf16's speed-up over fp32
+(`--dtypes` is ignored).
+
 `--compare-decode-kernel` does the same for the CPU decode attention kernel
 (`asyncrl.inference.cpu_decode`, the default) against SDPA over the same dense rows. The kernel
 runs on torch's own OpenMP threads, so the clocks are the same as for packing: with one torch
@@ -288,6 +293,26 @@ COMPARED_NAMES = {
 }
 
 
+def compare_dtypes(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Median ms per decode step of an fp32 and a bf16 engine, alternating, and fp32 / bf16."""
+    engines = {dtype: build_engine(model_dir, dtype, args.concurrency) for dtype in ("float32", "bfloat16")}
+    max_tokens = args.warm_tokens + args.rounds * (args.window + 1) + 8
+    for engine in engines.values():
+        start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
+    clock = step_clock()
+    times: dict[str, list[float]] = {dtype: [] for dtype in engines}
+    for r in range(args.rounds):
+        for dtype in engines if r % 2 == 0 else reversed(engines):
+            engine = engines[dtype]
+            engine.step()  # the other engine ran last: one step to bring this one's caches back
+            start = clock()
+            for _ in range(args.window):
+                engine.step()
+            times[dtype].append(1000 * (clock() - start) / args.window)
+    med = {dtype: sorted(v)[len(v) // 2] for dtype, v in times.items()}
+    return med | {"ratio": med["float32"] / med["bfloat16"]}
+
+
 def step_clock() -> Callable[[], float]:
     """The engine thread's CPU time with one torch thread; wall time with more (the kernels' other
     threads work for the step too)."""
@@ -402,6 +427,7 @@ def main() -> None:
     p.add_argument(
         "--batch-sweep", metavar="SIZES", help="decode step time at these batch sizes, e.g. 1,4,16,64 (above)"
     )
+    p.add_argument("--compare-dtypes", action="store_true", help="bf16 against fp32, one engine each (above)")
     p.add_argument("--rounds", type=int, default=12, help="--compare-*: windows of each mode")
     p.add_argument("--window", type=int, default=3, help="--compare-*: decode steps per window")
     args = p.parse_args()
@@ -417,6 +443,15 @@ def main() -> None:
         for preset in args.presets.split(","):
             model_dir = Path(tmp) / preset
             init_model(preset, model_dir, seed=0)
+            if args.compare_dtypes:
+                r = compare_dtypes(model_dir, args)
+                print(
+                    f"{preset} c={args.concurrency}: bfloat16 {r['bfloat16']:.2f} ms per decode step, "
+                    f"float32 {r['float32']:.2f} ms: bf16 {r['ratio']:.2f}x fp32 (median of "
+                    f"{args.rounds} windows of {args.window} steps each)",
+                    flush=True,
+                )
+                continue
             for dtype in args.dtypes.split(","):
                 if args.batch_sweep:
                     curve = batch_sweep(model_dir, dtype, [int(x) for x in args.batch_sweep.split(",")], args)
