@@ -32,7 +32,9 @@ capabilities, once (`cpu_kernels()`), because native is not always faster there:
   autograd (a small model's q/k/v/o projections in the engine's steps) take the fp32 path on kept
   fp32 copies: oneDNN's bf16 call costs ~2x sgemm's there when the caches are cold, as they are
   between the layers of a decode step (64 x 128 by 128 x 128: ~118 against ~65 us); a 260 x 128
-  lm_head is already faster native. The copies are at most `MIN_NATIVE_LINEAR` elements each.
+  lm_head is already faster native. The copies are at most `MIN_NATIVE_LINEAR` elements each. (The
+  engine's CPU matmul kernel, where it takes a call, computes these in bf16 instead: a linear
+  rounds once either way; asyncrl.inference.cpu_matmul.)
 - the MoE experts: in the engine's steps (no autograd), on packed copies of their weights from
   `MIN_PACKED` weights per matrix (below); smaller ones as one padded batched matmul per projection
   over all experts, natively (asyncrl.model.moe), while padding at most doubles the rows. Otherwise
