@@ -23,8 +23,9 @@
  *   down [E][Dp/32][Ip/2][32][2] (bf16) or [E][Dp/32][Ip][32] (fp32).
  * Ip is I rounded up to 16 and Dp is D rounded up to 32, the padding zeros; D is even in bf16.
  *
- * A linear (asyncrl_linear_*) is down's pass without the scaling: y = x . w^T over up to a few hundred rows, the
- * weight [P, C] laid out as down is, [Pp/32][C/2][32][2] or [Pp/32][C][32], and y rounded once.
+ * A linear (asyncrl_linear_*) is down's pass without the scaling: y = x . w^T over the rows given
+ * (cpu_matmul.py sends at most MAX_LINEAR_ROWS), the weight [P, C] laid out as down is,
+ * [Pp/32][C/2][32][2] or [Pp/32][C][32], and y rounded once.
  *
  * Both multiply in register blocks of up to RB rows by 32 columns: per input pair (bf16) or input
  * (fp32), two loads of 16 columns of weights, each row's input broadcast, 2 x RB accumulators.
@@ -66,14 +67,16 @@ static inline __m512 widen_bf16(__m256i h) {
 /* e^x in 16 lanes, x clamped to [-88, 88]: x = n ln2 + r with |r| <= ln2 / 2 (ln2 as a head and a
  * tail, so that n ln2 loses nothing to rounding), e^r by its Taylor series to r^7, times 2^n by
  * vscalefps; within 1 ulp of e^x wherever e^x is a normal float. It replaces glibc's expf called
- * lane by lane (the compiler did not vectorise that loop), a sizeable share of the kernel's time. */
+ * lane by lane (the compiler did not vectorise that loop), a sizeable share of the kernel's
+ * time. */
 static inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.f)), _mm512_set1_ps(88.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  static const float taylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  static const float taylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24,
+                                 1.f / 6,    0.5f,      1.f,       1.f};
   __m512 p = _mm512_set1_ps(taylor[0]);
   for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[i]));
   return _mm512_scalef_ps(p, n);
@@ -174,9 +177,8 @@ static int sort_by_expert(const int64_t *ids, int64_t A, int64_t E, int64_t *ord
 }
 
 /* asyncrl_moe_S returns 0, 1 (no memory for scratch) or 2 (an expert id outside [0, E)).
- * asyncrl_linear_S: y [M, N] = x [M, K] . w^T for the rows of a decode step (its linears, up to
- * the Python side's row limit), w packed as down is, [Np/32][K/2][32][2] (bf16, K even) or [Np/32][K][32] (fp32); y
- * rounded once (bf16). */
+ * asyncrl_linear_S: y [M, N] = x [M, K] . w^T over a decode step's rows, w packed as down is,
+ * [Np/32][K/2][32][2] (bf16, K even) or [Np/32][K][32] (fp32); y rounded once (bf16). */
 #define MATMULS(S, T)                                                                              \
   int asyncrl_moe_##S(const T *x, const int64_t *ids, const T *weights, const T *gate_up,           \
                       const T *down, T *out, int64_t N, int64_t K, int64_t E, int64_t D,           \
