@@ -12,7 +12,9 @@ its exact mode), `embedded-bf16`, `embedded-sdpa` and `embedded-bf16-sdpa` (the 
 `--baseline-src DIR` (the `src` of another checkout, e.g. a git worktree of an older commit) also
 `baseline` and `baseline-bf16`, the embedded engine of that checkout. `--repeats N` runs every
 server N times, in rounds (one server at a time), and reports the median; the header gives the CPU,
-its ISA and whether it has native bf16 (AVX512_BF16, AMX).
+its ISA and whether it has native bf16 (AVX512_BF16, AMX). A server that fails (does not start, or
+dies during a workload) runs no more rounds; the tables keep the runs it completed, with "-" where
+it has none, and a note under them says what failed.
 
 The weight-update pause is measured as the orchestrator's updater drives it: one `update_weights` with
 8 long requests in flight, the backend pausing itself for as long as it needs (keep mode). Each
@@ -260,18 +262,24 @@ def main() -> None:
                                 f"{rate.cpu_ms_per_token:.3f} CPU ms/token",
                                 flush=True,
                             )
-                except RuntimeError as e:  # a server that does not start here (vLLM in fp32, say)
-                    failed[kind] = str(e)
+                except RuntimeError as e:  # a server that does not start here (vLLM in fp32, say) or dies
+                    failed[kind] = f"round {rep + 1} of {args.repeats}: {e}"
                     print(f"{kind}: {e}\n{_log_tail(root / f'{kind}-tput.log')}", flush=True)
-        kinds = [k for k in kinds if k not in failed]
-        for kind in kinds if args.updates else []:
+        # a server that failed keeps the rounds it completed (its later rounds did not run)
+        ran = {k for k, _ in runs}
+        kinds = [k for k in kinds if k in ran]
+        for kind in [k for k in kinds if k not in failed] if args.updates else []:
             with serve(kind, root / "pause-v0", args, root / f"{kind}-pause.log") as server:
                 pauses[kind] = asyncio.run(update_pauses(kind, server.url, root / "pause-v1", args.updates))
                 print(f"{kind:8s} update: {pauses[kind]}", flush=True)
     tok_s = {key: statistics.median(r.tok_s for r in rates) for key, rates in runs.items()}
     cpu_ms = {key: statistics.median(r.cpu_ms_per_token for r in rates) for key, rates in runs.items()}
     table = format_tables(args, kinds, tok_s, cpu_ms, pauses)
-    table += "".join(f"\n\n`{k}` did not run here: {why}" for k, why in failed.items())
+    table += "".join(
+        f"\n\n`{k}` failed: {why}"
+        + ("; the tables have the runs it completed before that" if k in kinds else "")
+        for k, why in failed.items()
+    )
     print(table)
     if args.write:
         write_section(REPO / "BENCHMARKS.md", table, args.section)
@@ -333,7 +341,7 @@ def format_tables(args, kinds, tok_s, cpu_ms, pauses) -> str:
         "| backend | generation paused | checkpoint read | update wall time | paused, all updates |",
         "|---|---|---|---|---|",
     ]
-    for k in kinds:
+    for k in [k for k in kinds if k in pauses]:
         med = {key: statistics.median(p[key] for p in pauses[k]) for key in ("paused", "load", "wall")}
         every = ", ".join(f"{p['paused']:.3f}" for p in pauses[k])
         rows.append(f"| {k} | {med['paused']:.3f} | {med['load']:.3f} | {med['wall']:.3f} | {every} |")
@@ -368,8 +376,11 @@ def _rate_table(args, kinds: list[str], rate: dict[tuple[str, str], float], unit
         ("fixed", f"fixed {args.fixed_tokens} tokens"),
         ("mixed", f"mixed 16-{args.max_tokens}"),
     ):
-        cells = [f"{rate[k, name]:.0f}" for k in kinds]
-        shown = "".join(f" {rate[a, name] / rate[b, name]:.2f}x |" for a, b in ratios)
+        cells = [f"{rate[k, name]:.0f}" if (k, name) in rate else "-" for k in kinds]
+        shown = "".join(
+            f" {rate[a, name] / rate[b, name]:.2f}x |" if (a, name) in rate and (b, name) in rate else " - |"
+            for a, b in ratios
+        )
         rows.append(f"| {what} | {' | '.join(cells)} |{shown}")
     return rows
 

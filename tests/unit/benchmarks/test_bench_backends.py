@@ -1,0 +1,35 @@
+"""benchmarks/bench_backends.py's tables: a server that failed in a later round keeps the runs it
+completed, and the cells it has no run for show as "-"."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_backends.py"
+spec = importlib.util.spec_from_file_location("bench_backends", PATH)
+bench_backends = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = bench_backends  # its dataclasses look their module up
+spec.loader.exec_module(bench_backends)
+
+
+def test_a_missing_workload_shows_as_a_dash_and_the_rest_of_the_row_stays():
+    args = argparse.Namespace(fixed_tokens=128, max_tokens=256)
+    kinds = ["embedded", "embedded-bf16", "vllm"]
+    rate = {
+        ("embedded", "fixed"): 1000.0,
+        ("embedded", "mixed"): 900.0,
+        ("embedded-bf16", "fixed"): 1500.0,
+        ("embedded-bf16", "mixed"): 1200.0,
+        ("vllm", "fixed"): 800.0,  # vLLM died during its mixed-length round
+    }
+    header, _, fixed, mixed = bench_backends._rate_table(args, kinds, rate, "tok/s")
+    assert header.startswith("| workload | embedded tok/s | embedded-bf16 tok/s | vllm tok/s |")
+    assert "embedded / vllm |" in header and "embedded-bf16 / embedded |" in header
+    assert fixed.split("|")[2:5] == [" 1000 ", " 1500 ", " 800 "]
+    assert " 1.25x |" in fixed and " 1.50x |" in fixed  # embedded / vllm, embedded-bf16 / embedded
+    assert mixed.split("|")[2:5] == [" 900 ", " 1200 ", " - "]
+    cells = mixed.split("|")[5:-1]
+    assert cells == [" - ", " - ", " 1.33x "]  # against vLLM: none; bf16 / fp32 still there
