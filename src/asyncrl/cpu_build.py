@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 K = TypeVar("K")
 
-# -ffast-math lets exp vectorise (glibc's vector expf); the kernels see finite values only.
+# -ffast-math lets a loop of expf calls vectorise (glibc's vector expf) where the compiler vectorises
+# that loop at all; the kernels see finite values only.
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _BUILD_TIMEOUT_S = 120
 
