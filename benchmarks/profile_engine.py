@@ -259,22 +259,35 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
             for module, kernel_of in matmul_kernels.items():
                 module.cpu_kernel = kernel_of if on else None
 
-    clock = step_clock()
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    def enter(mode: str) -> Callable[[], object]:
+        switch(mode == "on")
+        return engine.step
+
     try:
-        for r in range(args.rounds):
-            modes = (("off", False), ("on", True))
-            for mode, on in modes if r % 2 == 0 else modes[::-1]:  # off-on, on-off, ...
-                switch(on)
-                engine.step()  # packs the weights, when on
-                start = clock()
-                for _ in range(args.window):
-                    engine.step()
-                times[mode].append(1000 * (clock() - start) / args.window)
+        med = alternating_windows(("off", "on"), enter, args)
     finally:
         switch(True)
-    med = {mode: sorted(v)[len(v) // 2] for mode, v in times.items()}
     return med | {"ratio": med["off"] / med["on"]}
+
+
+def alternating_windows(
+    modes: tuple[str, ...], enter: Callable[[str], Callable[[], object]], args: argparse.Namespace
+) -> dict[str, float]:
+    """Median ms per decode step of each mode: `args.rounds` rounds, each a window of `args.window`
+    steps per mode, the modes' order reversed every other round. `enter(mode)` switches to a mode
+    and returns its step; one untimed step follows each switch (it packs weights, or brings the
+    mode's caches back)."""
+    clock = step_clock()
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for r in range(args.rounds):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            step = enter(mode)
+            step()
+            start = clock()
+            for _ in range(args.window):
+                step()
+            times[mode].append(1000 * (clock() - start) / args.window)
+    return {mode: sorted(v)[len(v) // 2] for mode, v in times.items()}
 
 
 COMPARED = {  # what --compare-* times: its argument
@@ -299,17 +312,7 @@ def compare_dtypes(model_dir: Path, args: argparse.Namespace) -> dict[str, float
     max_tokens = args.warm_tokens + args.rounds * (args.window + 1) + 8
     for engine in engines.values():
         start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
-    clock = step_clock()
-    times: dict[str, list[float]] = {dtype: [] for dtype in engines}
-    for r in range(args.rounds):
-        for dtype in engines if r % 2 == 0 else reversed(engines):
-            engine = engines[dtype]
-            engine.step()  # the other engine ran last: one step to bring this one's caches back
-            start = clock()
-            for _ in range(args.window):
-                engine.step()
-            times[dtype].append(1000 * (clock() - start) / args.window)
-    med = {dtype: sorted(v)[len(v) // 2] for dtype, v in times.items()}
+    med = alternating_windows(tuple(engines), lambda dtype: engines[dtype].step, args)
     return med | {"ratio": med["float32"] / med["bfloat16"]}
 
 
