@@ -7,8 +7,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.inference import Engine, RequestOutput, SamplingOptions
-from asyncrl.model import Transformer
+from asyncrl.inference import Engine, RequestOutput, SamplingOptions, cpu_decode, cpu_matmul
+from asyncrl.model import Transformer, cpu_norm
+
+
+def forget_kernel_loads() -> None:
+    """Clear the process's cached loads of the engine's CPU kernels (decode attention, matmuls,
+    RMSNorm), so that the next use loads each anew. For tests that load them under a broken CC: an
+    engine made there caches failed loads of every kernel, and the tests after them in the same
+    process would run without the kernels."""
+    for load in (cpu_decode.load, cpu_matmul.load, cpu_norm.load):
+        load.cache_clear()
 
 
 @dataclass

@@ -10,14 +10,21 @@ import stat
 import pytest
 import torch
 import torch.nn.functional as F
-from inference_helpers import assert_same_answers, drain, random_prompts, serve_greedy, worst_teacher_error
+from inference_helpers import (
+    assert_same_answers,
+    drain,
+    forget_kernel_loads,
+    random_prompts,
+    serve_greedy,
+    worst_teacher_error,
+)
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference import Engine, SamplingOptions, cpu_decode, cpu_matmul
+from asyncrl.inference import Engine, SamplingOptions, cpu_decode
 from asyncrl.inference.decode_kv import DecodeKV
 from asyncrl.inference.kv_cache import AttentionPaths
 from asyncrl.inference.main import _kernels_note
-from asyncrl.model import Transformer, cpu_norm, preset_args
+from asyncrl.model import Transformer, preset_args
 
 HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler on PATH: the engine runs SDPA (tested below)")
@@ -32,14 +39,12 @@ def kernel() -> cpu_decode.DecodeKernel:
 
 @pytest.fixture
 def fresh_load(monkeypatch, tmp_path):
-    """`load()` run anew, building into an empty cache; the process's cached result comes back after.
-    So do the other kernels' (an engine made meanwhile loads them, under this test's CC), or the
-    tests after this one in the same process would run without them."""
+    """`load()` run anew, building into an empty cache; the process's cached result comes back after,
+    and so do the other kernels' (an engine made meanwhile loads them, under this test's CC)."""
     monkeypatch.setenv("ASYNCRL_KERNEL_CACHE", str(tmp_path / "kernels"))
     cpu_decode.load.cache_clear()
     yield cpu_decode.load
-    for load in (cpu_decode.load, cpu_matmul.load, cpu_norm.load):
-        load.cache_clear()
+    forget_kernel_loads()
 
 
 def _reference(q, k, v, length_R):

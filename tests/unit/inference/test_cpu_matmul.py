@@ -11,11 +11,18 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from inference_helpers import assert_same_answers, drain, random_prompts, serve_greedy, worst_teacher_error
+from inference_helpers import (
+    assert_same_answers,
+    drain,
+    forget_kernel_loads,
+    random_prompts,
+    serve_greedy,
+    worst_teacher_error,
+)
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions, cpu_matmul
-from asyncrl.model import compute, cpu_norm
+from asyncrl.model import compute
 from asyncrl.model.moe import GroupedExperts, grouped_swiglu
 
 HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
@@ -302,7 +309,4 @@ def test_no_kernel_means_torchs_matmuls_and_says_why(tiny_moe, monkeypatch, tmp_
         engine.add_request("a", [1, 2, 3], SamplingOptions(temperature=0.0, max_tokens=3, ignore_eos=True))
         assert len(drain(engine)["a"].tokens) == 3
     finally:
-        # the tests after this one in the process load the kernels anew (the engine's model loaded
-        # the RMSNorm kernel under this CC too)
-        cpu_matmul.load.cache_clear()
-        cpu_norm.load.cache_clear()
+        forget_kernel_loads()  # the engine's model loaded the RMSNorm kernel under this CC too
