@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_matmul.c")
 # Up to these many rows the kernels were at least as fast as oneDNN's packed matmuls (AVX-512 BF16,
-# no AMX; linears: 1.0-1.4x at 64 and 128 rows with two threads, 1.0-1.2x with one, hidden 512).
+# no AMX; linears at hidden size 512 in a one-off timing, and the decode step in BENCHMARKS.md).
 MAX_ROWS_PER_EXPERT = 64  # on average over a layer's experts
 MAX_LINEAR_ROWS = 128  # a decode step of 64 sequences and the prefill chunks joining it
 _DTYPE_BITS = {torch.float32: 1, torch.bfloat16: 2}  # asyncrl_matmul_dtypes()
