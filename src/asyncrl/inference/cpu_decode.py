@@ -5,7 +5,9 @@ Each decode sequence has one query token. Torch's CPU flash kernel runs it as ti
 per (sequence, kv head) and over every position up to the step's widest context, masked; the
 kernel reads each sequence's keys and values once, only up to its own length, and shares them
 between the query heads of a kv group (scores and softmax in fp32; bf16 keys and values widened
-exactly). It runs on torch's own OpenMP threads.
+exactly). It reads the queries where the model left them, scales them itself and writes the output
+in the model's dtype, so a step pays no torch ops (casts, copies) for those. It runs on torch's own
+OpenMP threads.
 
 `asyncrl.cpu_build` builds the shared library once per source, compiler and CPU, where it
 says. Loading it checks it against SDPA on a small random case. Anything that fails (no compiler,
@@ -51,7 +53,7 @@ class DecodeKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {torch.float32: lib.asyncrl_decode_f32, torch.bfloat16: lib.asyncrl_decode_bf16}
         for fn in self._fns.values():
-            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 10
+            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int64] * 13
             fn.restype = ctypes.c_int
 
     @staticmethod
@@ -63,11 +65,14 @@ class DecodeKernel:
         self, q_RGrd: torch.Tensor, k_RGWd: torch.Tensor, v_RGWd: torch.Tensor, length_R: torch.Tensor
     ) -> torch.Tensor:
         """Attention of each row's r queries per kv head over that row's first `length_R[row]`
-        positions of k and v (default softmax scale), in q's dtype."""
+        positions of k and v (default softmax scale), in q's dtype (k's and v's too). q may be a strided
+        view, as the decode rows' queries are: it is read in place where its head dim is contiguous."""
         R, G, r, dh = q_RGrd.shape
         W = k_RGWd.shape[2]
         if not (self.supports(k_RGWd) and v_RGWd.dtype == k_RGWd.dtype and v_RGWd.stride(3) == 1):
             raise ValueError("keys and values need one dtype of KERNEL_DTYPES and a contiguous head dim")
+        if q_RGrd.dtype != k_RGWd.dtype:
+            raise ValueError(f"queries in {q_RGrd.dtype} for keys in {k_RGWd.dtype}: they need one dtype")
         if k_RGWd.shape != (R, G, W, dh) or v_RGWd.shape != k_RGWd.shape:
             raise ValueError(
                 f"shapes: q {tuple(q_RGrd.shape)}, k {tuple(k_RGWd.shape)}, v {tuple(v_RGWd.shape)}"
@@ -78,18 +83,18 @@ class DecodeKernel:
             )
         if R and not (int(length_R.min()) >= 1 and int(length_R.max()) <= W):
             raise ValueError(f"row lengths must lie in [1, {W}] (the keys' positions)")
-        q = (q_RGrd.float() * dh**-0.5).contiguous()
-        out = torch.empty(R, G, r, dh, dtype=torch.float32)
-        ks, vs = k_RGWd.stride(), v_RGWd.stride()
+        q = q_RGrd if q_RGrd.stride(3) == 1 else q_RGrd.contiguous()
+        out = torch.empty(R, G, r, dh, dtype=q.dtype)
+        qs, ks, vs = q.stride(), k_RGWd.stride(), v_RGWd.stride()
         code = self._fns[k_RGWd.dtype](
             q.data_ptr(), k_RGWd.data_ptr(), v_RGWd.data_ptr(), length_R.data_ptr(), out.data_ptr(),
-            R, G, r, dh, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            dh**-0.5, R, G, r, dh, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
         )  # fmt: skip
         if code:
             raise MemoryError(
                 f"decode kernel: no memory for its scratch ({r} x {int(length_R.max())} floats)"
             )
-        return out if q_RGrd.dtype == torch.float32 else out.to(q_RGrd.dtype)
+        return out
 
 
 @functools.cache

@@ -269,6 +269,30 @@ static int sort_by_expert(const int64_t *ids, int64_t A, int64_t E, int64_t *ord
 
 BLOCKS(f32, float)
 MATMULS(f32, float)
+
+/* The fp32 experts on bf16 inputs and routing weights (widened: exact), the output rounded once to
+ * bf16: what asyncrl_moe_f32 computes on the same values cast to fp32 by torch and its output cast
+ * back, without the casts as separate ops. For bf16 experts too small for native bf16 to pay, which
+ * torch's path computes in fp32 (cpu_matmul.py). Same return codes as asyncrl_moe_f32. */
+int asyncrl_moe_f32_bf16io(const uint16_t *x, const int64_t *ids, const uint16_t *weights,
+                           const float *gate_up, const float *down, uint16_t *out, int64_t N,
+                           int64_t K, int64_t E, int64_t D, int64_t Ip) {
+  float *xf = malloc(sizeof(float) * (N * D + N * K + N * D + 1));
+  if (!xf) return 1;
+  float *wf = xf + N * D, *of = wf + N * K;
+  for (int64_t i = 0; i < N * D; i += 16) {
+    const __mmask16 m = tail(N * D - i);
+    st_f32(xf + i, m, ld_bf16(x + i, m));
+  }
+  for (int64_t i = 0; i < N * K; i++) wf[i] = scalar_bf16(weights[i]);
+  const int code = asyncrl_moe_f32(xf, ids, wf, gate_up, down, of, N, K, E, D, Ip);
+  for (int64_t i = 0; i < N * D && !code; i += 16) {
+    const __mmask16 m = tail(N * D - i);
+    st_bf16(out + i, m, ld_f32(of + i, m));
+  }
+  free(xf);
+  return code;
+}
 #if defined(__AVX512BF16__)
 BLOCKS(bf16, uint16_t)
 MATMULS(bf16, uint16_t)

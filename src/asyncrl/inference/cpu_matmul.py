@@ -123,7 +123,12 @@ class MoEKernel(_LibraryKernel):
     which = "experts"
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        super().__init__(lib, "asyncrl_moe", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5, ctypes.c_int)
+        argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
+        super().__init__(lib, "asyncrl_moe", argtypes, ctypes.c_int)
+        self._fp32_on_bf16 = None  # the fp32 experts on bf16 inputs, output rounded to bf16
+        if torch.float32 in self.dtypes:
+            self._fp32_on_bf16 = lib.asyncrl_moe_f32_bf16io
+            self._fp32_on_bf16.argtypes, self._fp32_on_bf16.restype = argtypes, ctypes.c_int
 
     def takes(self, x_ND: torch.Tensor, num_experts: int, top_k: int) -> bool:
         """Whether the kernel computes this call (else the caller runs torch's path): a plain CPU
@@ -157,11 +162,12 @@ class MoEKernel(_LibraryKernel):
                 f"down {tuple(down_EDI.shape)} for model dim {D}"
             )
         # bf16 experts that torch would compute in fp32 (compute.cpu_upcast: too small for native bf16
-        # to pay) go through the fp32 kernel, so that they round where torch's path does: once, at the end.
+        # to pay) go through the fp32 kernel, so that they round where torch's path does: once, at the
+        # end. The kernel widens the bf16 inputs and rounds the output itself (no casts as torch ops).
         dtype = x_ND.dtype
         if dtype == torch.bfloat16 and cpu_upcast(x_ND, expert_numel=gate_EID[0].numel()):
-            dtype = torch.float32
-        return self.run(x_ND, ids_NK, weights_NK, gate_EID, up_EID, down_EDI, dtype).to(x_ND.dtype)
+            return self.run(x_ND, ids_NK, weights_NK, gate_EID, up_EID, down_EDI, torch.float32, bf16_io=True)
+        return self.run(x_ND, ids_NK, weights_NK, gate_EID, up_EID, down_EDI, dtype)
 
     def run(
         self,
@@ -172,17 +178,26 @@ class MoEKernel(_LibraryKernel):
         up_EID: torch.Tensor,
         down_EDI: torch.Tensor,
         dtype: torch.dtype,
+        *,
+        bf16_io: bool = False,
     ) -> torch.Tensor:
-        """The kernel of `dtype` (one of `dtypes`) on inputs and weights cast to it; output in `dtype`."""
+        """The kernel of `dtype` (one of `dtypes`) on inputs and weights cast to it; output in `dtype`.
+        bf16_io (fp32 only): inputs, routing weights and output in bf16, widened and rounded in the
+        kernel; the same values as casting them to fp32 and the output back."""
         N, D = x_ND.shape
         K, E = ids_NK.shape[1], gate_EID.shape[0]
         gate_up, down = kept(f"cpu_moe_{dtype}", lambda: pack_experts(gate_EID, up_EID, down_EDI, dtype),
                              gate_EID, up_EID, down_EDI)  # fmt: skip
-        x = x_ND.to(dtype).contiguous()
+        fn, io = self._fns[dtype], dtype
+        if bf16_io:
+            if dtype != torch.float32 or self._fp32_on_bf16 is None:
+                raise ValueError(f"bf16_io is for the fp32 kernel, not {dtype}")
+            fn, io = self._fp32_on_bf16, torch.bfloat16
+        x = x_ND.to(io).contiguous()
         ids = ids_NK.to(torch.int64).contiguous()
-        weights = weights_NK.to(dtype).contiguous()
-        out = torch.empty(N, D, dtype=dtype)
-        code = self._fns[dtype](
+        weights = weights_NK.to(io).contiguous()
+        out = torch.empty(N, D, dtype=io)
+        code = fn(
             x.data_ptr(), ids.data_ptr(), weights.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
             out.data_ptr(), N, K, E, D, gate_up.shape[1] * 16,
         )  # fmt: skip

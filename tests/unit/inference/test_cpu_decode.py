@@ -79,6 +79,25 @@ def test_kernel_matches_sdpa_on_strided_rows_of_unequal_lengths(kernel, R, G, r,
 
 
 @needs_cc
+def test_kernel_reads_strided_queries_in_place_and_rounds_as_torch_casts(kernel):
+    # The decode rows' queries as the model leaves them: [H, S, d] seen as [S, G, r, d] (a view).
+    g = torch.Generator().manual_seed(5)
+    S, G, r, dh, W = 4, 2, 3, 64, 23
+    length_R = torch.tensor([23, 1, 9, 16])
+    for dtype in (torch.float32, torch.bfloat16):
+        q_HSd = torch.randn(G * r, S, dh, generator=g).to(dtype)
+        q_SGrd = q_HSd.transpose(0, 1).reshape(S, G, r, dh)
+        assert not q_SGrd.is_contiguous() and q_SGrd.data_ptr() == q_HSd.data_ptr()
+        k, v = (torch.randn(S, G, W, dh, generator=g).to(dtype) for _ in range(2))
+        got = kernel(q_SGrd, k, v, length_R)
+        assert got.dtype == dtype and got.is_contiguous()
+        assert torch.equal(got, kernel(q_SGrd.contiguous(), k, v, length_R))
+        # bf16 in, bf16 out: the fp32 kernel's output on the widened inputs, rounded by torch's cast.
+        wide = kernel(q_SGrd.float(), k.float(), v.float(), length_R)
+        assert torch.equal(got, wide.to(dtype))
+
+
+@needs_cc
 def test_kernel_rejects_what_it_cannot_read(kernel):
     q, k, v = torch.randn(2, 1, 2, 8), torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)
     with pytest.raises(ValueError, match=r"row lengths must lie in \[1, 5\]"):
@@ -91,6 +110,8 @@ def test_kernel_rejects_what_it_cannot_read(kernel):
         kernel(q, k, v, torch.tensor([3, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match="one dtype"):
         kernel(q, k.half(), v.half(), torch.tensor([3, 2]))
+    with pytest.raises(ValueError, match="queries in torch.float32 for keys in torch.bfloat16"):
+        kernel(q, k.bfloat16(), v.bfloat16(), torch.tensor([3, 2]))
     assert not cpu_decode.DecodeKernel.supports(k.half())
     assert not cpu_decode.DecodeKernel.supports(k.transpose(2, 3))
 

@@ -65,9 +65,9 @@ def _count_runs(monkeypatch, cls=cpu_matmul.MoEKernel) -> list[int]:
     calls = []
     real = cls.run
 
-    def counted(self, *args):
+    def counted(self, *args, **kwargs):
         calls.append(args[0].numel() // args[0].shape[-1])  # rows of [N, D] or [B, T, D]
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, "run", counted)
     return calls
@@ -132,16 +132,23 @@ def test_fp32_kernels_silu_is_within_a_few_ulp_over_the_whole_range(kernel):
 
 def test_bf16_experts_torch_upcasts_go_through_the_fp32_kernel(kernel):
     # tiny experts (under compute.MIN_NATIVE_EXPERT weights): torch computes them in fp32 and rounds
-    # once; so does the kernel, and its output is torch's up to that last rounding.
+    # once; so does the kernel, and its output is torch's up to that last rounding. The kernel
+    # widens the bf16 inputs and rounds its output itself: exactly the fp32 kernel between torch's
+    # casts.
     if torch.bfloat16 not in kernel.dtypes:
         pytest.skip("no bf16 kernel on this CPU (needs AVX-512 BF16)")
     m = _experts(8, 64, 32, torch.bfloat16, seed=1)
     x = torch.randn(12, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     ids, weights = _routing(12, 2, 8, seed=3, dtype=torch.bfloat16)
+    experts = (m.gate_proj, m.up_proj, m.down_proj)
     with torch.inference_mode():
-        got = kernel(x, ids, weights, m.gate_proj, m.up_proj, m.down_proj)
+        got = kernel(x, ids, weights, *experts)
         want = m(x, ids, weights)  # no kernel set: torch's path
+        cast = kernel.run(x.float(), ids, weights.float(), *experts, torch.float32).bfloat16()
+        with pytest.raises(ValueError, match="bf16_io is for the fp32 kernel"):
+            kernel.run(x, ids, weights, *experts, torch.bfloat16, bf16_io=True)
     assert got.dtype == torch.bfloat16
+    assert torch.equal(got, cast)
     assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()
     assert "cpu_moe_torch.float32" in m.gate_proj._asyncrl_kept, "packed for the fp32 kernel"
 
