@@ -11,7 +11,9 @@ its exact mode), `embedded-bf16`, `embedded-sdpa` and `embedded-bf16-sdpa` (the 
 `cpu_decode_kernel = false`), `vllm` (bfloat16, vLLM's CPU build) and `vllm-fp32`; with
 `--baseline-src DIR` (the `src` of another checkout, e.g. a git worktree of an older commit) also
 `baseline` and `baseline-bf16`, the embedded engine of that checkout. `--repeats N` runs every
-server N times, in rounds (one server at a time), and reports the median; the header gives the CPU,
+server N times, in rounds (one server at a time), and reports each server's median and, for each
+ratio, the median of its rounds' ratios (the two servers of a round ran minutes apart at most, so
+the machine's drift between rounds moves it less than a ratio of medians); the header gives the CPU,
 its ISA and whether it has native bf16 (AVX512_BF16, AMX). A server that fails (does not start, or
 dies during a workload) runs no more rounds; the tables keep the runs it completed, with "-" where
 it has none, and a note under them says what failed.
@@ -272,9 +274,9 @@ def main() -> None:
             with serve(kind, root / "pause-v0", args, root / f"{kind}-pause.log") as server:
                 pauses[kind] = asyncio.run(update_pauses(kind, server.url, root / "pause-v1", args.updates))
                 print(f"{kind:8s} update: {pauses[kind]}", flush=True)
-    tok_s = {key: statistics.median(r.tok_s for r in rates) for key, rates in runs.items()}
-    cpu_ms = {key: statistics.median(r.cpu_ms_per_token for r in rates) for key, rates in runs.items()}
-    table = format_tables(args, kinds, tok_s, cpu_ms, pauses)
+    tok_s = {key: [r.tok_s for r in rates] for key, rates in runs.items()}
+    per_cpu_s = {key: [1000 / r.cpu_ms_per_token for r in rates] for key, rates in runs.items()}
+    table = format_tables(args, kinds, tok_s, per_cpu_s, pauses)
     table += "".join(
         f"\n\n`{k}` failed: {why}"
         + ("; the tables have the runs it completed before that" if k in kinds else "")
@@ -308,15 +310,16 @@ def machine_line() -> str:
     return f"{model}, {os.cpu_count()} cores; ISA {' '.join(flags)} ({native}); torch {torch.__version__}"
 
 
-def format_tables(args, kinds, tok_s, cpu_ms, pauses) -> str:
-    per_cpu_s = {key: 1000 / ms for key, ms in cpu_ms.items()}
+def format_tables(args, kinds, tok_s, per_cpu_s, pauses) -> str:
+    """tok_s, per_cpu_s: each (server, workload)'s rate in every round it ran."""
     omp = os.environ.get("OMP_NUM_THREADS")
     rows = [
         f"Command: `PYTHONPATH=src {f'OMP_NUM_THREADS={omp} ' if omp else ''}python "
         f"benchmarks/bench_backends.py {_argv()}`; vLLM from `scripts/setup-vllm.sh`'s venv "
         f"(the embedded servers run {torch.get_num_threads()} torch thread(s)).",
         "",
-        f"Machine: {machine_line()}; shared. Median of {args.repeats} run(s) of each server, in rounds. "
+        f"Machine: {machine_line()}; shared. Median of {args.repeats} run(s) of each server, in rounds; "
+        "a ratio is the median of the rounds' ratios. "
         f"Model {args.preset}, {args.requests} requests, token-id prompts of 16-64 tokens, concurrency "
         f"{args.concurrency}, greedy, EOS ignored; `-bf16`/`vllm` bfloat16, "
         "`embedded`/`baseline`/`vllm-fp32` "
@@ -348,9 +351,10 @@ def format_tables(args, kinds, tok_s, cpu_ms, pauses) -> str:
     return "\n".join(rows)
 
 
-def _rate_table(args, kinds: list[str], rate: dict[tuple[str, str], float], unit: str) -> list[str]:
-    """One row per workload: each server's rate, then ratios against vLLM (and embedded fp32 against
-    vLLM fp32), bf16 / fp32 and baseline."""
+def _rate_table(args, kinds: list[str], rounds: dict[tuple[str, str], list[float]], unit: str) -> list[str]:
+    """One row per workload: each server's median rate over its rounds, then ratios against vLLM
+    (and embedded fp32 against vLLM fp32), bf16 / fp32 and baseline, each the median over the rounds
+    both servers ran of that round's ratio."""
     ref = next((k for k in kinds if k.startswith("vllm")), None)
     ratios = [(k, ref) for k in kinds if ref and not k.startswith("vllm")]
     pairs = (
@@ -376,11 +380,14 @@ def _rate_table(args, kinds: list[str], rate: dict[tuple[str, str], float], unit
         ("fixed", f"fixed {args.fixed_tokens} tokens"),
         ("mixed", f"mixed 16-{args.max_tokens}"),
     ):
-        cells = [f"{rate[k, name]:.0f}" if (k, name) in rate else "-" for k in kinds]
-        shown = "".join(
-            f" {rate[a, name] / rate[b, name]:.2f}x |" if (a, name) in rate and (b, name) in rate else " - |"
+        cells = [f"{statistics.median(rounds[k, name]):.0f}" if (k, name) in rounds else "-" for k in kinds]
+        paired = [
+            [x / y for x, y in zip(rounds[a, name], rounds[b, name], strict=False)]
+            if (a, name) in rounds and (b, name) in rounds
+            else []
             for a, b in ratios
-        )
+        ]  # a server that failed has its first rounds only: zip pairs them with the other's
+        shown = "".join(f" {statistics.median(r):.2f}x |" if r else " - |" for r in paired)
         rows.append(f"| {what} | {' | '.join(cells)} |{shown}")
     return rows
 
