@@ -190,7 +190,7 @@ class MoEKernel(_LibraryKernel):
                              gate_EID, up_EID, down_EDI)  # fmt: skip
         fn, io = self._fns[dtype], dtype
         if bf16_io:
-            if dtype != torch.float32 or self._fp32_on_bf16 is None:
+            if dtype != torch.float32:  # the fp32 kernel, there whenever it is in `dtypes`
                 raise ValueError(f"bf16_io is for the fp32 kernel, not {dtype}")
             fn, io = self._fp32_on_bf16, torch.bfloat16
         x = x_ND.to(io).contiguous()
