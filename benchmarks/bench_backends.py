@@ -13,7 +13,11 @@ its exact mode), `embedded-bf16`, `embedded-sdpa` and `embedded-bf16-sdpa` (the 
 `baseline` and `baseline-bf16`, the embedded engine of that checkout. `--repeats N` runs every
 server N times, in rounds (one server at a time), and reports each server's median and, for each
 ratio, the median of its rounds' ratios (the two servers of a round ran minutes apart at most, so
-the machine's drift between rounds moves it less than a ratio of medians); the header gives the CPU,
+the machine's drift between rounds moves it less than a ratio of medians), with their quartiles from
+4 rounds on. `--interleave` keeps every server up for all rounds and runs each workload on the
+servers back to back, odd rounds in reverse order: the two runs of a ratio are then seconds apart,
+so the machine's drift moves it less still (the idle servers' CPU during each run is printed, and
+its maximum stated under the tables). Every round has its own cache salt. The header gives the CPU,
 its ISA and whether it has native bf16 (AVX512_BF16, AMX). A server that fails (does not start, or
 dies during a workload) runs no more rounds; the tables keep the runs it completed, with "-" where
 it has none, and a note under them says what failed.
@@ -158,7 +162,7 @@ def _backend(kind: str, url: str) -> HttpBackend:
     return (VLLMBackend if kind.startswith("vllm") else HttpBackend)(url, timeout_s=1800)
 
 
-def workload(n: int, seed: int, lengths: tuple[int, int]) -> list[GenerateRequest]:
+def workload(n: int, seed: int, lengths: tuple[int, int], rep: int = 0) -> list[GenerateRequest]:
     rng = random.Random(seed)
     return [
         GenerateRequest(
@@ -166,15 +170,18 @@ def workload(n: int, seed: int, lengths: tuple[int, int]) -> list[GenerateReques
             max_tokens=rng.randint(*lengths),
             temperature=0.0,
             ignore_eos=True,
-            cache_salt=f"bench-{seed}",
+            cache_salt=f"bench-{seed}-{rep}",
         )
         for _ in range(n)
     ]
 
 
-async def throughput(kind: str, server: Server, requests: list[GenerateRequest], concurrency: int) -> Rate:
-    """Generated tokens per second with at most `concurrency` requests in flight, and the server's
-    CPU time per token (less sensitive than wall time to other jobs on a shared machine)."""
+async def throughput(
+    kind: str, server: Server, requests: list[GenerateRequest], concurrency: int, others: list[int] = ()
+) -> Rate:
+    """Generated tokens per second with at most `concurrency` requests in flight, the server's CPU
+    time per token (less sensitive than wall time to other jobs on a shared machine), and the CPU
+    time that the idle servers (process groups `others`) took meanwhile, as a share of one core."""
     backend = _backend(kind, server.url)
     gate = asyncio.Semaphore(concurrency)
 
@@ -185,9 +192,11 @@ async def throughput(kind: str, server: Server, requests: list[GenerateRequest],
     try:
         await asyncio.gather(*(one(r) for r in workload(8, 99, (8, 8))))  # warm-up
         t0, cpu0 = time.perf_counter(), cpu_seconds(server.pgid)
+        idle0 = sum(cpu_seconds(g) for g in others)
         tokens = sum(await asyncio.gather(*(one(r) for r in requests)))
         wall, cpu = time.perf_counter() - t0, cpu_seconds(server.pgid) - cpu0
-        return Rate(tok_s=tokens / wall, cpu_ms_per_token=1000 * cpu / tokens)
+        idle = sum(cpu_seconds(g) for g in others) - idle0
+        return Rate(tok_s=tokens / wall, cpu_ms_per_token=1000 * cpu / tokens, others_cpu_share=idle / wall)
     finally:
         await backend.aclose()
 
@@ -196,6 +205,7 @@ async def throughput(kind: str, server: Server, requests: list[GenerateRequest],
 class Rate:
     tok_s: float
     cpu_ms_per_token: float
+    others_cpu_share: float = 0.0
 
 
 async def update_pauses(kind: str, url: str, new_weights: Path, num_updates: int) -> list[dict[str, float]]:
@@ -229,6 +239,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", default="embedded,embedded-bf16,vllm")
     p.add_argument("--baseline-src", help="`src` of another checkout: adds baseline and baseline-bf16")
     p.add_argument("--repeats", type=int, default=1, help="runs of every server, in rounds; median")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep every server up for all rounds and run each workload on them back to back",
+    )
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     p.add_argument("--section", default=SECTION, help="the BENCHMARKS.md section --write replaces (or adds)")
     return p
@@ -240,33 +255,13 @@ def main() -> None:
     if args.baseline_src:
         args.baseline_src = str(Path(args.baseline_src).resolve())
         kinds += ["baseline", "baseline-bf16"]
-    runs: dict[tuple[str, str], list[Rate]] = {}
-    failed: dict[str, str] = {}
     pauses: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         init_model(args.preset, root / "tput", seed=0)
         init_model(args.pause_preset, root / "pause-v0", seed=0)
         init_model(args.pause_preset, root / "pause-v1", seed=1)
-        loads = {
-            "fixed": workload(args.requests, 0, (args.fixed_tokens, args.fixed_tokens)),
-            "mixed": workload(args.requests, 1, (16, args.max_tokens)),
-        }
-        for rep in range(args.repeats):
-            for kind in [k for k in kinds if k not in failed]:
-                try:
-                    with serve(kind, root / "tput", args, root / f"{kind}-tput.log") as server:
-                        for name, reqs in loads.items():
-                            rate = asyncio.run(throughput(kind, server, reqs, args.concurrency))
-                            runs.setdefault((kind, name), []).append(rate)
-                            print(
-                                f"run {rep}: {kind:13s} {name:5s}: {rate.tok_s:8.1f} tok/s, "
-                                f"{rate.cpu_ms_per_token:.3f} CPU ms/token",
-                                flush=True,
-                            )
-                except RuntimeError as e:  # a server that does not start here (vLLM in fp32, say) or dies
-                    failed[kind] = f"round {rep + 1} of {args.repeats}: {e}"
-                    print(f"{kind}: {e}\n{_log_tail(root / f'{kind}-tput.log')}", flush=True)
+        runs, failed = run_rounds(args, kinds, root / "tput", root)
         # a server that failed keeps the rounds it completed (its later rounds did not run)
         ran = {k for k, _ in runs}
         kinds = [k for k in kinds if k in ran]
@@ -276,7 +271,8 @@ def main() -> None:
                 print(f"{kind:8s} update: {pauses[kind]}", flush=True)
     tok_s = {key: [r.tok_s for r in rates] for key, rates in runs.items()}
     per_cpu_s = {key: [1000 / r.cpu_ms_per_token for r in rates] for key, rates in runs.items()}
-    table = format_tables(args, kinds, tok_s, per_cpu_s, pauses)
+    idle = max((r.others_cpu_share for rates in runs.values() for r in rates), default=0.0)
+    table = format_tables(args, kinds, tok_s, per_cpu_s, pauses, idle)
     table += "".join(
         f"\n\n`{k}` failed: {why}"
         + ("; the tables have the runs it completed before that" if k in kinds else "")
@@ -285,6 +281,73 @@ def main() -> None:
     print(table)
     if args.write:
         write_section(REPO / "BENCHMARKS.md", table, args.section)
+
+
+def run_rounds(
+    args: argparse.Namespace, kinds: list[str], model: Path, root: Path
+) -> tuple[dict[tuple[str, str], list[Rate]], dict[str, str]]:
+    """Every server's rate on every workload in each of `args.repeats` rounds, and the servers that
+    failed (with why). Without `--interleave` a round starts each server in turn and runs both
+    workloads on it; with it, every server stays up for all rounds, each workload runs on the servers
+    back to back, and odd rounds take the servers in reverse order (so that a ratio pairs runs
+    seconds apart and neither server always goes first)."""
+    runs: dict[tuple[str, str], list[Rate]] = {}
+    failed: dict[str, str] = {}
+    live: dict[str, tuple[contextlib.ExitStack, Server]] = {}
+
+    def server(kind: str) -> Server:
+        if kind not in live:
+            stack = contextlib.ExitStack()
+            live[kind] = (stack, stack.enter_context(serve(kind, model, args, root / f"{kind}-tput.log")))
+        return live[kind][1]
+
+    def close(kind: str) -> None:
+        if kind in live:
+            live.pop(kind)[0].close()
+
+    def fail(kind: str, rep: int, e: RuntimeError) -> None:
+        failed[kind] = f"round {rep + 1} of {args.repeats}: {e}"
+        print(f"{kind}: {e}\n{_log_tail(root / f'{kind}-tput.log')}", flush=True)
+        close(kind)
+
+    try:
+        for kind in kinds if args.interleave else []:  # all up before the first run
+            try:
+                server(kind)
+            except RuntimeError as e:  # a server that does not start here (vLLM in fp32, say)
+                fail(kind, 0, e)
+        for rep in range(args.repeats):
+            loads = {  # a fresh cache salt each round: no round reuses an earlier one's prefixes
+                "fixed": workload(args.requests, 0, (args.fixed_tokens, args.fixed_tokens), rep),
+                "mixed": workload(args.requests, 1, (16, args.max_tokens), rep),
+            }
+            order = kinds[::-1] if args.interleave and rep % 2 else kinds
+            if args.interleave:
+                steps = [(k, n) for n in loads for k in order]
+            else:
+                steps = [(k, n) for k in order for n in loads]
+            for i, (kind, name) in enumerate(steps):
+                if kind in failed:
+                    continue
+                others = [s.pgid for k, (_, s) in live.items() if k != kind]
+                try:
+                    rate = asyncio.run(throughput(kind, server(kind), loads[name], args.concurrency, others))
+                except RuntimeError as e:  # a server that does not start or dies
+                    fail(kind, rep, e)
+                    continue
+                runs.setdefault((kind, name), []).append(rate)
+                print(
+                    f"run {rep}: {kind:13s} {name:5s}: {rate.tok_s:8.1f} tok/s, "
+                    f"{rate.cpu_ms_per_token:.3f} CPU ms/token"
+                    + (f", idle servers {rate.others_cpu_share:.1%} of a core" if others else ""),
+                    flush=True,
+                )
+                if not args.interleave and (i + 1 == len(steps) or steps[i + 1][0] != kind):
+                    close(kind)
+    finally:
+        for kind in list(live):
+            close(kind)
+    return runs, failed
 
 
 def _argv() -> str:
@@ -310,16 +373,26 @@ def machine_line() -> str:
     return f"{model}, {os.cpu_count()} cores; ISA {' '.join(flags)} ({native}); torch {torch.__version__}"
 
 
-def format_tables(args, kinds, tok_s, per_cpu_s, pauses) -> str:
-    """tok_s, per_cpu_s: each (server, workload)'s rate in every round it ran."""
+def format_tables(args, kinds, tok_s, per_cpu_s, pauses, idle_share: float = 0.0) -> str:
+    """tok_s, per_cpu_s: each (server, workload)'s rate in every round it ran; idle_share: the most
+    CPU that the idle servers took during one run, in cores (interleaved rounds)."""
+    if getattr(args, "interleave", False):
+        rounds = (
+            "in interleaved rounds (every server up throughout; each workload ran on the servers back "
+            "to back, odd rounds in reverse order; the idle servers took at most "
+            f"{idle_share:.1%} of a core during a run)"
+        )
+    else:
+        rounds = "in rounds (each server started for its runs and stopped after them)"
+    spread = " (in brackets: the middle half of the rounds' ratios)" if args.repeats >= 4 else ""
     omp = os.environ.get("OMP_NUM_THREADS")
     rows = [
         f"Command: `PYTHONPATH=src {f'OMP_NUM_THREADS={omp} ' if omp else ''}python "
         f"benchmarks/bench_backends.py {_argv()}`; vLLM from `scripts/setup-vllm.sh`'s venv "
         f"(the embedded servers run {torch.get_num_threads()} torch thread(s)).",
         "",
-        f"Machine: {machine_line()}; shared. Median of {args.repeats} run(s) of each server, in rounds; "
-        "a ratio is the median of the rounds' ratios. "
+        f"Machine: {machine_line()}; shared. Median of {args.repeats} run(s) of each server, {rounds}; "
+        f"a ratio is the median of the rounds' ratios{spread}. "
         f"Model {args.preset}, {args.requests} requests, token-id prompts of 16-64 tokens, concurrency "
         f"{args.concurrency}, greedy, EOS ignored; `-bf16`/`vllm` bfloat16, "
         "`embedded`/`baseline`/`vllm-fp32` "
@@ -387,9 +460,19 @@ def _rate_table(args, kinds: list[str], rounds: dict[tuple[str, str], list[float
             else []
             for a, b in ratios
         ]  # a server that failed has its first rounds only: zip pairs them with the other's
-        shown = "".join(f" {statistics.median(r):.2f}x |" if r else " - |" for r in paired)
+        shown = "".join(f" {_ratio(r)} |" for r in paired)
         rows.append(f"| {what} | {' | '.join(cells)} |{shown}")
     return rows
+
+
+def _ratio(rounds: list[float]) -> str:
+    """The median of the rounds' ratios; with 4 rounds or more, also their quartiles."""
+    if not rounds:
+        return "-"
+    if len(rounds) < 4:
+        return f"{statistics.median(rounds):.2f}x"
+    low, mid, high = statistics.quantiles(rounds, n=4)
+    return f"{mid:.2f}x ({low:.2f}-{high:.2f})"
 
 
 def write_section(path: Path, table: str, section: str = SECTION) -> None:
