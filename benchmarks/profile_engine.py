@@ -60,6 +60,11 @@ prompts and warm-up, their decode steps alternating in windows as above (fp32 fi
 bf16 first in odd ones); it prints each one's median step time and bf16's speed-up over fp32
 (`--dtypes` is ignored).
 
+`--prefill-prompts K` (with the `--compare-*` modes): before every step, K new requests (prompts
+of 16-64 tokens, one answer token each) join, so each timed step prefills them beside the
+`--concurrency` decoding sequences, as a served engine's steps do while requests arrive (a prefill
+chunk of K x 40 rows on average, where pure decode steps have `--concurrency` rows).
+
 `--compare-decode-kernel` does the same for the CPU decode attention kernel
 (`asyncrl.inference.cpu_decode`, the default) against SDPA over the same dense rows. The kernel
 runs on torch's own OpenMP threads, so the clocks are the same as for packing: with one torch
@@ -72,6 +77,7 @@ import argparse
 import bisect
 import contextlib
 import functools
+import itertools
 import math
 import os
 import platform
@@ -167,6 +173,32 @@ def start_decoding(engine: Engine, concurrency: int, max_tokens: int, warm_token
         engine.step()
 
 
+def _batch(args: argparse.Namespace) -> str:
+    """The timed steps' batch: the decoding sequences, and the prompts joining each step."""
+    joined = f" + {args.prefill_prompts} prompts per step" if args.prefill_prompts else ""
+    return f"c={args.concurrency}{joined}"
+
+
+def joining(engine: Engine, prompts: int) -> Callable[[], object]:
+    """`engine.step`, where each call first adds `prompts` new requests (token-id prompts of 16-64
+    tokens, one answer token each): every step then prefills them beside the decoding sequences,
+    as a served engine's steps do while requests arrive. The same prompts, in the same order, for
+    every engine built over one model."""
+    if not prompts:
+        return engine.step
+    g, count = torch.Generator().manual_seed(1), itertools.count()
+
+    def step() -> object:
+        for _ in range(prompts):
+            plen = int(torch.randint(16, 65, (1,), generator=g))
+            prompt = torch.randint(0, 256, (plen,), generator=g).tolist()
+            options = SamplingOptions(temperature=0.0, max_tokens=1, ignore_eos=True)
+            engine.add_request(f"joining-{next(count)}", prompt, options)
+        return engine.step()
+
+    return step
+
+
 def phase_times(engine: Engine, steps: int) -> dict[str, float]:
     """Milliseconds per decode step in each phase, and the step's total."""
     clock = Clock()
@@ -229,9 +261,10 @@ def profile(model_dir: Path, dtype: str, args: argparse.Namespace) -> tuple[dict
 def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) -> dict[str, float]:
     """Median ms per decode step with `what` ("packing", "decode kernel", "matmul kernel", "norm
     kernel" or "linear rows") off and on, and off / on."""
-    engine = build_engine(model_dir, dtype, args.concurrency)
+    engine = build_engine(model_dir, dtype, args.concurrency + args.prefill_prompts)
     max_tokens = args.warm_tokens + 2 * args.rounds * (args.window + 1) + 8
     start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
+    step = joining(engine, args.prefill_prompts)
     kernel = engine.decode_kernel
     if what == "decode kernel" and kernel is None:
         raise SystemExit(f"no decode kernel to compare: {engine.decode_attention_note}")
@@ -261,7 +294,7 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
 
     def enter(mode: str) -> Callable[[], object]:
         switch(mode == "on")
-        return engine.step
+        return step
 
     try:
         med = alternating_windows(("off", "on"), enter, args)
@@ -308,11 +341,13 @@ COMPARED_NAMES = {
 
 def compare_dtypes(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     """Median ms per decode step of an fp32 and a bf16 engine, alternating, and fp32 / bf16."""
-    engines = {dtype: build_engine(model_dir, dtype, args.concurrency) for dtype in ("float32", "bfloat16")}
+    size = args.concurrency + args.prefill_prompts
+    engines = {dtype: build_engine(model_dir, dtype, size) for dtype in ("float32", "bfloat16")}
     max_tokens = args.warm_tokens + args.rounds * (args.window + 1) + 8
     for engine in engines.values():
         start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
-    med = alternating_windows(tuple(engines), lambda dtype: engines[dtype].step, args)
+    steps = {dtype: joining(engine, args.prefill_prompts) for dtype, engine in engines.items()}
+    med = alternating_windows(tuple(engines), steps.__getitem__, args)
     return med | {"ratio": med["float32"] / med["bfloat16"]}
 
 
@@ -433,6 +468,13 @@ def main() -> None:
     p.add_argument("--compare-dtypes", action="store_true", help="bf16 against fp32, one engine each (above)")
     p.add_argument("--rounds", type=int, default=12, help="--compare-*: windows of each mode")
     p.add_argument("--window", type=int, default=3, help="--compare-*: decode steps per window")
+    p.add_argument(
+        "--prefill-prompts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="--compare-*: K new prompts join every timed step (above)",
+    )
     args = p.parse_args()
     import asyncrl
 
@@ -449,7 +491,7 @@ def main() -> None:
             if args.compare_dtypes:
                 r = compare_dtypes(model_dir, args)
                 print(
-                    f"{preset} c={args.concurrency}: bfloat16 {r['bfloat16']:.2f} ms per decode step, "
+                    f"{preset} {_batch(args)}: bfloat16 {r['bfloat16']:.2f} ms per decode step, "
                     f"float32 {r['float32']:.2f} ms: bf16 {r['ratio']:.2f}x fp32 (median of "
                     f"{args.rounds} windows of {args.window} steps each)",
                     flush=True,
@@ -467,7 +509,7 @@ def main() -> None:
                     on, off = COMPARED_NAMES[what]
                     off = off.format(args.compare_linear_rows)
                     print(
-                        f"{preset} {dtype} c={args.concurrency}: {on} {r['on']:.2f} ms per decode step, "
+                        f"{preset} {dtype} {_batch(args)}: {on} {r['on']:.2f} ms per decode step, "
                         f"{off} {r['off']:.2f} ms: {r['ratio']:.2f}x (median of {args.rounds} windows of "
                         f"{args.window} steps each)",
                         flush=True,
