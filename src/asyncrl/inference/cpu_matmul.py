@@ -10,7 +10,11 @@ read in place, gate and up come out of one pass with silu(gate) * up applied as 
 down is scaled by the routing weight as it is stored, and each token's choices are summed; all on
 torch's OpenMP threads. `LinearKernel` multiplies up to `MAX_LINEAR_ROWS` rows by a linear's weight
 (a decode step's q/k/v/o, dense MLPs, lm_head): at a few rows oneDNN's cost per call dominates, and
-up to 128 rows its packed matmuls were no faster than the kernel (AVX-512 BF16, no AMX).
+up to 128 rows its packed matmuls were no faster than the kernel (AVX-512 BF16, no AMX). bf16
+linears that torch computes in fp32 (weights too small for native bf16, `compute.cpu_upcast`: a
+small model's projections) it takes at any number of rows, prefill chunks included: there the
+alternative is two casts around an fp32 matmul (BENCHMARKS.md, "Small bf16 linears in prefill
+chunks (CPU)").
 
 Results round where torch's path rounds (tests check them against it). The experts: in bf16 after
 each op for weights large enough for native bf16, once at the end for those torch computes in fp32
@@ -22,8 +26,9 @@ Weights are copied once per version into the kernel's layout (`kept` on the weig
 packed copies are): as much memory again as the weights it multiplies. The engine sets the kernels
 on its model's `GroupedExperts` and `compute.Linear` modules (`cpu_matmul_kernel`, on by default);
 they take calls outside autograd of at most `MAX_ROWS_PER_EXPERT` rows per expert on average, and
-of at most `MAX_LINEAR_ROWS` rows, where they are faster than oneDNN's packed matmuls
-(benchmarks/profile_engine.py --compare-matmul-kernel; BENCHMARKS.md), and leave larger ones to torch.
+of at most `MAX_LINEAR_ROWS` rows (any number for the small bf16 linears above), where they are
+faster than oneDNN's packed matmuls (benchmarks/profile_engine.py --compare-matmul-kernel;
+BENCHMARKS.md), and leave larger ones to torch.
 
 Shape legend: N tokens (rows), K choices per token, E experts, D model dim, H (I in the weights'
 names) expert hidden dim, Ip: H rounded up to 16, Dp: D rounded up to 32; a linear's weight is
@@ -227,7 +232,8 @@ def pack_experts(
 
 
 class LinearKernel(_LibraryKernel):
-    """`(x, weight) -> x @ weight.T` for inputs of at most MAX_LINEAR_ROWS rows (no bias)."""
+    """`(x, weight) -> x @ weight.T` for inputs of at most MAX_LINEAR_ROWS rows, or of any number in
+    bf16 where torch would compute in fp32 (no bias)."""
 
     which = "linear"
 
@@ -236,7 +242,8 @@ class LinearKernel(_LibraryKernel):
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the kernel computes this call (else the caller runs torch's): plain CPU tensors
-        of one dtype it has, outside autograd, no bias, 1 to MAX_LINEAR_ROWS rows."""
+        of one dtype it has, outside autograd, no bias, 1 to MAX_LINEAR_ROWS rows; more rows in bf16
+        where torch's path would widen to fp32 (`cpu_upcast`: a weight too small for native bf16)."""
         if (
             bias is not None
             or type(x) is not torch.Tensor
@@ -249,7 +256,9 @@ class LinearKernel(_LibraryKernel):
             return False
         if x.dtype == torch.bfloat16 and x.shape[-1] % 2:
             return False  # bf16 inputs are read in pairs
-        return x.numel() // x.shape[-1] <= MAX_LINEAR_ROWS
+        if x.numel() // x.shape[-1] <= MAX_LINEAR_ROWS:
+            return True
+        return x.dtype == torch.bfloat16 and cpu_upcast(x, linear_numel=weight.numel())
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # bf16 in the bf16 kernel, whatever the weight's size: its products of bf16 pairs are exact,
@@ -298,7 +307,14 @@ def load() -> MatmulBuild:
         return MatmulBuild(None, f"decode matmuls torch (kernels failed: {e})")
     names = "/".join({torch.float32: "fp32", torch.bfloat16: "bf16"}[dt] for dt in kernels.dtypes)
     return MatmulBuild(
-        kernels, f"decode matmuls C kernels (MoE experts, linears of <= {MAX_LINEAR_ROWS} rows; {names})"
+        kernels,
+        f"decode matmuls C kernels (MoE experts, linears of <= {MAX_LINEAR_ROWS} rows"
+        + (
+            ", bf16 ones too small for native bf16 at any row count"
+            if torch.bfloat16 in kernels.dtypes
+            else ""
+        )
+        + f"; {names})",
     )
 
 

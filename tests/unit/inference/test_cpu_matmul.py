@@ -254,6 +254,42 @@ def test_linear_module_uses_the_kernel_for_few_rows_only(kernels, monkeypatch):
             kernels.linear.run(torch.randn(2, 48), layer.weight, torch.float32)
 
 
+def test_small_bf16_linears_take_the_kernel_at_any_row_count(kernels, monkeypatch):
+    # Where torch would widen a bf16 linear to fp32 (a weight below MIN_NATIVE_LINEAR on a CPU with
+    # native bf16), the kernel takes prefill-sized inputs too; larger weights, and a forced native
+    # path, leave them to torch.
+    if torch.bfloat16 not in kernels.dtypes:
+        pytest.skip("this CPU's kernels have no bf16 (AVX-512 BF16)")
+    monkeypatch.setattr(compute, "_cpu_native", lambda dtype: True)  # as on a CPU with AVX-512 BF16
+    monkeypatch.setattr(
+        compute,
+        "cpu_kernels",
+        lambda: compute.CpuKernels(isa="AVX512 AVX512_BF16", native_bf16=True, amx=False),
+    )
+    calls = _count_runs(monkeypatch, cpu_matmul.LinearKernel)
+    rows = 4 * cpu_matmul.MAX_LINEAR_ROWS + 3
+    small = compute.Linear(64, 48, bias=False).to(torch.bfloat16)
+    large = compute.Linear(256, compute.MIN_NATIVE_LINEAR // 256, bias=False).to(torch.bfloat16)
+    for layer in (small, large):
+        layer.cpu_kernel = kernels.linear
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = small(x)
+        want = (x.float() @ small.weight.float().T).to(torch.bfloat16)  # torch's fp32 path, rounded once
+        assert (got != want).float().mean() <= 0.01
+        assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+        assert calls == [rows]
+        large(torch.randn(rows, 256).to(torch.bfloat16))  # native bf16 in torch: torch
+        small(x[: cpu_matmul.MAX_LINEAR_ROWS])  # few rows: the kernel, as before
+        assert calls == [rows, cpu_matmul.MAX_LINEAR_ROWS]
+        assert not kernels.linear.takes(x.float(), small.weight.float(), None)  # fp32: few rows only
+        compute.set_cpu_upcast(False)  # native bf16 forced everywhere: torch's matmul
+        try:
+            assert not kernels.linear.takes(x, small.weight, None)
+        finally:
+            compute.set_cpu_upcast(None)
+
+
 def test_a_model_with_kernels_set_copies_and_pickles(kernels, tiny_moe):
     engine = Engine(
         copy.deepcopy(tiny_moe), InferenceConfig(model="unused", block_size=4, kv_cache_tokens=4096)
@@ -294,6 +330,23 @@ def test_engine_on_the_kernels_matches_the_engine_on_torchs_matmuls(kernels, tin
         assert_same_answers(got, want, tol=1e-5)
         return
     # bf16: each engine's answers held to the model itself, teacher-forced (as in test_cpu_decode.py)
+    worst = [worst_teacher_error(model, prompts, answers) for answers in (got, want)]
+    assert worst[0] <= 1.25 * worst[1] + 0.01 and worst[1] < 0.25, worst
+
+
+def test_bf16_prefill_chunks_of_a_small_model_go_through_the_linear_kernel(kernels, tiny_moe, monkeypatch):
+    # tiny-moe's projections are below MIN_NATIVE_LINEAR: torch would widen them to fp32, so the
+    # kernel takes whole prefill chunks too; the answers stay as close to the model as torch's.
+    if torch.bfloat16 not in kernels.dtypes or compute.cpu_kernels().amx:
+        pytest.skip(
+            "the rule applies where bf16 kernels exist and torch's small bf16 linears upcast (no AMX)"
+        )
+    model = copy.deepcopy(tiny_moe).to(torch.bfloat16)
+    linear_calls = _count_runs(monkeypatch, cpu_matmul.LinearKernel)
+    prompts = random_prompts([150, 37, 90], seed=13)
+    engines = _two_engines(model, dtype="bfloat16", max_num_seqs=3, max_num_batched_tokens=512)
+    got, want = (serve_greedy(engine, prompts) for engine in engines)
+    assert max(linear_calls) >= 277, "the first step's chunk of all three prompts went through the kernel"
     worst = [worst_teacher_error(model, prompts, answers) for answers in (got, want)]
     assert worst[0] <= 1.25 * worst[1] + 0.01 and worst[1] < 0.25, worst
 
