@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,7 +177,7 @@ def workload(n: int, seed: int, lengths: tuple[int, int], rep: int = 0) -> list[
 
 
 async def throughput(
-    kind: str, server: Server, requests: list[GenerateRequest], concurrency: int, others: list[int] = ()
+    kind: str, server: Server, requests: list[GenerateRequest], concurrency: int, others: Sequence[int] = ()
 ) -> Rate:
     """Generated tokens per second with at most `concurrency` requests in flight, the server's CPU
     time per token (less sensitive than wall time to other jobs on a shared machine), and the CPU
@@ -376,7 +376,7 @@ def machine_line() -> str:
 def format_tables(args, kinds, tok_s, per_cpu_s, pauses, idle_share: float = 0.0) -> str:
     """tok_s, per_cpu_s: each (server, workload)'s rate in every round it ran; idle_share: the most
     CPU that the idle servers took during one run, in cores (interleaved rounds)."""
-    if getattr(args, "interleave", False):
+    if args.interleave:
         rounds = (
             "in interleaved rounds (every server up throughout; each workload ran on the servers back "
             "to back, odd rounds in reverse order; the idle servers took at most "

@@ -476,6 +476,9 @@ def main() -> None:
         help="--compare-*: K new prompts join every timed step (above)",
     )
     args = p.parse_args()
+    comparing = args.compare_dtypes or any(getattr(args, flag) for flag in COMPARED.values())
+    if args.prefill_prompts < 0 or (args.prefill_prompts and not comparing):
+        p.error("--prefill-prompts takes a count >= 0, with --compare-dtypes or another --compare-* mode")
     import asyncrl
 
     print(

@@ -1,5 +1,6 @@
 """benchmarks/profile_engine.py's batch sweep: the curve interpolation and the workload model that
-turns a step-time curve into tokens per second."""
+turns a step-time curve into tokens per second; the prompts that join each compared step
+(--prefill-prompts)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,32 @@ def test_a_step_that_costs_per_sequence_makes_the_tail_free_and_a_flat_one_does_
     assert profile_engine.modeled_tok_s(flat, lengths, concurrency=2) == pytest.approx(8 / 0.040)
     assert profile_engine.modeled_tok_s(flat, [4, 4], concurrency=2) == pytest.approx(8 / 0.040)
     assert profile_engine.modeled_tok_s(flat, [4, 1], concurrency=2) == pytest.approx(5 / 0.040)
+
+
+class _RecordingEngine:
+    """Stands in for the engine: records the requests added and the steps taken."""
+
+    def __init__(self) -> None:
+        self.added: list[tuple[str, list[int], int]] = []
+        self.steps = 0
+
+    def add_request(self, request_id, prompt, options) -> None:
+        self.added.append((request_id, prompt, options.max_tokens))
+
+    def step(self) -> int:
+        self.steps += 1
+        return self.steps
+
+
+def test_joining_prompts_come_before_each_step_and_match_across_engines():
+    fp32, bf16 = _RecordingEngine(), _RecordingEngine()
+    steps = [profile_engine.joining(e, 3) for e in (fp32, bf16)]
+    for _ in range(2):
+        for step in steps:
+            step()
+    assert fp32.steps == bf16.steps == 2 and len(fp32.added) == 6
+    assert fp32.added == bf16.added  # the same prompts, in the same order, for both engines
+    assert len({rid for rid, _, _ in fp32.added}) == 6  # every joining request has its own id
+    assert all(16 <= len(p) <= 64 and max_tokens == 1 for _, p, max_tokens in fp32.added)
+    plain = _RecordingEngine()
+    assert profile_engine.joining(plain, 0) == plain.step  # none joining: the engine's own step
