@@ -44,9 +44,13 @@ the contexts' growth left out). With mixed lengths the last requests run in ever
 the modeled mixed / fixed ratio says what that tail costs on this curve.
 
 `--compare-matmul-kernel` does the same for the CPU matmul kernels (`asyncrl.inference.cpu_matmul`:
-the MoE experts and the linears of few rows, the default on CPUs with AVX-512) against torch's
-matmuls (oneDNN's packed weights), on the same engine; like the decode kernel they run on torch's
-OpenMP threads.
+the MoE routers and experts and the linears of few rows, the default on CPUs with AVX-512) against
+torch's ops (oneDNN's packed weights for the matmuls), on the same engine; like the decode kernel
+they run on torch's OpenMP threads.
+
+`--compare-router-kernel` does the same for the routers alone: `cpu_matmul`'s router kernel (the
+logits, softmax, top-k and normalisation of a layer's routing in one call) against torch's ops,
+the experts and linears on their kernels in both modes.
 
 `--compare-norm-kernel` does the same for the CPU RMSNorm kernel (`asyncrl.model.cpu_norm`, the
 default wherever it builds) against torch's fused norm and the multiply by the weight.
@@ -259,8 +263,8 @@ def profile(model_dir: Path, dtype: str, args: argparse.Namespace) -> tuple[dict
 
 
 def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) -> dict[str, float]:
-    """Median ms per decode step with `what` ("packing", "decode kernel", "matmul kernel", "norm
-    kernel" or "linear rows") off and on, and off / on."""
+    """Median ms per decode step with `what` ("packing", "decode kernel", "matmul kernel", "router
+    kernel", "norm kernel" or "linear rows") off and on, and off / on."""
     engine = build_engine(model_dir, dtype, args.concurrency + args.prefill_prompts)
     max_tokens = args.warm_tokens + 2 * args.rounds * (args.window + 1) + 8
     start_decoding(engine, args.concurrency, max_tokens, args.warm_tokens)
@@ -268,10 +272,13 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
     kernel = engine.decode_kernel
     if what == "decode kernel" and kernel is None:
         raise SystemExit(f"no decode kernel to compare: {engine.decode_attention_note}")
-    hooked = [m for m in engine.model.modules() if isinstance(m, GroupedExperts | compute.Linear)]
-    matmul_kernels = {m: m.cpu_kernel for m in hooked}
+    hooked = [m for m in engine.model.modules() if isinstance(m, GroupedExperts | compute.Linear | Router)]
+    matmul_kernels = {m: getattr(m, "cpu_kernel", None) for m in hooked}  # older routers have none
     if what == "matmul kernel" and not any(matmul_kernels.values()):
         raise SystemExit(f"no matmul kernel to compare: {engine.matmul_kernel_note}")
+    router_kernels = {m: k for m, k in matmul_kernels.items() if isinstance(m, Router)}
+    if what == "router kernel" and not any(router_kernels.values()):
+        raise SystemExit(f"no router kernel to compare: {engine.matmul_kernel_note}")
     if what == "norm kernel" and cpu_norm.load()[0] is None:
         raise SystemExit(f"no RMSNorm kernel to compare: {cpu_norm.note()}")
     linear_kernels = [k for k in matmul_kernels.values() if isinstance(k, cpu_matmul.LinearKernel)]
@@ -288,6 +295,9 @@ def compare(model_dir: Path, dtype: str, what: str, args: argparse.Namespace) ->
             cpu_norm.set_enabled(on)
         elif what == "linear rows":
             cpu_matmul.MAX_LINEAR_ROWS = row_limit if on else args.compare_linear_rows
+        elif what == "router kernel":
+            for module, kernel_of in router_kernels.items():
+                module.cpu_kernel = kernel_of if on else None
         else:
             for module, kernel_of in matmul_kernels.items():
                 module.cpu_kernel = kernel_of if on else None
@@ -327,6 +337,7 @@ COMPARED = {  # what --compare-* times: its argument
     "packing": "compare_packing",
     "decode kernel": "compare_decode_kernel",
     "matmul kernel": "compare_matmul_kernel",
+    "router kernel": "compare_router_kernel",
     "norm kernel": "compare_norm_kernel",
     "linear rows": "compare_linear_rows",
 }
@@ -334,6 +345,7 @@ COMPARED_NAMES = {
     "packing": ("packed weights", "unpacked"),
     "decode kernel": ("decode kernel", "SDPA"),
     "matmul kernel": ("matmul kernels", "torch's matmuls"),
+    "router kernel": ("router kernel", "torch's routing"),
     "norm kernel": ("RMSNorm kernel", "torch's norm"),
     "linear rows": (f"linear kernel <= {cpu_matmul.MAX_LINEAR_ROWS} rows", "<= {} rows"),
 }
@@ -452,6 +464,9 @@ def main() -> None:
     )
     p.add_argument(
         "--compare-matmul-kernel", action="store_true", help="the CPU matmul kernels against torch's (above)"
+    )
+    p.add_argument(
+        "--compare-router-kernel", action="store_true", help="the CPU router kernel against torch's (above)"
     )
     p.add_argument(
         "--compare-norm-kernel", action="store_true", help="the CPU RMSNorm kernel against torch's (above)"

@@ -293,6 +293,62 @@ int asyncrl_moe_f32_bf16io(const uint16_t *x, const int64_t *ids, const uint16_t
   free(xf);
   return code;
 }
+/* The router of a softmax-then-top-k MoE layer (moe.Router, Qwen3-MoE's) in one call, in place of
+ * torch's cast, linear, softmax, top-k, normalisation and cast back. Per token: the logits x . w_e
+ * over the E experts in fp32 (bf16 inputs widened: exact; the weight [E][D] in fp32), their softmax
+ * (exp16), the K largest probabilities (of equal ones, the lower expert first), divided by their sum
+ * when norm is set. Writes the ids [N][K] and the weights [N][K] in x's dtype (bf16: rounded once).
+ * Only the order of the sums differs from torch's. Returns 1 when E > ROUTER_MAX_EXPERTS or K > E. */
+#define ROUTER_MAX_EXPERTS 1024
+#define ROUTER(S, T)                                                                                \
+  int asyncrl_router_##S(const T *x, const float *w, int64_t *ids, T *weights, int64_t N,          \
+                         int64_t D, int64_t E, int64_t K, int norm) {                              \
+    if (E > ROUTER_MAX_EXPERTS || K > E || K < 1) return 1;                                        \
+    _Pragma("omp parallel for schedule(static) if (N * E * D >= (1 << 20))")                       \
+    for (int64_t n = 0; n < N; n++) {                                                              \
+      float p[ROUTER_MAX_EXPERTS];                                                                 \
+      const T *row = x + n * D;                                                                    \
+      for (int64_t e = 0; e < E; e++) {                                                            \
+        __m512 acc = _mm512_setzero_ps();                                                          \
+        for (int64_t d = 0; d < D; d += 16) {                                                      \
+          const __mmask16 m = tail(D - d);                                                         \
+          acc = _mm512_fmadd_ps(ld_##S(row + d, m), ld_f32(w + e * D + d, m), acc);                \
+        }                                                                                          \
+        p[e] = _mm512_reduce_add_ps(acc);                                                          \
+      }                                                                                            \
+      float top = p[0];                                                                            \
+      for (int64_t e = 1; e < E; e++) top = p[e] > top ? p[e] : top;                               \
+      __m512 total = _mm512_setzero_ps();                                                          \
+      for (int64_t e = 0; e < E; e += 16) {                                                        \
+        const __mmask16 m = tail(E - e);                                                           \
+        const __m512 v = exp16(_mm512_sub_ps(ld_f32(p + e, m), _mm512_set1_ps(top)));              \
+        st_f32(p + e, m, v);                                                                       \
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, v));                                   \
+      }                                                                                            \
+      const float inv = 1.f / _mm512_reduce_add_ps(total);                                         \
+      float chosen[ROUTER_MAX_EXPERTS], sum = 0.f;                                                 \
+      for (int64_t k = 0; k < K; k++) {                                                            \
+        int64_t best = -1;                                                                         \
+        for (int64_t e = 0; e < E; e++)                                                            \
+          if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;                               \
+        if (best < 0) /* a NaN row: the first expert not taken yet, so the ids stay distinct */     \
+          for (best = 0; p[best] < 0.f; best++) {}                                                 \
+        ids[n * K + k] = best;                                                                     \
+        chosen[k] = p[best] * inv;                                                                 \
+        sum += chosen[k];                                                                          \
+        p[best] = -1.f; /* taken: below every probability */                                       \
+      }                                                                                            \
+      for (int64_t k = 0; k < K; k++) {                                                            \
+        const float v = norm ? chosen[k] / sum : chosen[k];                                        \
+        st_##S(weights + n * K + k, 1, _mm512_set1_ps(v));                                         \
+      }                                                                                            \
+    }                                                                                              \
+    return 0;                                                                                      \
+  }
+
+ROUTER(f32, float)
+ROUTER(bf16, uint16_t)
+
 #if defined(__AVX512BF16__)
 BLOCKS(bf16, uint16_t)
 MATMULS(bf16, uint16_t)

@@ -57,6 +57,7 @@ __all__ = [
     "LinearKernel",
     "MatmulBuild",
     "MoEKernel",
+    "RouterKernel",
     "load",
 ]
 
@@ -67,6 +68,11 @@ _SOURCE = Path(__file__).with_name("cpu_matmul.c")
 # no AMX; linears at hidden size 512 in a one-off timing, and the decode step in BENCHMARKS.md).
 MAX_ROWS_PER_EXPERT = 64  # on average over a layer's experts
 MAX_LINEAR_ROWS = 128  # a decode step of 64 sequences and the prefill chunks joining it
+# The router kernel takes a layer's routing while it has at most this many multiply-adds (rows x
+# experts x model dim): there torch's seven ops cost more than the arithmetic (tiny-moe up to 2048
+# rows, moe-50m up to 512; a router of 128 experts x 2048 at decode sizes of a few rows).
+MAX_ROUTER_MACS = 1 << 21
+ROUTER_MAX_EXPERTS = 1024  # cpu_matmul.c
 _DTYPE_BITS = {torch.float32: 1, torch.bfloat16: 2}  # asyncrl_matmul_dtypes()
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # of the C functions
 _ERRORS = {1: "no memory for the kernel's scratch", 2: "an expert id outside [0, E)"}
@@ -74,10 +80,11 @@ _ERRORS = {1: "no memory for the kernel's scratch", 2: "an expert id outside [0,
 
 @dataclass(frozen=True)
 class Kernels:
-    """The library's two kernels and the dtypes they compute."""
+    """The library's kernels and the dtypes they compute."""
 
     experts: MoEKernel
     linear: LinearKernel
+    router: RouterKernel
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -170,7 +177,7 @@ class MoEKernel(_LibraryKernel):
         # to pay) go through the fp32 kernel, so that they round where torch's path does: once, at the
         # end. The kernel widens the bf16 inputs and rounds the output itself (no casts as torch ops).
         dtype = x_ND.dtype
-        if dtype == torch.bfloat16 and cpu_upcast(x_ND, expert_numel=gate_EID[0].numel()):
+        if dtype == torch.bfloat16 and cpu_upcast(x_ND, expert_numel=H * D):
             return self.run(x_ND, ids_NK, weights_NK, gate_EID, up_EID, down_EDI, torch.float32, bf16_io=True)
         return self.run(x_ND, ids_NK, weights_NK, gate_EID, up_EID, down_EDI, dtype)
 
@@ -209,6 +216,54 @@ class MoEKernel(_LibraryKernel):
         if code:
             raise (MemoryError if code == 1 else ValueError)(f"MoE kernel: {_ERRORS.get(code, code)}")
         return out
+
+
+class RouterKernel(_LibraryKernel):
+    """`(x_ND, weight_ED, top_k, normalize) -> (ids_NK, weights_NK)`: a softmax-then-top-k router
+    (`moe.Router`) in one call: logits in fp32 on the fp32 weight (bf16 inputs widened, exactly),
+    softmax, the top k (of equal probabilities the lower expert first), divided by their sum when
+    `normalize`; ids in int64, weights in x's dtype. Torch's path takes seven ops for it, and in bf16
+    two more casts; only the order of the sums differs."""
+
+    which = "router"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+        super().__init__(lib, "asyncrl_router", argtypes, ctypes.c_int)
+
+    def takes(self, x_ND: torch.Tensor, weight_ED: torch.Tensor, top_k: int) -> bool:
+        """Whether the kernel computes this call (else the caller runs torch's path): a plain 2-D
+        CPU input of a dtype it has, an fp32 weight, outside autograd, at most ROUTER_MAX_EXPERTS
+        experts and MAX_ROUTER_MACS multiply-adds."""
+        if type(x_ND) is not torch.Tensor or x_ND.device.type != "cpu" or x_ND.dtype not in self._fns:
+            return False
+        if weight_ED.dtype != torch.float32 or weight_ED.dim() != 2 or not weight_ED.is_contiguous():
+            return False  # (a CPU tensor: it multiplies x on the CPU)
+        if torch.is_grad_enabled() or x_ND.dim() != 2 or x_ND.shape[0] == 0:
+            return False
+        E, D = weight_ED.shape
+        if x_ND.shape[1] != D or not 1 <= top_k <= E or E > ROUTER_MAX_EXPERTS:
+            return False
+        return x_ND.shape[0] * E * D <= MAX_ROUTER_MACS
+
+    def __call__(
+        self, x_ND: torch.Tensor, weight_ED: torch.Tensor, top_k: int, normalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        (N, D), E = x_ND.shape, weight_ED.shape[0]
+        if weight_ED.shape != (E, D) or not 1 <= top_k <= E or E > ROUTER_MAX_EXPERTS:
+            raise ValueError(
+                f"router of {tuple(weight_ED.shape)} (at most {ROUTER_MAX_EXPERTS} experts) for "
+                f"model dim {D}, top {top_k}"
+            )
+        if weight_ED.dtype != torch.float32 or not weight_ED.is_contiguous():
+            raise ValueError(f"router weight in {weight_ED.dtype}: the kernel reads a contiguous fp32 one")
+        x = x_ND.contiguous()
+        ids = torch.empty(N, top_k, dtype=torch.int64)
+        weights = torch.empty(N, top_k, dtype=x.dtype)
+        self._fns[x.dtype](
+            x.data_ptr(), weight_ED.data_ptr(), ids.data_ptr(), weights.data_ptr(), N, D, E, top_k, normalize
+        )  # its one error (E or K out of range) is checked above
+        return ids, weights
 
 
 def pack_experts(
@@ -295,7 +350,7 @@ def load() -> MatmulBuild:
     """Build (or find built) and load the kernels, once per process."""
     try:
         lib = ctypes.CDLL(str(build(_SOURCE, "CPU matmul kernels")))
-        kernels = Kernels(experts=MoEKernel(lib), linear=LinearKernel(lib))
+        kernels = Kernels(experts=MoEKernel(lib), linear=LinearKernel(lib), router=RouterKernel(lib))
         if not kernels.dtypes:
             raise Unavailable("this CPU has no AVX-512")
         _self_check(kernels)
@@ -308,7 +363,7 @@ def load() -> MatmulBuild:
     names = "/".join({torch.float32: "fp32", torch.bfloat16: "bf16"}[dt] for dt in kernels.dtypes)
     return MatmulBuild(
         kernels,
-        f"decode matmuls C kernels (MoE experts, linears of <= {MAX_LINEAR_ROWS} rows"
+        f"decode matmuls C kernels (MoE routers and experts, linears of <= {MAX_LINEAR_ROWS} rows"
         + (
             ", bf16 ones too small for native bf16 at any row count"
             if torch.bfloat16 in kernels.dtypes
@@ -335,16 +390,22 @@ def _self_check(kernels: Kernels) -> None:
         weights = torch.rand(N, K, generator=g).to(dtype)
         gate, up = (torch.randn(E, H, D, generator=g).div(D**0.5).to(dtype) for _ in range(2))
         down = torch.randn(E, D, H, generator=g).div(H**0.5).to(dtype)
+        router = torch.randn(E, D, generator=g)
         if dtype not in kernels.dtypes:
             continue
         with torch.no_grad():
+            routed_ids, routed = kernels.router(x, router, K, True)
+            want_routed, want_ids = F.softmax(F.linear(x.float(), router), dim=-1).topk(K, dim=-1)
             checks = {
                 "MoE experts": (
                     kernels.experts.run(x, ids, weights, gate, up, down, dtype),
                     _reference(x, ids, weights, gate, up, down),
                 ),
                 "linear": (kernels.linear.run(x[:5], gate[0], dtype), x[:5] @ gate[0].T),
+                "router weights": (routed, want_routed / want_routed.sum(dim=-1, keepdim=True)),
             }
+        if not torch.equal(routed_ids, want_ids):
+            raise RuntimeError(f"self-check: {dtype} router chose other experts than torch's")
         for what, (got, want) in checks.items():
             err = (got.float() - want.float()).abs().max().item()
             if not err <= tol:

@@ -54,7 +54,7 @@ from asyncrl.model.compute import Linear, set_cpu_packing
 from asyncrl.model.devices import resolve_device
 from asyncrl.model.fp8 import apply_fp8
 from asyncrl.model.hf import check_state_dict, load_into, load_state_dict
-from asyncrl.model.moe import GroupedExperts
+from asyncrl.model.moe import GroupedExperts, Router
 
 __all__ = ["Engine"]
 
@@ -163,12 +163,13 @@ class Engine:
         return build.kernel, build.note
 
     def _attach_matmul_kernels(self) -> str:
-        """The CPU matmul kernels (cpu_matmul) on the routed experts and linears they can compute, and
-        how those run (the start-up line's part; empty on other devices)."""
+        """The CPU matmul kernels (cpu_matmul) on the routers, routed experts and linears they can
+        compute, and how those run (the start-up line's part; empty on other devices)."""
         modules = list(self.model.modules())
         experts = [m for m in modules if isinstance(m, GroupedExperts) and m.expert_linear is None]
         linears = [m for m in modules if isinstance(m, Linear)]
-        if self.device.type != "cpu" or not (experts or linears):
+        routers = [m for m in modules if isinstance(m, Router)]
+        if self.device.type != "cpu" or not (experts or linears or routers):
             return ""
         if not self.config.cpu_matmul_kernel:
             return "decode matmuls torch (cpu_matmul_kernel = false)"
@@ -181,6 +182,8 @@ class Engine:
             module.cpu_kernel = build.kernels.experts
         for module in linears:
             module.cpu_kernel = build.kernels.linear
+        for module in routers:
+            module.cpu_kernel = build.kernels.router
         return build.note
 
     @classmethod

@@ -37,7 +37,16 @@ from asyncrl.model.args import ModelArgs
 from asyncrl.model.compute import as_fp32, cpu_upcast, kept, pack, packed_linear, packs
 from asyncrl.model.layers import MLP
 
-__all__ = ["ExpertsKernel", "GroupedExperts", "MoE", "MoEOutput", "Router", "Routing", "grouped_swiglu"]
+__all__ = [
+    "ExpertsKernel",
+    "GroupedExperts",
+    "MoE",
+    "MoEOutput",
+    "Router",
+    "Routing",
+    "RoutingKernel",
+    "grouped_swiglu",
+]
 
 
 class Routing(NamedTuple):
@@ -65,6 +74,7 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, dim))
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.cpu_kernel: RoutingKernel | None = None
 
     def forward(
         self, x_ND: torch.Tensor, replay_ids_NK: torch.Tensor | None = None, *, with_router_topk: bool = False
@@ -74,6 +84,12 @@ class Router(nn.Module):
         with_router_topk: also report this router's own top-k ids (equal to the ids used unless
         replaying); otherwise `router_topk_NK` is None.
         """
+        kernel = self.cpu_kernel
+        if kernel is not None and replay_ids_NK is None:
+            weight_ED = as_fp32(self.weight)
+            if kernel.takes(x_ND, weight_ED, self.top_k):
+                ids_NK, weights_NK = kernel(x_ND, weight_ED, self.top_k, self.norm_topk_prob)
+                return Routing(ids_NK, weights_NK, router_topk_NK=ids_NK if with_router_topk else None)
         probs_NE = F.softmax(F.linear(x_ND.float(), as_fp32(self.weight)), dim=-1)
         if replay_ids_NK is None:
             weights_NK, ids_NK = probs_NE.topk(self.top_k, dim=-1)
@@ -89,6 +105,16 @@ class Router(nn.Module):
             weights_NK=weights_NK.to(x_ND.dtype),
             router_topk_NK=own_ids_NK if with_router_topk else None,
         )
+
+
+class RoutingKernel(Protocol):
+    """A whole `Router.forward` without replay, computed elsewhere (asyncrl.inference.cpu_matmul)."""
+
+    def takes(self, x_ND: torch.Tensor, weight_ED: torch.Tensor, top_k: int) -> bool: ...
+
+    def __call__(
+        self, x_ND: torch.Tensor, weight_ED: torch.Tensor, top_k: int, normalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class ExpertsKernel(Protocol):

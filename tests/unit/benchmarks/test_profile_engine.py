@@ -1,9 +1,10 @@
 """benchmarks/profile_engine.py's batch sweep: the curve interpolation and the workload model that
 turns a step-time curve into tokens per second; the prompts that join each compared step
-(--prefill-prompts)."""
+(--prefill-prompts); the router comparison's switch (--compare-router-kernel)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -63,3 +64,44 @@ def test_joining_prompts_come_before_each_step_and_match_across_engines():
     assert all(16 <= len(p) <= 64 and max_tokens == 1 for _, p, max_tokens in fp32.added)
     plain = _RecordingEngine()
     assert profile_engine.joining(plain, 0) == plain.step  # none joining: the engine's own step
+
+
+def test_the_router_comparison_switches_the_routers_kernel_alone(tmp_path, monkeypatch):
+    """--compare-router-kernel: the routers run torch's ops in the "off" windows and the kernel in the
+    "on" ones, while the experts and linears keep their kernels in both; all are back on after."""
+    from asyncrl.inference import cpu_matmul
+    from asyncrl.model import compute
+    from asyncrl.model.moe import GroupedExperts, Router
+    from asyncrl.tools.init_model import init_model
+
+    if cpu_matmul.load().kernels is None:
+        pytest.skip(f"no matmul kernels here: {cpu_matmul.load().note}")
+    init_model("tiny-moe", tmp_path / "m", seed=0)
+    engines, seen = [], {}
+    real_build = profile_engine.build_engine
+
+    def build(*args, **kwargs):
+        engines.append(real_build(*args, **kwargs))
+        return engines[-1]
+
+    def kernels_on() -> dict[str, set[bool]]:
+        on: dict[str, set[bool]] = {}
+        for m in engines[0].model.modules():
+            if isinstance(m, GroupedExperts | compute.Linear | Router):
+                on.setdefault(type(m).__name__, set()).add(m.cpu_kernel is not None)
+        return on
+
+    def windows(modes, enter, args):
+        for mode in modes:
+            enter(mode)()  # one step in this mode
+            seen[mode] = kernels_on()
+        return dict.fromkeys(modes, 1.0)
+
+    monkeypatch.setattr(profile_engine, "build_engine", build)
+    monkeypatch.setattr(profile_engine, "alternating_windows", windows)
+    args = argparse.Namespace(concurrency=2, prefill_prompts=0, warm_tokens=2, rounds=1, window=1)
+    result = profile_engine.compare(tmp_path / "m", "float32", "router kernel", args)
+    assert result == {"off": 1.0, "on": 1.0, "ratio": 1.0}
+    assert seen["off"] == {"Router": {False}, "GroupedExperts": {True}, "Linear": {True}}
+    assert seen["on"] == {"Router": {True}, "GroupedExperts": {True}, "Linear": {True}}
+    assert kernels_on() == seen["on"]

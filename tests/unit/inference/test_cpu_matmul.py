@@ -23,7 +23,7 @@ from inference_helpers import (
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import Engine, SamplingOptions, cpu_matmul
 from asyncrl.model import compute
-from asyncrl.model.moe import GroupedExperts, grouped_swiglu
+from asyncrl.model.moe import GroupedExperts, Router, grouped_swiglu
 
 HAS_CC = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 
@@ -290,6 +290,99 @@ def test_small_bf16_linears_take_the_kernel_at_any_row_count(kernels, monkeypatc
             compute.set_cpu_upcast(None)
 
 
+def _count_routings(monkeypatch) -> list[int]:
+    """The token count of each call of the router kernel from now on."""
+    calls = []
+    real = cpu_matmul.RouterKernel.__call__
+
+    def counted(self, x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_matmul.RouterKernel, "__call__", counted)
+    return calls
+
+
+def _torch_routing(router: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode():
+        kernel, router.cpu_kernel = router.cpu_kernel, None
+        try:
+            ids, weights, _ = router(x)
+        finally:
+            router.cpu_kernel = kernel
+    return ids, weights
+
+
+def _router(E: int, D: int, K: int, norm: bool, dtype: torch.dtype, seed: int) -> Router:
+    g = torch.Generator().manual_seed(seed)
+    router = Router(D, E, K, norm)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, D, generator=g) * D**-0.5)
+    return router.to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("N", "E", "D", "K"), [(1, 8, 128, 2), (37, 60, 70, 4), (300, 8, 33, 1), (5, 128, 512, 8)]
+)
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_kernel_computes_torchs_routing(kernels, monkeypatch, N, E, D, K, norm, dtype):
+    if dtype not in kernels.dtypes:
+        pytest.skip(f"no {dtype} kernel on this CPU")
+    router = _router(E, D, K, norm, dtype, seed=N + E)
+    router.cpu_kernel = kernels.router
+    calls = _count_routings(monkeypatch)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(D)).to(dtype)
+    with torch.inference_mode():
+        ids, weights, own = router(x, with_router_topk=True)
+    want_ids, want_weights = _torch_routing(router, x)
+    assert calls == [N], "the kernel routed the tokens"
+    assert ids.dtype == torch.int64 and weights.dtype == dtype and own is ids
+    assert torch.equal(ids, want_ids)
+    if dtype == torch.float32:
+        torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=1e-7)
+    else:  # the same fp32 values but for the order of sums, rounded once: at most one bf16 step apart
+        err = (weights.float() - want_weights.float()).abs().max()
+        assert err <= 2**-8 * want_weights.float().abs().max()
+    if norm:
+        torch.testing.assert_close(weights.float().sum(-1), torch.ones(N), atol=2e-2, rtol=0)
+
+
+def test_router_kernel_breaks_ties_toward_the_lower_expert_and_keeps_ids_distinct(kernels):
+    w = torch.zeros(6, 16)
+    w[1] = w[4] = 1.0  # experts 1 and 4 tie at the top, the other four at zero
+    x = torch.ones(3, 16)
+    x[2] = float("nan")  # a row of NaNs still gets K distinct experts in [0, E)
+    with torch.inference_mode():
+        ids, weights = kernels.router(x, w, 3, False)
+    assert ids[:2].tolist() == [[1, 4, 0], [1, 4, 0]]
+    torch.testing.assert_close(weights[0, :2], weights[0, :2].flip(0))
+    assert len(set(ids[2].tolist())) == 3
+    assert int(ids.min()) >= 0 and int(ids.max()) < 6
+
+
+def test_router_module_uses_the_kernel_only_where_it_takes_the_call(kernels, monkeypatch):
+    router = _router(8, 64, 2, True, torch.float32, seed=3)
+    router.cpu_kernel = kernels.router
+    calls = _count_routings(monkeypatch)
+    x = torch.randn(4, 64)
+    router(x)  # autograd on (the trainer): torch's ops
+    with torch.inference_mode():
+        replay = torch.tensor([[0, 1]] * 4)
+        ids, _, own = router(x, replay, with_router_topk=True)  # replay: torch's ops
+        assert torch.equal(ids, replay) and own is not None
+        rows = cpu_matmul.MAX_ROUTER_MACS // (8 * 64)
+        router(torch.randn(rows + 1, 64))  # more multiply-adds than the limit: torch's ops
+        assert calls == []
+        router(torch.randn(rows, 64))
+        assert calls == [rows]
+        big = _router(cpu_matmul.ROUTER_MAX_EXPERTS + 1, 2, 2, True, torch.float32, seed=4)
+        assert not kernels.router.takes(torch.randn(1, 2), big.weight, 2)
+        assert not kernels.router.takes(x, router.weight.to(torch.bfloat16), 2)  # the weight in fp32 only
+        with pytest.raises(ValueError, match="top 9"):
+            kernels.router(x, router.weight, 9, True)
+
+
 def test_a_model_with_kernels_set_copies_and_pickles(kernels, tiny_moe):
     engine = Engine(
         copy.deepcopy(tiny_moe), InferenceConfig(model="unused", block_size=4, kv_cache_tokens=4096)
@@ -299,8 +392,10 @@ def test_a_model_with_kernels_set_copies_and_pickles(kernels, tiny_moe):
     for model in (copied, restored):
         experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
         linears = [m for m in model.modules() if isinstance(m, compute.Linear)]
+        routers = [m for m in model.modules() if isinstance(m, Router)]
         assert experts and all(m.cpu_kernel is kernels.experts for m in experts)
         assert linears and all(m.cpu_kernel is kernels.linear for m in linears)
+        assert routers and all(m.cpu_kernel is kernels.router for m in routers)
 
 
 def _two_engines(model, **overrides) -> tuple[Engine, Engine]:
@@ -319,7 +414,7 @@ def test_engine_on_the_kernels_matches_the_engine_on_torchs_matmuls(kernels, tin
     prompts = random_prompts([5, 37, 13, 3, 29, 8, 50], seed=12)
     engines = _two_engines(model, dtype=dtype, max_num_seqs=3)
     assert engines[0].matmul_kernel_note.startswith(
-        f"decode matmuls C kernels (MoE experts, linears of <= {cpu_matmul.MAX_LINEAR_ROWS} rows"
+        f"decode matmuls C kernels (MoE routers and experts, linears of <= {cpu_matmul.MAX_LINEAR_ROWS} rows"
     )
     assert engines[1].matmul_kernel_note == "decode matmuls torch (cpu_matmul_kernel = false)"
     got, want = (serve_greedy(engine, prompts) for engine in engines)
