@@ -10,7 +10,8 @@ generated tokens over wall time, after a short warm-up. Servers (`--backends`): 
 its exact mode), `embedded-bf16`, `embedded-sdpa` and `embedded-bf16-sdpa` (the same with
 `cpu_decode_kernel = false`), `vllm` (bfloat16, vLLM's CPU build) and `vllm-fp32`; with
 `--baseline-src DIR` (the `src` of another checkout, e.g. a git worktree of an older commit) also
-`baseline` and `baseline-bf16`, the embedded engine of that checkout. `--repeats N` runs every
+`baseline` and `baseline-bf16`, the embedded engine of that checkout (added whether `--backends`
+names them or not; no server runs twice, and an unknown name is refused). `--repeats N` runs every
 server N times, in rounds (one server at a time), and reports each server's median and, for each
 ratio, the median of its rounds' ratios (the two servers of a round ran minutes apart at most, so
 the machine's drift between rounds moves it less than a ratio of medians), with their quartiles from
@@ -249,12 +250,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+KINDS = (
+    "embedded",
+    "embedded-bf16",
+    "embedded-sdpa",
+    "embedded-bf16-sdpa",
+    "vllm",
+    "vllm-fp32",
+    "baseline",
+    "baseline-bf16",
+)
+
+
+def server_kinds(backends: str, baseline_src: str | None) -> list[str]:
+    """The servers of `--backends` in order, each once, and with `--baseline-src` the baseline's two
+    (named there or not). Exits naming an unknown server, one named twice, or a baseline without
+    `--baseline-src`."""
+    kinds = [k.strip() for k in backends.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise SystemExit(f"--backends: unknown server(s) {', '.join(unknown)}; known: {', '.join(KINDS)}")
+    twice = sorted({k for k in kinds if kinds.count(k) > 1})
+    if twice:
+        raise SystemExit(f"--backends names {', '.join(twice)} more than once")
+    if baseline_src:
+        return kinds + [k for k in ("baseline", "baseline-bf16") if k not in kinds]
+    if any(k.startswith("baseline") for k in kinds):
+        raise SystemExit("--backends: the baseline servers need --baseline-src (the src of another checkout)")
+    return kinds
+
+
 def main() -> None:
     args = _parser().parse_args()
-    kinds = args.backends.split(",")
+    kinds = server_kinds(args.backends, args.baseline_src)
     if args.baseline_src:
         args.baseline_src = str(Path(args.baseline_src).resolve())
-        kinds += ["baseline", "baseline-bf16"]
     pauses: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

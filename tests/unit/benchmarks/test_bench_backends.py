@@ -7,8 +7,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
+
+import pytest
 
 PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_backends.py"
 spec = importlib.util.spec_from_file_location("bench_backends", PATH)
@@ -141,3 +144,23 @@ def test_four_rounds_or_more_show_the_middle_half_of_the_ratios():
     _, _, fixed, _ = bench_backends._rate_table(args, ["embedded", "embedded-bf16"], rate, "tok/s")
     assert fixed.split("|")[-2] == " 1.10x (0.85-1.35) "
     assert bench_backends._ratio([1.2, 0.8, 1.4]) == "1.20x"  # three rounds: the median alone
+
+
+def test_servers_are_checked_and_the_baseline_runs_once():
+    kinds = bench_backends.server_kinds
+    assert kinds("embedded,embedded-bf16", None) == ["embedded", "embedded-bf16"]
+    assert kinds("embedded, embedded-bf16", "/old/src") == [
+        "embedded",
+        "embedded-bf16",
+        "baseline",
+        "baseline-bf16",
+    ]
+    # named in --backends and added by --baseline-src: each baseline server still runs once
+    assert kinds("embedded,baseline-bf16,baseline", "/old/src") == ["embedded", "baseline-bf16", "baseline"]
+    for backends, src, message in [
+        ("embedded,embeded-bf16", None, "unknown server(s) embeded-bf16"),
+        ("embedded,vllm,embedded", None, "names embedded more than once"),
+        ("embedded,baseline", None, "need --baseline-src"),
+    ]:
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            kinds(backends, src)
