@@ -1,6 +1,6 @@
 """The matmuls of the engine's decode-sized steps on CPUs with AVX-512: a small C kernel
 (cpu_matmul.c), built with the system's C compiler on first use (`asyncrl.cpu_build`), for
-the MoE experts and for the linears of decode steps.
+the MoE routers and experts and for the linears of decode steps.
 
 At decode sizes each expert sees a few rows (64 sequences, top-2 over 8 experts: ~16 rows each),
 and torch's path pays per op and per expert: the sort and copies of the token rows, oneDNN's
@@ -14,21 +14,26 @@ up to 128 rows its packed matmuls were no faster than the kernel (AVX-512 BF16, 
 linears that torch computes in fp32 (weights too small for native bf16, `compute.cpu_upcast`: a
 small model's projections) it takes at any number of rows, prefill chunks included: there the
 alternative is two casts around an fp32 matmul (BENCHMARKS.md, "Small bf16 linears in prefill
-chunks (CPU)").
+chunks (CPU)"). `RouterKernel` does a softmax-then-top-k router's work (`moe.Router`: Qwen3-MoE's)
+in one call: the fp32 logits, softmax, top-k and normalisation that torch runs as seven ops, plus
+two casts in bf16, for up to `MAX_ROUTER_MACS` multiply-adds.
 
 Results round where torch's path rounds (tests check them against it). The experts: in bf16 after
 each op for weights large enough for native bf16, once at the end for those torch computes in fp32
 (`asyncrl.model.compute.cpu_upcast`), which go through the fp32 kernel. A linear rounds once in
-either case, so bf16 linears of any size go through the bf16 kernel. bf16 needs AVX-512 BF16, fp32
-AVX-512 F/BW/VL.
+either case, so bf16 linears of any size go through the bf16 kernel. A router computes in fp32
+as torch's does and rounds the weights once; of equal probabilities it takes the lower expert.
+bf16 needs AVX-512 BF16, fp32 AVX-512 F/BW/VL.
 
 Weights are copied once per version into the kernel's layout (`kept` on the weights, as oneDNN's
-packed copies are): as much memory again as the weights it multiplies. The engine sets the kernels
-on its model's `GroupedExperts` and `compute.Linear` modules (`cpu_matmul_kernel`, on by default);
-they take calls outside autograd of at most `MAX_ROWS_PER_EXPERT` rows per expert on average, and
-of at most `MAX_LINEAR_ROWS` rows (any number for the small bf16 linears above), where they are
-faster than oneDNN's packed matmuls (benchmarks/profile_engine.py --compare-matmul-kernel;
-BENCHMARKS.md), and leave larger ones to torch.
+packed copies are): as much memory again as the weights it multiplies (a router reads its fp32
+weight, or the fp32 copy that torch's path uses too). The engine sets the kernels on its model's
+`Router`, `GroupedExperts` and `compute.Linear` modules (`cpu_matmul_kernel`, on by default). They
+take calls outside autograd (a router's also only without replayed ids) of at most
+`MAX_ROWS_PER_EXPERT` rows per expert on average, of at most `MAX_LINEAR_ROWS` rows (any number
+for the small bf16 linears above) and of at most `MAX_ROUTER_MACS` multiply-adds, where they are
+faster than torch's ops (benchmarks/profile_engine.py --compare-matmul-kernel,
+--compare-router-kernel; BENCHMARKS.md), and leave larger ones to torch.
 
 Shape legend: N tokens (rows), K choices per token, E experts, D model dim, H (I in the weights'
 names) expert hidden dim, Ip: H rounded up to 16, Dp: D rounded up to 32; a linear's weight is
@@ -69,8 +74,10 @@ _SOURCE = Path(__file__).with_name("cpu_matmul.c")
 MAX_ROWS_PER_EXPERT = 64  # on average over a layer's experts
 MAX_LINEAR_ROWS = 128  # a decode step of 64 sequences and the prefill chunks joining it
 # The router kernel takes a layer's routing while it has at most this many multiply-adds (rows x
-# experts x model dim): there torch's seven ops cost more than the arithmetic (tiny-moe up to 2048
-# rows, moe-50m up to 512; a router of 128 experts x 2048 at decode sizes of a few rows).
+# experts x model dim): tiny-moe's up to 2048 rows, moe-50m's up to 512, a router of 128 experts x
+# 2048 up to 8. Its dot products are plain FMAs, so past that a wide router is faster in torch's
+# matmul (one-off timing, 2-core EPYC, fp32, kernel / torch: 128 x 2048 at 8 rows 0.79x, at 16 rows
+# 1.17x, at 64 rows 1.94x), while narrow ones would still gain (tiny-moe's at 4096 rows 0.30x).
 MAX_ROUTER_MACS = 1 << 21
 ROUTER_MAX_EXPERTS = 1024  # cpu_matmul.c
 _DTYPE_BITS = {torch.float32: 1, torch.bfloat16: 2}  # asyncrl_matmul_dtypes()

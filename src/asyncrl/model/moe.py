@@ -84,13 +84,11 @@ class Router(nn.Module):
         with_router_topk: also report this router's own top-k ids (equal to the ids used unless
         replaying); otherwise `router_topk_NK` is None.
         """
-        kernel = self.cpu_kernel
-        if kernel is not None and replay_ids_NK is None:
-            weight_ED = as_fp32(self.weight)
-            if kernel.takes(x_ND, weight_ED, self.top_k):
-                ids_NK, weights_NK = kernel(x_ND, weight_ED, self.top_k, self.norm_topk_prob)
-                return Routing(ids_NK, weights_NK, router_topk_NK=ids_NK if with_router_topk else None)
-        probs_NE = F.softmax(F.linear(x_ND.float(), as_fp32(self.weight)), dim=-1)
+        weight_ED, kernel = as_fp32(self.weight), self.cpu_kernel
+        if kernel is not None and replay_ids_NK is None and kernel.takes(x_ND, weight_ED, self.top_k):
+            ids_NK, weights_NK = kernel(x_ND, weight_ED, self.top_k, self.norm_topk_prob)
+            return Routing(ids_NK, weights_NK, router_topk_NK=ids_NK if with_router_topk else None)
+        probs_NE = F.softmax(F.linear(x_ND.float(), weight_ED), dim=-1)
         if replay_ids_NK is None:
             weights_NK, ids_NK = probs_NE.topk(self.top_k, dim=-1)
             own_ids_NK = ids_NK
