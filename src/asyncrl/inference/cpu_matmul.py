@@ -240,12 +240,14 @@ class RouterKernel(_LibraryKernel):
 
     def takes(self, x_ND: torch.Tensor, weight_ED: torch.Tensor, top_k: int) -> bool:
         """Whether the kernel computes this call (else the caller runs torch's path): a plain 2-D
-        CPU input of a dtype it has, an fp32 weight, outside autograd, at most ROUTER_MAX_EXPERTS
-        experts and MAX_ROUTER_MACS multiply-adds."""
+        CPU input of a dtype it has, a contiguous fp32 CPU weight, outside autograd, at most
+        ROUTER_MAX_EXPERTS experts and MAX_ROUTER_MACS multiply-adds."""
         if type(x_ND) is not torch.Tensor or x_ND.device.type != "cpu" or x_ND.dtype not in self._fns:
             return False
-        if weight_ED.dtype != torch.float32 or weight_ED.dim() != 2 or not weight_ED.is_contiguous():
-            return False  # (a CPU tensor: it multiplies x on the CPU)
+        if weight_ED.dtype != torch.float32 or weight_ED.device.type != "cpu" or weight_ED.dim() != 2:
+            return False
+        if not weight_ED.is_contiguous():
+            return False
         if torch.is_grad_enabled() or x_ND.dim() != 2 or x_ND.shape[0] == 0:
             return False
         E, D = weight_ED.shape

@@ -379,6 +379,7 @@ def test_router_module_uses_the_kernel_only_where_it_takes_the_call(kernels, mon
         big = _router(cpu_matmul.ROUTER_MAX_EXPERTS + 1, 2, 2, True, torch.float32, seed=4)
         assert not kernels.router.takes(torch.randn(1, 2), big.weight, 2)
         assert not kernels.router.takes(x, router.weight.to(torch.bfloat16), 2)  # the weight in fp32 only
+        assert not kernels.router.takes(x, router.weight.t().contiguous().t(), 2)  # and contiguous
         with pytest.raises(ValueError, match="top 9"):
             kernels.router(x, router.weight, 9, True)
 
