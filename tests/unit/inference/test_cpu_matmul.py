@@ -60,16 +60,16 @@ def _routing(N: int, K: int, E: int, seed: int, dtype: torch.dtype) -> tuple[tor
     return ids, torch.rand(N, K, generator=g).softmax(-1).to(dtype)
 
 
-def _count_runs(monkeypatch, cls=cpu_matmul.MoEKernel) -> list[int]:
-    """The row count of each run of `cls`'s kernel from now on."""
+def _count_runs(monkeypatch, cls=cpu_matmul.MoEKernel, method: str = "run") -> list[int]:
+    """The row count of each call of `cls`'s kernel (its `method`) from now on."""
     calls = []
-    real = cls.run
+    real = getattr(cls, method)
 
     def counted(self, *args, **kwargs):
         calls.append(args[0].numel() // args[0].shape[-1])  # rows of [N, D] or [B, T, D]
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(cls, "run", counted)
+    monkeypatch.setattr(cls, method, counted)
     return calls
 
 
@@ -290,19 +290,6 @@ def test_small_bf16_linears_take_the_kernel_at_any_row_count(kernels, monkeypatc
             compute.set_cpu_upcast(None)
 
 
-def _count_routings(monkeypatch) -> list[int]:
-    """The token count of each call of the router kernel from now on."""
-    calls = []
-    real = cpu_matmul.RouterKernel.__call__
-
-    def counted(self, x, *args, **kwargs):
-        calls.append(x.shape[0])
-        return real(self, x, *args, **kwargs)
-
-    monkeypatch.setattr(cpu_matmul.RouterKernel, "__call__", counted)
-    return calls
-
-
 def _torch_routing(router: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.inference_mode():
         kernel, router.cpu_kernel = router.cpu_kernel, None
@@ -331,7 +318,7 @@ def test_router_kernel_computes_torchs_routing(kernels, monkeypatch, N, E, D, K,
         pytest.skip(f"no {dtype} kernel on this CPU")
     router = _router(E, D, K, norm, dtype, seed=N + E)
     router.cpu_kernel = kernels.router
-    calls = _count_routings(monkeypatch)
+    calls = _count_runs(monkeypatch, cpu_matmul.RouterKernel, "__call__")
     x = torch.randn(N, D, generator=torch.Generator().manual_seed(D)).to(dtype)
     with torch.inference_mode():
         ids, weights, own = router(x, with_router_topk=True)
@@ -364,7 +351,7 @@ def test_router_kernel_breaks_ties_toward_the_lower_expert_and_keeps_ids_distinc
 def test_router_module_uses_the_kernel_only_where_it_takes_the_call(kernels, monkeypatch):
     router = _router(8, 64, 2, True, torch.float32, seed=3)
     router.cpu_kernel = kernels.router
-    calls = _count_routings(monkeypatch)
+    calls = _count_runs(monkeypatch, cpu_matmul.RouterKernel, "__call__")
     x = torch.randn(4, 64)
     router(x)  # autograd on (the trainer): torch's ops
     with torch.inference_mode():
